@@ -1,0 +1,218 @@
+"""The adapter base class: everything about patching a model instance that is not family-specific.
+
+An adapter installs two things on ONE model instance (never on a class):
+- a wrapper around `model.generate` that encodes the images and selects tokens *before* calling the stock
+  `generate` with the shorter prompt and the pre-encoded features (`mm_encoder_outputs`), so that generate's own
+  beam/`num_return_sequences` expansion, attention-mask and position bookkeeping all see a consistent prompt; the
+  original prompt is put back into the returned sequences, so callers that slice off the prompt keep working;
+- a forward pre-hook doing the same for a plain `model(**inputs)` call.
+`remove()` takes both away again; parameters, buffers and modules are never touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vtoken.errors import InputError, MissingSignalError, VTokenError
+from vtoken.methods.base import Method
+from vtoken.records import Record
+
+from .prompt import CompressedPrompt, compress_prompt
+
+
+@dataclass
+class EncodedImages:
+    """Result of the encoder stage for all images of a call.
+
+    features: per image, [k_i, D] embeddings in the LLM's space, in the order the LLM receives them.
+    run_lengths: per image, its placeholder count in the unpruned prompt.
+    keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain.
+    """
+
+    features: list[torch.Tensor]
+    run_lengths: list[int]
+    keep_offsets: list[torch.Tensor]
+    records: list[Record]
+
+
+class Adapter:
+    """Base class; one subclass per model family (one file each in `adapters/`)."""
+
+    family: ClassVar[str] = ""
+    model_types: ClassVar[tuple[str, ...]] = ()
+    model_classes: ClassVar[tuple[str, ...]] = ()
+    pixel_key: ClassVar[str] = "pixel_values"
+    placeholder_attr: ClassVar[str] = "image_token_id"
+    # forward/generate keyword arguments consumed by the encoder stage
+    encoder_kwargs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module, methods: list[Method]):
+        self.model = model
+        self.methods = methods
+        self.records: list[Record] = []
+        self._hook = None
+        self._generate = None
+        self.validate()
+
+    # ----------------------------------------------------------------- family-specific
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        return model_type in cls.model_types and type(model).__name__ in cls.model_classes
+
+    def available_signals(self) -> set[str]:
+        """Score signals this model can provide to methods."""
+        return set()
+
+    def encode(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
+        """Run the vision side with the encoder-stage method and return what reaches the LLM."""
+        raise NotImplementedError
+
+    @property
+    def placeholder_id(self) -> int:
+        return getattr(self.model.config, self.placeholder_attr)
+
+    @property
+    def pad_token_id(self) -> int:
+        config = self.model.config
+        text = getattr(config, "text_config", config)
+        pad = getattr(config, "pad_token_id", None)
+        pad = getattr(text, "pad_token_id", None) if pad is None else pad
+        return 0 if pad is None else pad
+
+    # ----------------------------------------------------------------- validation
+    @property
+    def encoder_method(self) -> Method | None:
+        found = [m for m in self.methods if m.stage == "encoder"]
+        return found[0] if found else None
+
+    def validate(self) -> None:
+        encoder_methods = [m for m in self.methods if m.stage == "encoder"]
+        if len(encoder_methods) > 1:
+            names = ", ".join(m.name for m in encoder_methods)
+            raise VTokenError(f"at most one encoder-stage method can be applied at once; got {names}")
+        for method in self.methods:
+            if method.stage != "encoder":
+                raise VTokenError(
+                    f"method {method.name!r} acts at stage {method.stage!r}, which the {self.family} adapter does "
+                    "not support; supported stages: encoder"
+                )
+            missing = sorted(set(method.requires) - self.available_signals())
+            if missing:
+                raise MissingSignalError(
+                    f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
+                    f"({self.family}) cannot provide; it provides {sorted(self.available_signals())}"
+                )
+
+    # ----------------------------------------------------------------- install / remove
+    def install(self) -> None:
+        model = self.model
+        self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        if hasattr(model, "generate"):
+            stock = model.generate
+            self._generate_signature = inspect.signature(stock)
+            self._stock_generate = stock
+
+            @functools.wraps(stock)
+            def generate(*args: Any, **kwargs: Any) -> Any:
+                return self._patched_generate(*args, **kwargs)
+
+            model.generate = generate
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.model.__dict__.pop("generate", None)
+
+    # ----------------------------------------------------------------- the shared encode + shrink step
+    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], CompressedPrompt]:
+        """Encode `kwargs[pixel_key]`, shrink the prompt, and return model kwargs for the stock code path."""
+        kwargs = dict(kwargs)
+        pixel_values = kwargs.pop(self.pixel_key)
+        encoder_kwargs = {k: kwargs.pop(k) for k in self.encoder_kwargs if k in kwargs}
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise InputError(
+                "a patched model needs `input_ids` (with the image placeholders) next to the images, to know where "
+                "visual tokens go; inputs_embeds alone are not supported"
+            )
+        encoded = self.encode(pixel_values, **encoder_kwargs)
+        self.records = encoded.records
+        compressed = compress_prompt(
+            input_ids,
+            self.placeholder_id,
+            encoded.run_lengths,
+            encoded.keep_offsets,
+            attention_mask=kwargs.get("attention_mask"),
+            position_ids=kwargs.get("position_ids"),
+            labels=kwargs.get("labels"),
+            pad_token_id=self.pad_token_id,
+        )
+        kwargs["input_ids"] = compressed.input_ids
+        for key in ("attention_mask", "position_ids", "labels"):
+            value = getattr(compressed, key)
+            if value is not None or key in kwargs:
+                kwargs[key] = value
+        mm = dict(kwargs.get("mm_encoder_outputs") or {})
+        mm["image"] = BaseModelOutputWithPooling(pooler_output=encoded.features)
+        kwargs["mm_encoder_outputs"] = mm
+        return kwargs, compressed
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if kwargs.get(self.pixel_key) is None and not args:
+            if not self._in_generate:
+                self.records = []
+            return None
+        if args:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
+        if kwargs.get(self.pixel_key) is None:
+            if not self._in_generate:
+                self.records = []
+            return (), kwargs
+        kwargs, _ = self.prepare(kwargs)
+        return (), kwargs
+
+    _in_generate = False
+
+    @torch.no_grad()
+    def _patched_generate(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._generate_signature.bind_partial(*args, **kwargs).arguments
+        kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
+        if isinstance(kwargs.get("inputs"), torch.Tensor) and kwargs.get("input_ids") is None:
+            kwargs["input_ids"] = kwargs.pop("inputs")
+        if kwargs.get(self.pixel_key) is None:
+            self.records = []
+            return self._stock_generate(**kwargs)
+        original_ids = kwargs.get("input_ids")
+        kwargs, compressed = self.prepare(kwargs)
+        if compressed.changed and kwargs.get("max_length") is not None:
+            kwargs["max_length"] -= original_ids.shape[1] - compressed.input_ids.shape[1]
+        self._in_generate = True
+        try:
+            out = self._stock_generate(**kwargs)
+        finally:
+            self._in_generate = False
+        return _restore_prompt(out, original_ids, compressed)
+
+
+def _restore_prompt(out: Any, original_ids: torch.Tensor, compressed: CompressedPrompt) -> Any:
+    """Put the caller's own prompt back in front of the generated tokens."""
+    if not compressed.changed:
+        return out
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    repeats = sequences.shape[0] // original_ids.shape[0]
+    prompt = original_ids.to(sequences.device).repeat_interleave(repeats, dim=0)
+    full = torch.cat([prompt, sequences[:, compressed.input_ids.shape[1] :]], dim=1)
+    if isinstance(out, torch.Tensor):
+        return full
+    out.sequences = full
+    return out

@@ -1,0 +1,63 @@
+"""Score probes: forward hooks that capture what a method needs from a layer that keeps running SDPA/flash."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vtoken.kernels import attention_row_probs
+
+
+class ClsAttentionProbe:
+    """[CLS]->patch post-softmax attention of one ViT self-attention layer, head-mean, patch keys only.
+
+    Hooks the layer's q_proj and k_proj outputs (no extra matmul, no `output_attentions`) and computes only the
+    [CLS] query row: O(S * d) per head instead of the S x S map. Use as a context manager around the tower call;
+    `scores` is then [B, S - 1].
+    """
+
+    def __init__(self, attention: nn.Module, cls_index: int = 0):
+        for name in ("q_proj", "k_proj"):
+            if not isinstance(getattr(attention, name, None), nn.Module):
+                raise TypeError(f"{type(attention).__name__} has no {name}; cannot probe [CLS] attention")
+        self.attention = attention
+        self.cls_index = cls_index
+        self.num_heads = attention.num_heads
+        self.head_dim = attention.head_dim
+        self.scale = getattr(attention, "scale", self.head_dim**-0.5)
+        self._query: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None
+        self._hooks: list = []
+
+    def _on_query(self, module, args, output):
+        self._query = output[:, self.cls_index]
+
+    def _on_keys(self, module, args, output):
+        self._keys = output
+
+    def __enter__(self) -> ClsAttentionProbe:
+        self._hooks = [
+            self.attention.q_proj.register_forward_hook(self._on_query),
+            self.attention.k_proj.register_forward_hook(self._on_keys),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def probs(self) -> torch.Tensor:
+        """[B, H, S] attention of the [CLS] query over every key ([CLS] included)."""
+        if self._query is None or self._keys is None:
+            raise RuntimeError("the probed attention layer did not run")
+        batch, seq = self._keys.shape[:2]
+        query = self._query.reshape(batch, self.num_heads, self.head_dim)
+        keys = self._keys.reshape(batch, seq, self.num_heads, self.head_dim)
+        return attention_row_probs(query, keys, self.scale)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[B, S - 1] head-mean attention to the patch keys (the [CLS] key removed, no renormalisation)."""
+        probs = self.probs().mean(dim=1)
+        return torch.cat([probs[:, : self.cls_index], probs[:, self.cls_index + 1 :]], dim=1)

@@ -1,0 +1,113 @@
+"""Shrinking the placeholder runs of a tokenized prompt after visual tokens were dropped.
+
+The model checks that the number of image placeholders equals the number of visual features, so every dropped
+token takes its placeholder with it, and the attention mask, labels and position ids follow. Rows that lose
+different numbers of tokens are re-padded on the side the batch was already padded on (left for generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vtoken.errors import InputError
+
+POSITION_POLICIES = ("renumber", "original")
+
+
+@dataclass
+class CompressedPrompt:
+    """The prompt after dropping. `index` [B, L'] maps each new column to its original column (-1 = new pad)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    labels: torch.Tensor | None
+    index: torch.Tensor | None
+
+    @property
+    def changed(self) -> bool:
+        return self.index is not None
+
+
+def _gather_columns(x: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+    """x [..., B, L] gathered along the last dim with index [B, L'] (-1 -> fill)."""
+    idx = index.clamp(min=0).expand(*x.shape[:-2], *index.shape)
+    out = x.gather(-1, idx)
+    return out.masked_fill(index < 0, fill)
+
+
+def compress_prompt(
+    input_ids: torch.Tensor,
+    placeholder_id: int,
+    run_lengths: list[int],
+    keep_offsets: list[torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    pad_token_id: int = 0,
+    positions: str = "renumber",
+) -> CompressedPrompt:
+    """Drop placeholder tokens so that image i keeps only the placeholders at `keep_offsets[i]` of its run.
+
+    input_ids: [B, L]; images own consecutive placeholders in row-major order, image i owning `run_lengths[i]`.
+    keep_offsets[i]: sorted LongTensor of kept offsets within image i's run.
+    position_ids: [B, L] or [P, B, L] (multi-axis RoPE), or None.
+    positions: "renumber" = kept tokens get contiguous positions (what the model sees is simply a shorter
+        prompt); "original" = kept tokens keep the positions they had.
+    """
+    if positions not in POSITION_POLICIES:
+        raise InputError(f"positions={positions!r}; expected one of {POSITION_POLICIES}")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise InputError(
+            f"a {attention_mask.dim()}-D attention_mask cannot be shrunk after token pruning; pass the usual "
+            "2-D [batch, seq] padding mask (and a dynamic cache, not a static/compiled one)"
+        )
+    is_placeholder = input_ids == placeholder_id
+    found, expected = int(is_placeholder.sum()), sum(run_lengths)
+    if found != expected:
+        raise InputError(
+            f"the prompt holds {found} image placeholder tokens but the images produce {expected} visual tokens "
+            f"({len(run_lengths)} image(s)); pass input_ids made by the model's own processor from the same images"
+        )
+    unchanged = CompressedPrompt(input_ids, attention_mask, position_ids, labels, None)
+    if all(len(k) == n for k, n in zip(keep_offsets, run_lengths)):
+        return unchanged
+
+    device = input_ids.device
+    batch, length = input_ids.shape
+    starts = torch.tensor([0, *run_lengths[:-1]], device=device).cumsum(0)
+    kept_ordinals = torch.cat([s + k.to(device) for s, k in zip(starts, keep_offsets)])
+    placeholder_cols = is_placeholder.flatten().nonzero().squeeze(1)
+    keep = (~is_placeholder).flatten()
+    keep[placeholder_cols[kept_ordinals]] = True
+    keep = keep.view(batch, length)
+
+    lengths = keep.sum(1)
+    new_len = int(lengths.max())
+    cols = torch.arange(length, device=device)
+    # kept columns first, in ascending order, then the dropped ones
+    order = torch.where(keep, cols, cols + length).argsort(dim=1)
+    right_padded = attention_mask is not None and bool((attention_mask[:, -1] == 0).any())
+    slots = torch.arange(new_len, device=device).expand(batch, -1)
+    shift = torch.zeros_like(lengths) if right_padded else new_len - lengths
+    source = slots - shift[:, None]
+    valid = (source >= 0) & (source < lengths[:, None])
+    index = order.gather(1, source.clamp(0, length - 1)).masked_fill(~valid, -1)
+
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    new_mask = _gather_columns(mask, index, 0)
+    new_ids = _gather_columns(input_ids, index, pad_token_id)
+    new_labels = _gather_columns(labels, index, -100) if labels is not None else None
+
+    new_positions = None
+    if position_ids is not None or positions == "original" or bool((new_mask == 0).any()):
+        if position_ids is None:
+            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        if positions == "renumber":
+            dropped_before = (~keep).long().cumsum(-1)
+            position_ids = position_ids - dropped_before
+        new_positions = _gather_columns(position_ids, index, 0)
+    new_mask = new_mask if attention_mask is not None or bool((new_mask == 0).any()) else None
+    return CompressedPrompt(new_ids, new_mask, new_positions, new_labels, index)

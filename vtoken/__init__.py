@@ -1,0 +1,53 @@
+"""vtoken: training-free visual-token pruning and merging for Hugging Face vision-language models.
+
+    import vtoken
+    handle = vtoken.patch(model, "fastervlm", budget=0.25)
+    model.generate(**processor(images=image, text=prompt, return_tensors="pt"))
+    print(handle.summary())
+    vtoken.unpatch(model)
+"""
+
+from . import adapters as _adapters  # noqa: F401  (registers the adapters)
+from .api import PatchHandle, handle_of, patch, patched, unpatch
+from .budget import tokens_to_keep
+from .errors import (
+    AlreadyPatchedError,
+    BudgetError,
+    InputError,
+    MissingSignalError,
+    UnknownMethodError,
+    UnsupportedModelError,
+    VTokenError,
+)
+from .methods import FasterVLM, Method, Pool, Random, ScoreMethod
+from .records import Record
+from .registry import available_methods, supported_models
+from .tokens import Selection, VisualTokens
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "patch",
+    "unpatch",
+    "patched",
+    "handle_of",
+    "PatchHandle",
+    "available_methods",
+    "supported_models",
+    "tokens_to_keep",
+    "FasterVLM",
+    "Random",
+    "Pool",
+    "Method",
+    "ScoreMethod",
+    "Selection",
+    "VisualTokens",
+    "Record",
+    "VTokenError",
+    "BudgetError",
+    "UnknownMethodError",
+    "UnsupportedModelError",
+    "MissingSignalError",
+    "AlreadyPatchedError",
+    "InputError",
+]

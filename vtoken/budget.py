@@ -1,0 +1,38 @@
+"""Budgets: how many visual tokens to keep.
+
+A float in (0, 1] is the fraction kept, k = max(1, floor(fraction * n + 0.5)) (round half up, as the official
+FasterVLM runs count: 5 % of 576 is 29). An int >= 1 is a count; a count >= n keeps all n.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .errors import BudgetError
+
+Budget = float | int
+
+ACCEPTED = "a float fraction in (0, 1] (e.g. 0.25) or an int token count >= 1 (e.g. 144)"
+
+
+def check_budget(budget: object, name: str = "budget") -> Budget:
+    """Return `budget` unchanged if valid, else raise `BudgetError` naming the value and what is accepted."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise BudgetError(f"{name}={budget!r} ({type(budget).__name__}) is not a number; expected {ACCEPTED}.")
+    if isinstance(budget, numbers.Integral):
+        if budget < 1:
+            raise BudgetError(f"{name}={budget} is a token count below 1; expected {ACCEPTED}.")
+        return int(budget)
+    budget = float(budget)
+    if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
+        raise BudgetError(f"{name}={budget} is outside (0, 1]; expected {ACCEPTED}.")
+    return budget
+
+
+def tokens_to_keep(budget: Budget, n: int) -> int:
+    """Number of tokens kept out of `n` under `budget` (always in [1, n] for n >= 1)."""
+    budget = check_budget(budget)
+    if isinstance(budget, int):
+        return min(budget, n)
+    return max(1, min(n, math.floor(budget * n + 0.5)))

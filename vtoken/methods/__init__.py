@@ -1,0 +1,8 @@
+"""Methods, one file each; importing this package registers them."""
+
+from .base import Method, ScoreMethod
+from .fastervlm import FasterVLM
+from .pool import Pool
+from .random import Random
+
+__all__ = ["Method", "ScoreMethod", "FasterVLM", "Pool", "Random"]

@@ -1,0 +1,55 @@
+"""Method base classes.
+
+A method is a small dataclass. Most are one `score()` function: the base class owns budgets, top-k and ordering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..budget import Budget, check_budget, tokens_to_keep
+from ..tokens import Selection, VisualTokens
+
+
+@dataclass
+class Method:
+    """A visual-token reduction method.
+
+    name: registered name. stage: where it acts ("encoder" = on the vision features, before the LLM).
+    requires: score signals the adapter must provide (see `VisualTokens.signals`).
+    """
+
+    budget: Budget = 0.25
+
+    name: ClassVar[str] = ""
+    stage: ClassVar[str] = "encoder"
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        self.budget = check_budget(self.budget)
+
+    def keep_count(self, n: int) -> int:
+        """Tokens kept per crop of n tokens."""
+        return tokens_to_keep(self.budget, n)
+
+    def select(self, tokens: VisualTokens) -> Selection:
+        """Decide which tokens of every crop reach the LLM."""
+        raise NotImplementedError
+
+
+@dataclass
+class ScoreMethod(Method):
+    """Keep the top-k tokens of each crop by `score`, in ascending (original) order."""
+
+    def score(self, tokens: VisualTokens) -> torch.Tensor:
+        """Importance of every token: [C, N], higher is kept first."""
+        raise NotImplementedError
+
+    def select(self, tokens: VisualTokens) -> Selection:
+        k = self.keep_count(tokens.num_tokens)
+        scores = self.score(tokens)
+        kept = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+        return Selection(kept=kept)

@@ -1,0 +1,44 @@
+"""Records: what a patched forward did, one entry per crop (or frame) per stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Record:
+    """One crop's visual tokens at one stage.
+
+    stage: e.g. "encoder"; method: the method's registered name.
+    image: index of the image in the call (row-major over the batch); crop: index of the crop within it.
+    tokens_in / tokens_out: visual tokens before and after this stage.
+    kept: sorted LongTensor [tokens_out] of kept indices into the crop's token sequence as the vision tower
+        emits it (without [CLS]); None for merging methods.
+    seconds: wall time spent computing scores and selecting, this crop's share of its batch.
+    """
+
+    stage: str
+    method: str
+    image: int
+    crop: int
+    tokens_in: int
+    tokens_out: int
+    kept: torch.Tensor | None
+    seconds: float
+
+
+def summarize(records: list[Record]) -> str:
+    """A short human-readable table of records."""
+    if not records:
+        return "no visual tokens processed in the last call"
+    lines = [f"{'stage':<10} {'method':<10} {'image':>5} {'crop':>4} {'in':>6} {'out':>6} {'ms':>8}"]
+    for r in records:
+        lines.append(
+            f"{r.stage:<10} {r.method:<10} {r.image:>5} {r.crop:>4} {r.tokens_in:>6} {r.tokens_out:>6} "
+            f"{r.seconds * 1e3:>8.2f}"
+        )
+    tin, tout = sum(r.tokens_in for r in records), sum(r.tokens_out for r in records)
+    lines.append(f"total: {tin} -> {tout} visual tokens ({tout / max(tin, 1):.1%} kept)")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""Registries of methods and model adapters, filled by decorators when their modules are imported."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import UnknownMethodError
+
+if TYPE_CHECKING:
+    from vtoken.adapters.base import Adapter
+
+    from .methods.base import Method
+
+METHODS: dict[str, type[Method]] = {}
+ADAPTERS: list[type[Adapter]] = []
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: make `cls` available as `vtoken.patch(model, cls.name, ...)`."""
+    METHODS[cls.name] = cls
+    return cls
+
+
+def register_adapter(cls: type[Adapter]) -> type[Adapter]:
+    """Class decorator: let `vtoken.patch` use `cls` for the models it matches."""
+    ADAPTERS.append(cls)
+    return cls
+
+
+def available_methods() -> list[str]:
+    """Names accepted by `vtoken.patch(model, name, ...)`."""
+    return sorted(METHODS)
+
+
+def supported_models() -> dict[str, list[str]]:
+    """Adapter family -> the transformers model classes it patches."""
+    return {a.family: list(a.model_classes) for a in ADAPTERS}
+
+
+def make_method(name: str, **params: Any) -> Method:
+    """Instantiate a registered method by name."""
+    key = name.lower().replace("-", "").replace("_", "") if isinstance(name, str) else name
+    cls = METHODS.get(key)
+    if cls is None:
+        raise UnknownMethodError(f"unknown method {name!r}; available methods: {', '.join(available_methods())}")
+    return cls(**params)

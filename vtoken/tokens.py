@@ -1,0 +1,62 @@
+"""The data that flows adapter -> method -> adapter.
+
+An adapter extracts `VisualTokens` from a model; a method returns a `Selection`; the adapter applies it.
+Methods never touch models, adapters never decide which tokens matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class VisualTokens:
+    """A batch of C crops (images, anyres crops or video frames), each an H x W grid of N = H*W tokens.
+
+    features: [C, N, D] vision features in raster order (pre-projector for LLaVA families).
+    grid: (H, W) token grid of every crop.
+    signals: named score signals, each [C, N] unless stated, e.g. "cls_attention" = head-mean post-softmax
+        attention of the [CLS] query to each patch key in the feature layer.
+    image_index: [C] index of the image each crop belongs to.
+    """
+
+    features: torch.Tensor
+    grid: tuple[int, int]
+    signals: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_index: torch.Tensor | None = None
+
+    @property
+    def num_crops(self) -> int:
+        return self.features.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.features.shape[1]
+
+
+@dataclass
+class Selection:
+    """What a method decided for each crop.
+
+    kept: [C, k] indices into each crop's N tokens, ascending; None for merging methods.
+    features: [C, k, D] replacement features for merging methods (None when tokens are only selected).
+    """
+
+    kept: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.kept is None) == (self.features is None):
+            raise ValueError("Selection needs exactly one of `kept` (selection) or `features` (merging)")
+
+    @property
+    def num_kept(self) -> int:
+        return (self.kept if self.kept is not None else self.features).shape[1]
+
+    def gather(self, features: torch.Tensor) -> torch.Tensor:
+        """Kept features [C, k, D] from the crops' features [C, N, D]."""
+        if self.features is not None:
+            return self.features
+        return features.gather(1, self.kept.unsqueeze(-1).expand(-1, -1, features.shape[-1]))

@@ -1,0 +1,145 @@
+"""Models by name: built-in tiny random-weight models (offline, < 1 s) or any checkpoint via `from_pretrained`.
+
+Tiny models use the real `transformers` classes at tiny widths, a byte-level BPE tokenizer trained in-process by
+`tokenizers` and the family's real image processor, so every code path is the one real checkpoints take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .errors import VTokenError
+
+_CORPUS = (
+    "USER: ASSISTANT: what is in the image? describe the image in detail. what colour is the object? "
+    "how many shapes are there? is there a red circle at the top left? answer the question using a single word "
+    "or phrase. the image shows a cat sitting on a mat next to a cup of coffee. an astronaut in a white suit "
+    "stands in front of a flag. a rocket on a launch pad. red green blue yellow circle square triangle star one "
+    "two three four five yes no left right top bottom centre small large"
+)
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n{% endif %}{% endfor %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %} "
+    "{% else %}ASSISTANT: {% for item in message['content'] %}{{ item['text'] }}{% endfor %}</s>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def tiny_tokenizer(special_tokens: tuple[str, ...] = ("<image>",), vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained in-process on a fixed corpus (deterministic, ~ms)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    base = ("<pad>", "<s>", "</s>")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[*base, *special_tokens],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        padding_side="left",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+
+
+def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
+    """A tiny random-weight LLaVA-1.5: CLIP ViT (3 layers, [CLS], 24x24 grid) + MLP projector + Llama (2 layers)."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = tiny_tokenizer()
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=image_size,
+            patch_size=patch_size,
+            projection_dim=32,
+        ),
+        text_config=LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=4096,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, processor
+
+
+TINY_MODELS: dict[str, Callable] = {"tiny-llava": tiny_llava}
+
+
+def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | None = None, **kwargs):
+    """(model, processor) for a built-in tiny name, a local checkpoint directory or a hub id.
+
+    Checkpoints load through `AutoModelForImageTextToText` / `AutoProcessor`, the path users take.
+    """
+    if name_or_path in TINY_MODELS:
+        model, processor = TINY_MODELS[name_or_path]()
+    else:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        if not Path(name_or_path).exists() and "/" not in name_or_path:
+            raise VTokenError(
+                f"model {name_or_path!r} is neither a built-in tiny model ({', '.join(TINY_MODELS)}), "
+                "a local checkpoint directory nor a hub id (owner/name)"
+            )
+        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype or "auto", **kwargs).eval()
+        processor = AutoProcessor.from_pretrained(name_or_path)
+    if dtype is not None and name_or_path in TINY_MODELS:
+        model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    if device is not None:
+        model = model.to(device)
+    return model, processor
+
+
+def build_prompt(processor, question: str, num_images: int = 1) -> str:
+    """The model's own chat-formatted prompt for one user turn with `num_images` images and `question`."""
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+    messages = [{"role": "user", "content": content}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True)
