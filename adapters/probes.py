@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from vtoken.kernels import attention_row_probs
 
 

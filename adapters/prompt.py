@@ -72,13 +72,13 @@ def compress_prompt(
             f"({len(run_lengths)} image(s)); pass input_ids made by the model's own processor from the same images"
         )
     unchanged = CompressedPrompt(input_ids, attention_mask, position_ids, labels, None)
-    if all(len(k) == n for k, n in zip(keep_offsets, run_lengths)):
+    if all(len(k) == n for k, n in zip(keep_offsets, run_lengths, strict=True)):
         return unchanged
 
     device = input_ids.device
     batch, length = input_ids.shape
     starts = torch.tensor([0, *run_lengths[:-1]], device=device).cumsum(0)
-    kept_ordinals = torch.cat([s + k.to(device) for s, k in zip(starts, keep_offsets)])
+    kept_ordinals = torch.cat([s + k.to(device) for s, k in zip(starts, keep_offsets, strict=True)])
     placeholder_cols = is_placeholder.flatten().nonzero().squeeze(1)
     keep = (~is_placeholder).flatten()
     keep[placeholder_cols[kept_ordinals]] = True

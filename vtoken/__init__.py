@@ -1,10 +1,10 @@
 """vtoken: training-free visual-token pruning and merging for Hugging Face vision-language models.
 
-    import vtoken
-    handle = vtoken.patch(model, "fastervlm", budget=0.25)
-    model.generate(**processor(images=image, text=prompt, return_tensors="pt"))
-    print(handle.summary())
-    vtoken.unpatch(model)
+import vtoken
+handle = vtoken.patch(model, "fastervlm", budget=0.25)
+model.generate(**processor(images=image, text=prompt, return_tensors="pt"))
+print(handle.summary())
+vtoken.unpatch(model)
 """
 
 from . import adapters as _adapters  # noqa: F401  (registers the adapters)

@@ -109,9 +109,7 @@ def handle_of(model: nn.Module) -> PatchHandle | None:
 
 
 @contextmanager
-def patched(
-    model: nn.Module, method: str | Method | Sequence[str | Method], **params: Any
-) -> Iterator[PatchHandle]:
+def patched(model: nn.Module, method: str | Method | Sequence[str | Method], **params: Any) -> Iterator[PatchHandle]:
     """`with vtoken.patched(model, ...) as handle:` — patched inside the block, restored on exit."""
     handle = patch(model, method, **params)
     try:
