@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from .errors import UnknownMethodError
+from .errors import UnknownMethodError, VTokenError
 
 if TYPE_CHECKING:
     from vtoken.adapters.base import Adapter
@@ -43,4 +44,8 @@ def make_method(name: str, **params: Any) -> Method:
     cls = METHODS.get(key)
     if cls is None:
         raise UnknownMethodError(f"unknown method {name!r}; available methods: {', '.join(available_methods())}")
+    accepted = [f.name for f in fields(cls) if f.init]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise VTokenError(f"method {name!r} got unknown parameter(s) {unknown}; it accepts {accepted}")
     return cls(**params)

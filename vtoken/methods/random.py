@@ -14,7 +14,11 @@ from .base import Method
 @register_method
 @dataclass
 class Random(Method):
-    """Uniform random keep-k per crop. Each call with the same `seed` draws the same subsets."""
+    """Uniform random keep-k per crop.
+
+    The subset depends only on `seed`, N and k, never on a crop's place in the batch, so a padded batch gives the
+    same result as running its samples one by one; every crop of a call keeps the same random positions.
+    """
 
     seed: int = 0
 
@@ -23,5 +27,5 @@ class Random(Method):
     def select(self, tokens: VisualTokens) -> Selection:
         n, k = tokens.num_tokens, self.keep_count(tokens.num_tokens)
         generator = torch.Generator().manual_seed(self.seed)
-        kept = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(tokens.num_crops)])
-        return Selection(kept=kept.sort(dim=-1).values.to(tokens.features.device))
+        kept = torch.randperm(n, generator=generator)[:k].sort().values
+        return Selection(kept=kept.expand(tokens.num_crops, -1).to(tokens.features.device))
