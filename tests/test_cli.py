@@ -1,0 +1,49 @@
+import pytest
+
+from vtoken.cli import main
+from vtoken.images import example_image
+
+
+def test_run_on_builtin_tiny_model_with_an_image_file(tmp_path, capsys):
+    path = tmp_path / "scene.png"
+    example_image(300).save(path)
+    code = main(
+        [
+            "run",
+            "--image",
+            str(path),
+            "--method",
+            "fastervlm",
+            "--budget",
+            "0.25",
+            "--repeats",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--prompt",
+            "What colour is the circle?",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "visual tokens: 576 -> 144 (25.0% kept)" in out
+    assert "time to first token: unpatched" in out and "answer (patched)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--budget", "1.5"], "outside (0, 1]"),
+        (["run", "--method", "nope"], "unknown method 'nope'"),
+        (["run", "--model", "nope"], "neither a built-in tiny model"),
+        (["run", "--image", "/no/such/file.png"], "cannot read image"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
+    assert main(argv + ["--repeats", "1", "--max-new-tokens", "1"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_count_budget_is_parsed_as_a_count(capsys):
+    assert main(["run", "--method", "pool", "--budget", "29", "--repeats", "1", "--max-new-tokens", "1"]) == 0
+    assert "576 -> 29 (5.0% kept)" in capsys.readouterr().out

@@ -1,0 +1,121 @@
+"""`vtoken` command line: run a model with and without token reduction on one image and compare."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from . import api
+from .errors import VTokenError
+from .images import example_image, load_image
+from .registry import available_methods, supported_models
+from .zoo import TINY_MODELS, build_prompt, load
+
+
+def parse_budget(text: str) -> float | int:
+    """'0.25' -> 0.25 (fraction kept), '144' -> 144 (tokens per crop)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            message = f"budget {text!r} is neither a fraction like 0.25 nor a count like 144"
+            raise argparse.ArgumentTypeError(message) from None
+
+
+def _time_to_first_token(model, inputs, repeats: int) -> float:
+    """Median seconds of a one-token generate (image encoding + selection + prefill)."""
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _answer(model, processor, inputs, max_new_tokens: int) -> str:
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0].strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    model, processor = load(args.model, dtype=args.dtype, device=args.device)
+    image = load_image(args.image) if args.image else example_image()
+    prompt = build_prompt(processor, args.prompt)
+    inputs = processor(images=[image], text=[prompt], return_tensors="pt").to(model.device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    params = {"budget": args.budget}
+
+    with torch.inference_mode():
+        base_answer = _answer(model, processor, inputs, args.max_new_tokens)
+        base_ttft = _time_to_first_token(model, inputs, args.repeats)
+        with api.patched(model, args.method, **params) as handle:
+            answer = _answer(model, processor, inputs, args.max_new_tokens)
+            records = list(handle.records)
+            ttft = _time_to_first_token(model, inputs, args.repeats)
+
+    tokens_in = sum(r.tokens_in for r in records)
+    tokens_out = sum(r.tokens_out for r in records)
+    print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
+    print(f"image:   {args.image or 'generated example scene'}")
+    print(f"prompt:  {args.prompt!r}")
+    print(f"method:  {args.method} (budget={args.budget})")
+    print(f"visual tokens: {tokens_in} -> {tokens_out} ({tokens_out / max(tokens_in, 1):.1%} kept)")
+    print(
+        f"time to first token: unpatched {base_ttft * 1e3:.1f} ms, patched {ttft * 1e3:.1f} ms "
+        f"({base_ttft / ttft:.2f}x)"
+    )
+    print(f"answer (unpatched): {base_answer!r}")
+    print(f"answer (patched):   {answer!r}")
+    if args.model in TINY_MODELS:
+        print("note: built-in tiny models have random weights, so their answers are noise by design")
+    return 0
+
+
+def list_all(args: argparse.Namespace) -> int:
+    print("methods:", ", ".join(available_methods()))
+    for family, classes in supported_models().items():
+        print(f"model family {family}: {', '.join(classes)}")
+    print("built-in models:", ", ".join(TINY_MODELS))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vtoken", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="answer a prompt about an image, unpatched and patched, and compare")
+    p.add_argument("--model", default="tiny-llava", help="built-in tiny model, local checkpoint dir or hub id")
+    p.add_argument("--method", default="fastervlm", help=f"one of: {', '.join(available_methods())}")
+    p.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0.25) or tokens per crop (144)")
+    p.add_argument("--image", default=None, help="image file (default: a generated example scene)")
+    p.add_argument("--prompt", default="What is in the image?")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median reported)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cpu)")
+    p.set_defaults(func=run)
+    sub.add_parser("list", help="methods, model families and built-in models").set_defaults(func=list_all)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VTokenError as err:
+        print(f"vtoken: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
