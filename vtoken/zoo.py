@@ -55,55 +55,60 @@ def tiny_tokenizer(special_tokens: tuple[str, ...] = ("<image>",), vocab_size: i
     )
 
 
-def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
-    """A tiny random-weight LLaVA-1.5: CLIP ViT (3 layers, [CLS], 24x24 grid) + MLP projector + Llama (2 layers)."""
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+def llava_processor(tokenizer=None, image_size: int = 336, patch_size: int = 14):
+    """A real `LlavaProcessor` (CLIP image processor + chat template) around `tokenizer` (default: the tiny BPE)."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
 
-    tokenizer = tiny_tokenizer()
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
-    processor = LlavaProcessor(
+    return LlavaProcessor(
         image_processor=image_processor,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer or tiny_tokenizer(),
         patch_size=patch_size,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            image_size=image_size,
-            patch_size=patch_size,
-            projection_dim=32,
-        ),
+
+
+def llava_config(tokenizer, vision: dict, text: dict, image_size: int = 336, patch_size: int = 14):
+    """A `LlavaConfig` (CLIP tower with [CLS] + Llama) whose special ids come from `tokenizer`."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    return LlavaConfig(
+        vision_config=CLIPVisionConfig(image_size=image_size, patch_size=patch_size, **vision),
         text_config=LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=len(tokenizer),
+            vocab_size=text.pop("vocab_size", len(tokenizer)),
             max_position_embeddings=4096,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            **text,
         ),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
+    """A tiny random-weight LLaVA-1.5: CLIP ViT (3 layers, [CLS], 24x24 grid) + MLP projector + Llama (2 layers)."""
+    from transformers import LlavaForConditionalGeneration
+
+    tokenizer = tiny_tokenizer()
+    processor = llava_processor(tokenizer, image_size, patch_size)
+    config = llava_config(
+        tokenizer,
+        vision=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, projection_dim=32
+        ),
+        text=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        ),
+        image_size=image_size,
+        patch_size=patch_size,
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()

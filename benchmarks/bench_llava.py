@@ -1,0 +1,261 @@
+"""LLaVA-1.5-7B-shaped benchmark: time to first token and peak memory, FasterVLM vs unpatched vs oracle.
+
+Shapes are the real ones (CLIP ViT-L/14-336 tower: 24 layers, width 1024, 577 tokens; Llama-7B widths: 4096 wide,
+11008 MLP, 32 heads, 32064 vocab) with random weights. On a GPU the LLM has its real 32 layers; on a CPU the LLM
+depth is cut (default 2 layers) to fit a small machine, which makes the vision tower a larger share of time to
+first token than in the real model: the table says which depth it ran.
+
+Configurations, interleaved repetition by repetition in one process:
+- unpatched: the stock model, all 576 visual tokens;
+- fastervlm@b: `vtoken.patch(model, "fastervlm", budget=b)`;
+- oracle@b: stock transformers only, the LLM fed k visual tokens with zero selection cost (the stock vision
+  encoder, the first k features, a prompt with k placeholders made before timing): the best any k-token method
+  can do.
+Also: the cost of the [CLS] scores the official way (the vision tower in eager attention with
+`output_attentions=True`) versus ours (SDPA tower, [CLS] row recomputed from hooked q/k).
+
+    python benchmarks/bench_llava.py                 # CPU, LLM cut to 2 layers
+    python benchmarks/bench_llava.py --device cuda   # GPU, full 32 layers, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
+from vtoken.adapters.probes import ClsAttentionProbe  # noqa: E402
+
+import vtoken  # noqa: E402
+from vtoken.budget import tokens_to_keep  # noqa: E402
+from vtoken.images import example_image  # noqa: E402
+from vtoken.zoo import build_prompt, llava_config, llava_processor, tiny_tokenizer  # noqa: E402
+
+N = 576
+
+
+def build_model(llm_layers: int, device: torch.device, dtype: torch.dtype):
+    from transformers import LlavaForConditionalGeneration
+
+    tokenizer = tiny_tokenizer()
+    processor = llava_processor(tokenizer)
+    config = llava_config(
+        tokenizer,
+        vision=dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            projection_dim=768,
+            hidden_act="quick_gelu",
+        ),
+        text=dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=llm_layers,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32064,
+        ),
+    )
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlavaForConditionalGeneration(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, processor
+
+
+def oracle_prompt(model, inputs, k: int) -> dict:
+    """input_ids / attention_mask with each image's placeholder run cut to k (made before timing)."""
+    ids = inputs["input_ids"][0]
+    ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
+    cut = torch.cat([ids[: ph[0] + k], ids[ph[-1] + 1 :]])[None]
+    return {"input_ids": cut, "attention_mask": torch.ones_like(cut)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--llm-layers", type=int, default=None, help="default: 32 on cuda, 2 on cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 3 on cpu")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
+    parser.add_argument("--name", default=None, help="results file stem (default llava15_<device>)")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    llm_layers = args.llm_layers or (32 if cuda else 2)
+    repeats = args.repeats or (10 if cuda else 3)
+    if not cuda:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    model, processor = build_model(llm_layers, device, dtype)
+    prompt = build_prompt(processor, "What is in the image? Describe every object, its colour and its position.")
+    inputs = processor(images=[example_image()], text=[prompt], return_tensors="pt").to(device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    generate = dict(max_new_tokens=1, do_sample=False)
+
+    configs, contexts, ks = {}, {}, {}
+    selection_seconds: dict[str, list[float]] = {}
+
+    @torch.inference_mode()
+    def stock_generate():
+        model.generate(**inputs, **generate)
+
+    configs["unpatched"], ks["unpatched"] = stock_generate, N
+    for budget in args.budgets:
+        k = tokens_to_keep(budget, N)
+        name = f"fastervlm@{budget:g}"
+
+        @contextmanager
+        def patched(budget=budget, name=name):
+            with vtoken.patched(model, "fastervlm", budget=budget) as handle:
+                yield
+                selection_seconds.setdefault(name, []).append(sum(r.seconds for r in handle.records))
+
+        configs[name], contexts[name], ks[name] = stock_generate, patched, k
+        cut = {key: v.to(device) for key, v in oracle_prompt(model, inputs, k).items()}
+
+        @torch.inference_mode()
+        def oracle(cut=cut, k=k):
+            feats = model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).pooler_output
+            mm = {"image": BaseModelOutputWithPooling(pooler_output=[f[:k] for f in feats])}
+            model.generate(**cut, mm_encoder_outputs=mm, **generate)
+
+        configs[f"oracle@{budget:g}"], ks[f"oracle@{budget:g}"] = oracle, k
+
+    timed = common.interleaved(configs, repeats, device, warmup=1, contexts=contexts)
+    rows = {}
+    for name, result in timed.items():
+        rows[name] = {
+            "visual_tokens": ks[name],
+            "ttft_ms": result["median_s"] * 1e3,
+            "ttft_runs_ms": [t * 1e3 for t in result["times_s"]],
+            "peak_mb": result["peak_bytes"] / 2**20,
+        }
+        if name in selection_seconds:
+            rows[name]["selection_ms"] = statistics.median(selection_seconds[name][1:]) * 1e3
+
+    # [CLS] scores: official eager + output_attentions vs ours
+    tower = model.model.vision_tower
+    eager = copy.deepcopy(tower)
+    eager.config._attn_implementation = "eager"
+    pixel_values = inputs["pixel_values"]
+    probe = ClsAttentionProbe(tower.encoder.layers[-2].self_attn)
+
+    @torch.inference_mode()
+    def tower_sdpa():
+        tower(pixel_values, output_hidden_states=True)
+
+    @torch.inference_mode()
+    def tower_ours():
+        with probe:
+            tower(pixel_values, output_hidden_states=True)
+        probe.scores  # noqa: B018
+
+    @torch.inference_mode()
+    def tower_official():
+        out = eager(pixel_values, output_hidden_states=True, output_attentions=True)
+        out.attentions[-2][:, :, 0, 1:].mean(dim=1)
+
+    @torch.inference_mode()
+    def scores_only():
+        probe.scores  # noqa: B018  (captured q/k of the last tower_ours run)
+
+    scoring = common.interleaved(
+        {
+            "tower_sdpa": tower_sdpa,
+            "tower_ours": tower_ours,
+            "tower_official": tower_official,
+            "scores_only": scores_only,
+        },
+        repeats=repeats,
+        device=device,
+    )
+    base = scoring["tower_sdpa"]["median_s"]
+    ours_cost = max(scoring["tower_ours"]["median_s"] - base, scoring["scores_only"]["median_s"])
+    official_cost = scoring["tower_official"]["median_s"] - base
+
+    unpruned = rows["unpatched"]["ttft_ms"]
+    lines = [
+        f"LLaVA-1.5-7B shapes, random weights, {device.type} ({common.environment(device).get('gpu', 'CPU')}), "
+        f"{dtype}, LLM {llm_layers}/32 layers, batch 1, prompt {inputs['input_ids'].shape[1]} tokens, "
+        f"median of {repeats}.",
+        "",
+        "| config | visual tokens | TTFT ms | speedup | speedup / oracle's | selection ms (% of unpruned TTFT) "
+        "| peak MB above weights |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    targets = {}
+    for name, row in rows.items():
+        speedup = unpruned / row["ttft_ms"]
+        row["speedup"] = speedup
+        rel, sel = "", ""
+        if name.startswith("fastervlm@"):
+            oracle = rows["oracle@" + name.split("@")[1]]
+            rel_value = speedup / (unpruned / oracle["ttft_ms"])
+            row["speedup_vs_oracle"] = rel_value
+            share = row["selection_ms"] / unpruned
+            row["selection_share"] = share
+            rel = f"{rel_value:.3f}"
+            sel = f"{row['selection_ms']:.2f} ({share:.2%})"
+            targets[name] = {"speedup>=0.95*oracle": rel_value >= 0.95, "selection<=3%": share <= 0.03}
+        lines.append(
+            f"| {name} | {row['visual_tokens']} | {row['ttft_ms']:.1f} | {speedup:.2f}x | {rel} | {sel} | "
+            f"{row['peak_mb']:.0f} |"
+        )
+    ratio = official_cost / ours_cost if ours_cost > 0 else float("inf")
+    targets["scoring>=3x cheaper"] = ratio >= 3
+    lines += [
+        "",
+        "[CLS] scores for the whole 24-layer tower (one image):",
+        "",
+        "| path | tower ms | extra cost of the scores ms |",
+        "|---|---:|---:|",
+        f"| SDPA tower, no scores | {base * 1e3:.2f} | - |",
+        f"| official: eager + output_attentions | {scoring['tower_official']['median_s'] * 1e3:.2f} | "
+        f"{official_cost * 1e3:.2f} |",
+        f"| vtoken: SDPA + [CLS] row from hooked q/k | {scoring['tower_ours']['median_s'] * 1e3:.2f} | "
+        f"{ours_cost * 1e3:.3f} |",
+        "",
+        f"Our scores are {ratio:.1f}x cheaper than the eager path. Targets: "
+        + ", ".join(f"{k}: {'met' if v is True else v if not isinstance(v, dict) else v}" for k, v in targets.items()),
+    ]
+    table = "\n".join(lines)
+    payload = {
+        "environment": common.environment(device),
+        "shape": {
+            "vision": "CLIP ViT-L/14-336",
+            "llm": "Llama-7B widths",
+            "llm_layers": llm_layers,
+            "dtype": str(dtype),
+            "prompt_tokens": int(inputs["input_ids"].shape[1]),
+        },
+        "repeats": repeats,
+        "ttft": rows,
+        "scoring": {k: v["median_s"] for k, v in scoring.items()}
+        | {"ours_cost_s": ours_cost, "official_cost_s": official_cost, "ratio": ratio},
+        "targets": targets,
+    }
+    json_path, md_path = common.write_results(args.name or f"llava15_{device.type}", payload, table)
+    print(table)
+    print(f"\nwrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Shared benchmark helpers: interleaved timing, peak memory, result files.
+
+Every number a benchmark reports is measured in one process, configurations interleaved repetition by
+repetition so that machine drift hits all of them alike; tables report medians and ratios.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PeakMemory:
+    """Peak memory above the level at entry, in bytes: CUDA allocator stats on GPU, sampled RSS on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, self._rss())
+            time.sleep(0.0005)
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            try:  # hand freed arenas back to the OS so RSS starts from what is really in use
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:
+                pass
+            self._base = self._max = self._rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self._max, self._rss()) - self._base
+
+
+def interleaved(
+    configs: dict[str, Callable[[], object]],
+    repeats: int,
+    device: torch.device,
+    warmup: int = 1,
+    contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
+):
+    """Run each config `warmup + repeats` times, interleaved; return name -> {median_s, times_s, peak_bytes}.
+
+    contexts[name], if given, makes a context entered around each run of that config but outside the timer
+    (e.g. patching the model).
+    """
+    contexts = contexts or {}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    peaks: dict[str, int] = dict.fromkeys(configs, 0)
+    for rep in range(warmup + repeats):
+        for name, fn in configs.items():
+            with contexts.get(name, nullcontext)(), PeakMemory(device) as mem:
+                sync(device)
+                start = time.perf_counter()
+                fn()
+                sync(device)
+                elapsed = time.perf_counter() - start
+            if rep >= warmup:
+                times[name].append(elapsed)
+                peaks[name] = max(peaks[name], mem.peak)
+    return {
+        name: {"median_s": statistics.median(t), "times_s": t, "peak_bytes": peaks[name]} for name, t in times.items()
+    }
+
+
+def environment(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu_threads"] = torch.get_num_threads()
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def write_results(name: str, payload: dict, table: str) -> tuple[Path, Path]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text(table + "\n")
+    return json_path, md_path
