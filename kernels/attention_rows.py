@@ -1,12 +1,20 @@
-"""Post-softmax attention of a few query rows to all keys, without materialising the full attention matrix.
+"""Post-softmax attention of one query row per (batch, head) to all keys, without the full attention matrix.
 
 Used for [CLS]-attention scores: the layer itself keeps running SDPA/flash; we recompute one row from its
-q/k projections in O(S * d) per head.
+q/k projections in O(S * d) per head. `attention_row_probs` dispatches to the Triton kernel for CUDA tensors and
+to the PyTorch reference elsewhere; both have the same signature and are tested against each other (on CPU
+through `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the `kernels` extra is optional
+    triton = None
 
 
 def attention_row_probs_reference(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -18,6 +26,73 @@ def attention_row_probs_reference(query: torch.Tensor, keys: torch.Tensor, scale
     return logits.softmax(dim=-1)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _row_probs_kernel(
+        q_ptr,
+        k_ptr,
+        out_ptr,
+        seq_len,
+        head_dim,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_ob,
+        stride_oh,
+        scale,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # one program per (batch, head): logits block by block with an online max/sum, then normalise in place
+        b, h = tl.program_id(0), tl.program_id(1)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d, mask=offs_d < head_dim, other=0.0).to(tl.float32)
+        out_row = out_ptr + b * stride_ob + h * stride_oh
+        running_max = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
+        running_sum = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
+        for start in range(0, seq_len, BLOCK_S):
+            offs_s = start + tl.arange(0, BLOCK_S)
+            in_seq = offs_s < seq_len
+            k = tl.load(
+                k_ptr + b * stride_kb + offs_s[:, None] * stride_ks + h * stride_kh + offs_d[None, :],
+                mask=in_seq[:, None] & (offs_d[None, :] < head_dim),
+                other=0.0,
+            ).to(tl.float32)
+            logits = tl.where(in_seq, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+            tl.store(out_row + offs_s, logits, mask=in_seq)
+            new_max = tl.maximum(running_max, tl.max(logits, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max), axis=0)
+            running_max = new_max
+        for start in range(0, seq_len, BLOCK_S):
+            offs_s = start + tl.arange(0, BLOCK_S)
+            in_seq = offs_s < seq_len
+            logits = tl.load(out_row + offs_s, mask=in_seq, other=float("-inf"))
+            tl.store(out_row + offs_s, tl.exp(logits - running_max) / running_sum, mask=in_seq)
+
+
+def attention_row_probs_triton(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton version of `attention_row_probs_reference` (same signature and result)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed; install vtoken[kernels]")
+    batch, heads, head_dim = query.shape
+    seq_len = keys.shape[1]
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    out = torch.empty(batch, heads, seq_len, device=query.device, dtype=torch.float32)
+    _row_probs_kernel[(batch, heads)](
+        query, keys, out, seq_len, head_dim,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        out.stride(0), out.stride(1), float(scale),
+        BLOCK_S=128, BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+    return out
+
+
 def attention_row_probs(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dispatching entry point; same contract as `attention_row_probs_reference`."""
+    """Dispatching entry point: Triton on CUDA, the PyTorch reference elsewhere."""
+    if query.is_cuda and triton is not None:
+        return attention_row_probs_triton(query, keys, scale)
     return attention_row_probs_reference(query, keys, scale)
