@@ -32,12 +32,10 @@ class EncodedImages:
     """Result of the encoder stage for all images of a call.
 
     features: per image, [k_i, D] embeddings in the LLM's space, in the order the LLM receives them.
-    run_lengths: per image, its placeholder count in the unpruned prompt.
     keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain.
     """
 
     features: list[torch.Tensor]
-    run_lengths: list[int]
     keep_offsets: list[torch.Tensor]
     records: list[Record]
 
@@ -52,6 +50,8 @@ class Adapter:
     placeholder_attr: ClassVar[str] = "image_token_id"
     # forward/generate keyword arguments consumed by the encoder stage
     encoder_kwargs: ClassVar[tuple[str, ...]] = ()
+    # "renumber": kept tokens get contiguous positions; "original": they keep the positions they had
+    positions: ClassVar[str] = "renumber"
 
     def __init__(self, model: nn.Module, methods: list[Method]):
         self.model = model
@@ -70,6 +70,10 @@ class Adapter:
     def available_signals(self) -> set[str]:
         """Score signals this model can provide to methods."""
         return set()
+
+    def plan(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
+        """Visual tokens of every image before reduction (its placeholder count); validates the input shapes."""
+        raise NotImplementedError
 
     def encode(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         """Run the vision side with the encoder-stage method and return what reaches the LLM."""
@@ -144,18 +148,32 @@ class Adapter:
                 "a patched model needs `input_ids` (with the image placeholders) next to the images, to know where "
                 "visual tokens go; inputs_embeds alone are not supported"
             )
-        encoded = self.encode(pixel_values, **encoder_kwargs)
-        self.records = encoded.records
-        compressed = compress_prompt(
+        run_lengths = self.plan(pixel_values, **encoder_kwargs)
+        shrink = functools.partial(
+            compress_prompt,
             input_ids,
             self.placeholder_id,
-            encoded.run_lengths,
-            encoded.keep_offsets,
+            run_lengths,
             attention_mask=kwargs.get("attention_mask"),
             position_ids=kwargs.get("position_ids"),
             labels=kwargs.get("labels"),
             pad_token_id=self.pad_token_id,
+            positions=self.positions,
         )
+        # "How many" before the encoder, "which" after: with contiguous positions only the count matters to the
+        # prompt, so for fixed-count methods it is shrunk while the accelerator is still idle (no host sync later).
+        planned = [self.encoder_method.planned_count(n) for n in run_lengths]
+        early = self.positions == "renumber" and None not in planned
+        if early:
+            compressed = shrink([torch.arange(k) for k in planned])
+        encoded = self.encode(pixel_values, **encoder_kwargs)
+        self.records = encoded.records
+        if early:
+            produced = [len(f) for f in encoded.features]
+            if produced != planned:
+                raise RuntimeError(f"{self.encoder_method.name} kept {produced} tokens, planned {planned}")
+        else:
+            compressed = shrink(encoded.keep_offsets)
         kwargs["input_ids"] = compressed.input_ids
         for key in ("attention_mask", "position_ids", "labels"):
             value = getattr(compressed, key)

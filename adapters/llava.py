@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -11,15 +10,11 @@ import torch
 from vtoken.errors import InputError
 from vtoken.records import Record
 from vtoken.registry import register_adapter
+from vtoken.timing import Stopwatch
 from vtoken.tokens import VisualTokens
 
 from .base import Adapter, EncodedImages
 from .probes import ClsAttentionProbe
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @register_adapter
@@ -66,6 +61,16 @@ class LlavaAdapter(Adapter):
         side = config.image_size // config.patch_size
         return side, side
 
+    def plan(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
+        size = self.tower.config.image_size
+        if pixel_values.dim() != 4 or pixel_values.shape[1] != 3 or tuple(pixel_values.shape[2:]) != (size, size):
+            raise InputError(
+                f"pixel_values of shape {tuple(pixel_values.shape)}; {type(self.model).__name__} expects "
+                f"[num_images, 3, {size}, {size}] as its processor makes them"
+            )
+        height, width = self.grid
+        return [height * width] * pixel_values.shape[0]
+
     def encode(
         self,
         pixel_values: torch.Tensor,
@@ -80,12 +85,6 @@ class LlavaAdapter(Adapter):
                 f"vision_feature_select_strategy={strategy!r} is not supported by the {self.family} adapter; "
                 "expected 'default' (patch tokens without [CLS])"
             )
-        size = self.tower.config.image_size
-        if pixel_values.dim() != 4 or pixel_values.shape[1] != 3 or tuple(pixel_values.shape[2:]) != (size, size):
-            raise InputError(
-                f"pixel_values of shape {tuple(pixel_values.shape)}; {type(self.model).__name__} expects "
-                f"[num_images, 3, {size}, {size}] as its processor makes them"
-            )
         method = self.encoder_method
         layers = self._feature_layers(vision_feature_layer)
         needs_cls = "cls_attention" in method.requires
@@ -95,17 +94,15 @@ class LlavaAdapter(Adapter):
             else nullcontext()
         )
         with probe:
-            out = self.tower(pixel_values, output_hidden_states=True, return_dict=True)
+            out = self.tower(pixel_values, output_hidden_states=layers, return_dict=True)
         features = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)  # [B, N, Dv]
         num_images, num_tokens = features.shape[:2]
 
-        _sync(features.device)
-        start = time.perf_counter()
+        timer = Stopwatch(features.device).start()
         signals = {"cls_attention": probe.scores} if needs_cls else {}
         tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images))
         selection = method.select(tokens)
-        _sync(features.device)
-        seconds = (time.perf_counter() - start) / num_images
+        timer.stop()
 
         embeds = self.inner.multi_modal_projector(selection.gather(features))  # [B, k, D]
         k = selection.num_kept
@@ -118,9 +115,10 @@ class LlavaAdapter(Adapter):
                 crop=0,
                 tokens_in=num_tokens,
                 tokens_out=k,
-                kept=selection.kept[i].cpu() if selection.kept is not None else None,
-                seconds=seconds,
+                kept=selection.kept[i] if selection.kept is not None else None,
+                timer=timer,
+                share=1 / num_images,
             )
             for i in range(num_images)
         ]
-        return EncodedImages(list(embeds), [num_tokens] * num_images, keep_offsets, records)
+        return EncodedImages(list(embeds), keep_offsets, records)

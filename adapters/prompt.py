@@ -56,6 +56,8 @@ def compress_prompt(
     position_ids: [B, L] or [P, B, L] (multi-axis RoPE), or None.
     positions: "renumber" = kept tokens get contiguous positions (what the model sees is simply a shorter
         prompt); "original" = kept tokens keep the positions they had.
+    The index arithmetic runs on the host (these are small integer tensors, and data-dependent shapes on an
+    accelerator would mean several synchronisations); results go back to the device of `input_ids`.
     """
     if positions not in POSITION_POLICIES:
         raise InputError(f"positions={positions!r}; expected one of {POSITION_POLICIES}")
@@ -64,6 +66,30 @@ def compress_prompt(
             f"a {attention_mask.dim()}-D attention_mask cannot be shrunk after token pruning; pass the usual "
             "2-D [batch, seq] padding mask (and a dynamic cache, not a static/compiled one)"
         )
+    device = input_ids.device
+    if device.type != "cpu":
+
+        def host(t):
+            return None if t is None else t.cpu()
+
+        def back(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        out = compress_prompt(
+            host(input_ids),
+            placeholder_id,
+            run_lengths,
+            [k.cpu() for k in keep_offsets],
+            attention_mask=host(attention_mask),
+            position_ids=host(position_ids),
+            labels=host(labels),
+            pad_token_id=pad_token_id,
+            positions=positions,
+        )
+        if not out.changed:
+            return CompressedPrompt(input_ids, attention_mask, position_ids, labels, None)
+        return CompressedPrompt(*(back(t) for t in (out.input_ids, out.attention_mask, out.position_ids,
+                                                    out.labels, out.index)))  # fmt: skip
     is_placeholder = input_ids == placeholder_id
     found, expected = int(is_placeholder.sum()), sum(run_lengths)
     if found != expected:
@@ -75,7 +101,6 @@ def compress_prompt(
     if all(len(k) == n for k, n in zip(keep_offsets, run_lengths, strict=True)):
         return unchanged
 
-    device = input_ids.device
     batch, length = input_ids.shape
     starts = torch.tensor([0, *run_lengths[:-1]], device=device).cumsum(0)
     kept_ordinals = torch.cat([s + k.to(device) for s, k in zip(starts, keep_offsets, strict=True)])

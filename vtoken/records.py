@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .timing import Stopwatch
 
 
 @dataclass
@@ -15,8 +17,9 @@ class Record:
     image: index of the image in the call (row-major over the batch); crop: index of the crop within it.
     tokens_in / tokens_out: visual tokens before and after this stage.
     kept: sorted LongTensor [tokens_out] of kept indices into the crop's token sequence as the vision tower
-        emits it (without [CLS]); None for merging methods.
-    seconds: wall time spent computing scores and selecting, this crop's share of its batch.
+        emits it (without [CLS]), on the model's device; None for merging methods.
+    seconds: time spent computing scores and selecting, this crop's share of its batch (read lazily: on CUDA the
+        first read waits for the timed work, never the forward itself).
     """
 
     stage: str
@@ -26,7 +29,12 @@ class Record:
     tokens_in: int
     tokens_out: int
     kept: torch.Tensor | None
-    seconds: float
+    timer: Stopwatch = field(repr=False)
+    share: float = 1.0
+
+    @property
+    def seconds(self) -> float:
+        return self.timer.seconds * self.share
 
 
 def summarize(records: list[Record]) -> str:

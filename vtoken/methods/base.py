@@ -35,6 +35,13 @@ class Method:
         """Tokens kept per crop of n tokens."""
         return tokens_to_keep(self.budget, n)
 
+    def planned_count(self, n: int) -> int | None:
+        """Tokens a crop of n keeps, when known before its features exist (None: decided from the data).
+
+        Knowing "how many" before the encoder runs lets the adapter shrink the prompt while the GPU is still idle.
+        """
+        return self.keep_count(n)
+
     def select(self, tokens: VisualTokens) -> Selection:
         """Decide which tokens of every crop reach the LLM."""
         raise NotImplementedError
