@@ -271,7 +271,7 @@ def main() -> None:
             "llm": "Llama-7B widths",
             "llm_layers": llm_layers,
             "dtype": str(dtype),
-            "prompt_tokens": int(inputs["input_ids"].shape[1]),
+            "prompt_tokens": prompt_tokens,
         },
         "repeats": repeats,
         "ttft": {f"batch{b}": rows for b, rows in results.items()},
