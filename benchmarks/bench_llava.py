@@ -142,9 +142,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--llm-layers", type=int, default=None, help="default: 32 on cuda, 2 on cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 3 on cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="default: 20 on cuda, 3 on cpu")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
-    parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 1 8 on cuda, 1)")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 1 8 32 on cuda, 1)")
     parser.add_argument("--name", default=None, help="results file stem (default llava15_<device>)")
     args = parser.parse_args()
 
@@ -152,12 +152,12 @@ def main() -> None:
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     llm_layers = args.llm_layers or (32 if cuda else 2)
-    repeats = args.repeats or (10 if cuda else 3)
+    repeats = args.repeats or (20 if cuda else 3)
     if not cuda:
         torch.set_num_threads(max(1, torch.get_num_threads()))
 
     model, processor = build_model(llm_layers, device, dtype)
-    batches = args.batch or ([1, 8] if cuda else [1])
+    batches = args.batch or ([1, 8, 32] if cuda else [1])
     results = {}
     for batch in batches:
         results[batch], inputs = measure_ttft(model, processor, batch, args.budgets, repeats, device, dtype)
