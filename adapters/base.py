@@ -185,21 +185,52 @@ class Adapter:
         return kwargs, compressed
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if kwargs.get(self.pixel_key) is None and not args:
-            if not self._in_generate:
-                self.records = []
-            return None
         if args:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
             kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
+        if self._in_generate:  # generate already works on the shrunk prompt
+            return None
         if kwargs.get(self.pixel_key) is None:
-            if not self._in_generate:
-                self.records = []
-            return (), kwargs
-        kwargs, _ = self.prepare(kwargs)
+            continued = self._continue_decoding(kwargs)
+            if continued is None:
+                self.records, self._last_prompt = [], None
+            return (), continued or kwargs
+        original_len = kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else None
+        caller_mask = kwargs.get("attention_mask")
+        kwargs, compressed = self.prepare(kwargs)
+        self._last_prompt = (original_len, caller_mask, compressed) if compressed.changed else None
         return (), kwargs
 
+    def _continue_decoding(self, kwargs: dict) -> dict | None:
+        """Map a manual decoding step after a pruned `model(...)` call onto the shrunk prompt.
+
+        The caller's mask covers the original prompt (L columns) plus new tokens, the cache the shrunk prompt
+        (L' columns) plus the same new tokens: swap the prompt part of the mask, and shift given positions by the
+        tokens each row lost. Returns None when the call is not such a step.
+        """
+        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        if self._last_prompt is None or cache is None or mask is None or mask.dim() != 2:
+            return None
+        original_len, original_mask, prompt = self._last_prompt
+        new_ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        batch, new_len = prompt.input_ids.shape
+        if new_ids is None or mask.shape[0] != batch:
+            return None
+        if mask.shape[1] != cache.get_seq_length() + new_ids.shape[1] + original_len - new_len:
+            return None
+        prompt_mask = prompt.attention_mask if prompt.attention_mask is not None else torch.ones_like(prompt.input_ids)
+        mask = torch.cat([prompt_mask.to(mask.dtype), mask[:, original_len:]], dim=1)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new_ids.shape[1] :]
+        elif self.positions == "renumber":
+            caller_mask = original_mask if original_mask is not None else torch.ones(batch, original_len)
+            lost = caller_mask.long().sum(1) - prompt_mask.long().sum(1)
+            positions = positions - lost.to(positions.device)[:, None]
+        return dict(kwargs, attention_mask=mask, position_ids=positions)
+
     _in_generate = False
+    _last_prompt = None  # (original length, caller's mask, CompressedPrompt) of the last pruned model(...) call
 
     @torch.no_grad()
     def _patched_generate(self, *args: Any, **kwargs: Any) -> Any:

@@ -116,6 +116,7 @@ class LlavaAdapter(Adapter):
                 tokens_in=num_tokens,
                 tokens_out=k,
                 kept=selection.kept[i] if selection.kept is not None else None,
+                grid=self.grid,
                 timer=timer,
                 share=1 / num_images,
             )

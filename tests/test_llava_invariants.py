@@ -237,3 +237,27 @@ def test_wrong_pixel_shape_is_named(llava, batch):
     with torch.no_grad(), vtoken.patched(model, "random", budget=0.5):
         with pytest.raises(vtoken.InputError, match=r"\[num_images, 3, 336, 336\]"):
             model(**bad)
+
+
+@pytest.mark.parametrize("explicit_positions", [False, True])
+def test_manual_decoding_loop_after_a_pruned_forward(llava, batch, explicit_positions):
+    """A hand-written greedy loop with the cache, using the caller's own (unpruned-length) mask, equals generate."""
+    model, _ = llava
+    steps = 5
+    with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=0.1) as handle:
+        expected = model.generate(**batch, max_new_tokens=steps, do_sample=False)
+        mask = batch["attention_mask"]
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        kwargs = {"position_ids": positions} if explicit_positions else {}
+        out = model(**batch, use_cache=True, **kwargs)
+        tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
+        for _ in range(steps - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            if explicit_positions:
+                kwargs = {"position_ids": positions[:, -1:] + len(tokens)}
+            out = model(
+                input_ids=tokens[-1], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True, **kwargs
+            )
+            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        assert len(handle.records) == 2  # decoding steps of the same call keep its records
+    assert torch.equal(torch.cat(tokens, dim=1), expected[:, batch["input_ids"].shape[1] :])

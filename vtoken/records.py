@@ -18,6 +18,7 @@ class Record:
     tokens_in / tokens_out: visual tokens before and after this stage.
     kept: sorted LongTensor [tokens_out] of kept indices into the crop's token sequence as the vision tower
         emits it (without [CLS]), on the model's device; None for merging methods.
+    grid: (rows, cols) of the crop's token grid that `kept` indexes in raster order.
     seconds: time spent computing scores and selecting, this crop's share of its batch (read lazily: on CUDA the
         first read waits for the timed work, never the forward itself).
     """
@@ -29,6 +30,7 @@ class Record:
     tokens_in: int
     tokens_out: int
     kept: torch.Tensor | None
+    grid: tuple[int, int]
     timer: Stopwatch = field(repr=False)
     share: float = 1.0
 

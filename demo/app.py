@@ -1,0 +1,88 @@
+"""Gradio demo: ask a question about an image, with and without visual-token reduction, and see what was kept.
+
+pip install -e ".[demo]" && python demo/app.py [--model tiny-llava] [--port 7860]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import nullcontext
+
+import torch
+
+import vtoken
+from vtoken.images import example_image
+from vtoken.overlay import kept_overlay, model_view
+from vtoken.records import summarize
+from vtoken.zoo import build_prompt, load
+
+
+def compare(model, processor, image, question: str, method: str, budget: float, max_new_tokens: int = 24) -> dict:
+    """Answer unpatched and patched; returns answers, times, token counts and an overlay of the kept patches."""
+    image = image if image is not None else example_image()
+    inputs = processor(images=[image], text=[build_prompt(processor, question)], return_tensors="pt").to(model.device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    budget = int(budget) if budget > 1 else float(budget)
+    results = {}
+    with torch.inference_mode():
+        for name in ("unpatched", "patched"):
+            with vtoken.patched(model, method, budget=budget) if name == "patched" else nullcontext() as handle:
+                start = time.perf_counter()
+                out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+                seconds = time.perf_counter() - start
+                records = list(handle.records) if handle else []
+            text = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
+            results[name] = {"answer": text.strip(), "seconds": seconds, "records": records}
+    view = model_view(
+        inputs["pixel_values"][0], processor.image_processor.image_mean, processor.image_processor.image_std
+    )
+    record = results["patched"]["records"][0]
+    results["overlay"] = kept_overlay(view, record.kept, record.grid)
+    results["summary"] = summarize(results["patched"]["records"])
+    return results
+
+
+def build_demo(model, processor):
+    import gradio as gr
+
+    def run(image, question, method, budget):
+        r = compare(model, processor, image, question, method, budget)
+        p, u = r["patched"], r["unpatched"]
+        kept = sum(x.tokens_out for x in p["records"])
+        total = sum(x.tokens_in for x in p["records"])
+        stats = (
+            f"visual tokens {total} -> {kept}; generate {u['seconds'] * 1e3:.0f} ms unpatched, "
+            f"{p['seconds'] * 1e3:.0f} ms patched"
+        )
+        return u["answer"], p["answer"], r["overlay"], stats + "\n\n" + r["summary"]
+
+    with gr.Blocks(title="vtoken") as demo:
+        gr.Markdown("# vtoken: visual-token reduction, side by side")
+        with gr.Row():
+            with gr.Column():
+                image = gr.Image(type="pil", value=example_image(), label="image")
+                question = gr.Textbox(value="What is in the image?", label="question")
+                method = gr.Dropdown(vtoken.available_methods(), value="fastervlm", label="method")
+                budget = gr.Slider(0.01, 1.0, value=0.25, step=0.01, label="budget (fraction of visual tokens kept)")
+                button = gr.Button("Run")
+            with gr.Column():
+                overlay = gr.Image(type="pil", label="kept patches (dropped ones dimmed)")
+                unpatched = gr.Textbox(label="answer, unpatched")
+                patched = gr.Textbox(label="answer, patched")
+                stats = gr.Textbox(label="records", lines=6)
+        button.click(run, [image, question, method, budget], [unpatched, patched, overlay, stats])
+    return demo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="tiny-llava")
+    parser.add_argument("--port", type=int, default=7860)
+    args = parser.parse_args()
+    model, processor = load(args.model)
+    build_demo(model, processor).launch(server_name="127.0.0.1", server_port=args.port)
+
+
+if __name__ == "__main__":
+    main()
