@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from conftest import inputs_for, make_image
 
 import vtoken
+from vtoken.zoo import build_prompt
 
 METHODS = ["fastervlm", "random", "pool"]
 N = 576
@@ -261,3 +262,21 @@ def test_manual_decoding_loop_after_a_pruned_forward(llava, batch, explicit_posi
             tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
         assert len(handle.records) == 2  # decoding steps of the same call keep its records
     assert torch.equal(torch.cat(tokens, dim=1), expected[:, batch["input_ids"].shape[1] :])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rows_with_different_numbers_of_images(llava, photos, method):
+    """Two images in one prompt next to one image in another: rows lose different numbers of tokens."""
+    model, processor = llava
+    two = build_prompt(processor, "compare the two images.", num_images=2)
+    one = build_prompt(processor, "what is in the image?")
+    images = [photos["astronaut"], photos["rocket"], photos["chelsea"]]
+    with torch.no_grad(), vtoken.patched(model, method, budget=0.1) as handle:
+        batched = processor(images=images, text=[two, one], return_tensors="pt", padding=True)
+        out = model.generate(**batched, max_new_tokens=6, do_sample=False)
+        assert [r.tokens_out for r in handle.records] == [58, 58, 58] and [r.image for r in handle.records] == [0, 1, 2]
+        width = batched["input_ids"].shape[1]
+        for text, imgs, row in [(two, images[:2], 0), (one, images[2:], 1)]:
+            single = processor(images=imgs, text=[text], return_tensors="pt")
+            ref = model.generate(**single, max_new_tokens=6, do_sample=False)
+            assert torch.equal(out[row, width:], ref[0, single["input_ids"].shape[1] :])
