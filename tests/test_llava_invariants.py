@@ -236,7 +236,7 @@ def test_wrong_pixel_shape_is_named(llava, batch):
     model, _ = llava
     bad = dict(batch, pixel_values=batch["pixel_values"][:, :, :100, :100])
     with torch.no_grad(), vtoken.patched(model, "random", budget=0.5):
-        with pytest.raises(vtoken.InputError, match=r"\[num_images, 3, 336, 336\]"):
+        with pytest.raises(vtoken.InputError, match=r"\[num_images, 3, H, W\] with H = W = 336"):
             model(**bad)
 
 

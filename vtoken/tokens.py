@@ -20,12 +20,16 @@ class VisualTokens:
     signals: named score signals, each [C, N] unless stated, e.g. "cls_attention" = head-mean post-softmax
         attention of the [CLS] query to each patch key in the feature layer.
     image_index: [C] index of the image each crop belongs to.
+    valid: [C, N] bool, False for tokens that never reach the LLM whatever a method picks (e.g. LLaVA-NeXT
+        sub-image tokens in the padded border that unpadding removes); None = all valid. Budgets count valid
+        tokens only.
     """
 
     features: torch.Tensor
     grid: tuple[int, int]
     signals: dict[str, torch.Tensor] = field(default_factory=dict)
     image_index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
     @property
     def num_crops(self) -> int:
@@ -42,10 +46,13 @@ class Selection:
 
     kept: [C, k] indices into each crop's N tokens, ascending; None for merging methods.
     features: [C, k, D] replacement features for merging methods (None when tokens are only selected).
+    counts: per crop, how many leading entries of its `kept` row are real when crops keep different numbers
+        (the rest is padding); None when every crop keeps k.
     """
 
     kept: torch.Tensor | None = None
     features: torch.Tensor | None = None
+    counts: list[int] | None = None
 
     def __post_init__(self) -> None:
         if (self.kept is None) == (self.features is None):
@@ -54,6 +61,12 @@ class Selection:
     @property
     def num_kept(self) -> int:
         return (self.kept if self.kept is not None else self.features).shape[1]
+
+    def kept_of(self, crop: int) -> torch.Tensor | None:
+        """Ascending kept indices of one crop (None for merging methods)."""
+        if self.kept is None:
+            return None
+        return self.kept[crop] if self.counts is None else self.kept[crop, : self.counts[crop]]
 
     def gather(self, features: torch.Tensor) -> torch.Tensor:
         """Kept features [C, k, D] from the crops' features [C, N, D]."""

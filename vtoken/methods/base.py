@@ -56,7 +56,14 @@ class ScoreMethod(Method):
         raise NotImplementedError
 
     def select(self, tokens: VisualTokens) -> Selection:
-        k = self.keep_count(tokens.num_tokens)
         scores = self.score(tokens)
-        kept = scores.topk(k, dim=-1).indices.sort(dim=-1).values
-        return Selection(kept=kept)
+        if tokens.valid is None:
+            k = self.keep_count(tokens.num_tokens)
+            return Selection(kept=scores.topk(k, dim=-1).indices.sort(dim=-1).values)
+        # crops with invalid tokens: budget over the valid ones; rows padded with N after the kept indices
+        counts = [self.keep_count(int(v)) if v else 0 for v in tokens.valid.sum(dim=1).tolist()]
+        top = scores.float().masked_fill(~tokens.valid, float("-inf")).topk(max(counts), dim=-1).indices
+        rank = torch.arange(top.shape[1], device=top.device)
+        limit = torch.tensor(counts, device=top.device)[:, None]
+        kept = torch.where(rank < limit, top, tokens.num_tokens).sort(dim=-1).values
+        return Selection(kept=kept, counts=counts)

@@ -49,6 +49,7 @@ class Pool(Method):
     """Average-pool the H x W grid of every crop to k tokens (merging: no kept indices)."""
 
     name = "pool"
+    requires = ("full_grid",)  # pools complete H x W crops; crops cut by unpadding are not grids
 
     def select(self, tokens: VisualTokens) -> Selection:
         h, w = tokens.grid

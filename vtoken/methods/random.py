@@ -7,25 +7,24 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import register_method
-from ..tokens import Selection, VisualTokens
-from .base import Method
+from ..tokens import VisualTokens
+from .base import ScoreMethod
 
 
 @register_method
 @dataclass
-class Random(Method):
-    """Uniform random keep-k per crop.
+class Random(ScoreMethod):
+    """Uniform random keep-k per crop: the top-k of seeded uniform noise, i.e. a uniformly random k-subset.
 
-    The subset depends only on `seed`, N and k, never on a crop's place in the batch, so a padded batch gives the
-    same result as running its samples one by one; every crop of a call keeps the same random positions.
+    The noise depends only on `seed` and N, never on a crop's place in the batch, so a padded batch gives the
+    same result as running its samples one by one; crops of equal size keep the same random positions.
     """
 
     seed: int = 0
 
     name = "random"
 
-    def select(self, tokens: VisualTokens) -> Selection:
-        n, k = tokens.num_tokens, self.keep_count(tokens.num_tokens)
+    def score(self, tokens: VisualTokens) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed)
-        kept = torch.randperm(n, generator=generator)[:k].sort().values
-        return Selection(kept=kept.expand(tokens.num_crops, -1).to(tokens.features.device))
+        noise = torch.rand(tokens.num_tokens, generator=generator)
+        return noise.to(tokens.features.device).expand(tokens.num_crops, -1)
