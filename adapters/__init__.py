@@ -2,5 +2,6 @@
 
 from .base import Adapter, EncodedImages
 from .llava import LlavaAdapter
+from .llava_next import LlavaNextAdapter
 
-__all__ = ["Adapter", "EncodedImages", "LlavaAdapter"]
+__all__ = ["Adapter", "EncodedImages", "LlavaAdapter", "LlavaNextAdapter"]

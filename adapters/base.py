@@ -75,6 +75,10 @@ class Adapter:
         """Visual tokens of every image before reduction (its placeholder count); validates the input shapes."""
         raise NotImplementedError
 
+    def planned_counts(self, run_lengths: list[int]) -> list[int | None]:
+        """Per image, the placeholders that remain, when known before encoding (None: only after it)."""
+        return [self.encoder_method.planned_count(n) for n in run_lengths]
+
     def encode(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         """Run the vision side with the encoder-stage method and return what reaches the LLM."""
         raise NotImplementedError
@@ -162,7 +166,7 @@ class Adapter:
         )
         # "How many" before the encoder, "which" after: with contiguous positions only the count matters to the
         # prompt, so for fixed-count methods it is shrunk while the accelerator is still idle (no host sync later).
-        planned = [self.encoder_method.planned_count(n) for n in run_lengths]
+        planned = self.planned_counts(run_lengths)
         early = self.positions == "renumber" and None not in planned
         if early:
             compressed = shrink([torch.arange(k) for k in planned])

@@ -116,7 +116,51 @@ def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
     return model, processor
 
 
-TINY_MODELS: dict[str, Callable] = {"tiny-llava": tiny_llava}
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, projection_dim=32)
+TINY_TEXT = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+ANYRES_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+def tiny_llava_next(seed: int = 0):
+    """A tiny random-weight LLaVA-NeXT: anyres crops (LLaVA-NeXT's 5 grid pinpoints), CLIP with [CLS], newline."""
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+    )
+
+    tokenizer = tiny_tokenizer()
+    image_processor = LlavaNextImageProcessor(
+        size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, image_grid_pinpoints=ANYRES_PINPOINTS
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    base = llava_config(tokenizer, vision=dict(TINY_VISION), text=dict(TINY_TEXT))
+    config = LlavaNextConfig(
+        vision_config=base.vision_config.to_dict(),
+        text_config=base.text_config.to_dict(),
+        image_token_id=base.image_token_id,
+        image_grid_pinpoints=ANYRES_PINPOINTS,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, processor
+
+
+TINY_MODELS: dict[str, Callable] = {"tiny-llava": tiny_llava, "tiny-llava-next": tiny_llava_next}
 
 
 def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | None = None, **kwargs):

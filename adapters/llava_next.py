@@ -1,0 +1,172 @@
+"""LLaVA-NeXT (`LlavaNextForConditionalGeneration`): anyres crops, CLIP ViT with [CLS], learned `image_newline`.
+
+Each image is a base view plus rows x cols sub-image crops of 24 x 24 tokens. The model's own ("native") packing,
+which the checkpoints were trained on: the base view's tokens, then the sub-images stitched into a
+(rows*24) x (cols*24) grid, unpadded to the image's aspect ratio, read in raster order with `image_newline` after
+every row. After selection the same packing is kept: the base view's kept tokens in ascending order, then the
+kept sub-image tokens in raster order of the unpadded grid with a newline after every row that still has
+tokens. Newlines are not visual tokens: budgets and records never count them.
+
+Every crop keeps its budget of its *valid* tokens: sub-image tokens in the padded border that unpadding removes
+never reach the LLM, so they are never picked (the records say how many valid tokens each crop had).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vtoken.errors import InputError
+from vtoken.registry import register_adapter
+from vtoken.tokens import VisualTokens
+
+from .base import EncodedImages
+from .llava import LlavaAdapter
+
+
+@dataclass
+class AnyresLayout:
+    """One image's crops: `rows` x `cols` sub-images after the base view; `unpadded` [h', w'] holds the raster
+    indices, in the stitched (rows*H) x (cols*W) grid, of the tokens that survive unpadding."""
+
+    rows: int
+    cols: int
+    unpadded: torch.Tensor
+
+    @property
+    def num_crops(self) -> int:
+        return 1 + self.rows * self.cols
+
+
+@register_adapter
+class LlavaNextAdapter(LlavaAdapter):
+    family = "llava-next"
+    model_types = ("llava_next",)
+    model_classes = ("LlavaNextForConditionalGeneration", "LlavaNextModel")
+    encoder_kwargs = ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy")
+
+    def available_signals(self) -> set[str]:
+        return super().available_signals() - {"full_grid"}
+
+    def layout(self, image_size: torch.Tensor) -> AnyresLayout:
+        """The crop grid and unpadded token window of an image of `image_size` (height, width)."""
+        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+        config = self.model.config
+        rows, cols = get_anyres_image_grid_shape(
+            image_size, config.image_grid_pinpoints, config.vision_config.image_size
+        )
+        height, width = self.grid
+        stitched = torch.arange(rows * height * cols * width).view(1, rows * height, cols * width)
+        return AnyresLayout(rows, cols, unpad_image(stitched, image_size)[0])
+
+    def _layouts(self, pixel_values: torch.Tensor, image_sizes: Any) -> list[AnyresLayout]:
+        if image_sizes is None:
+            raise InputError(
+                f"{type(self.model).__name__} needs `image_sizes` next to pixel_values (its processor makes both)"
+            )
+        layouts = [self.layout(size) for size in image_sizes]
+        if pixel_values.dim() == 5:
+            self._check_crops(pixel_values[0], "[num_images, num_crops, 3, H, W]")
+            if pixel_values.shape[0] != len(layouts) or any(lay.num_crops > pixel_values.shape[1] for lay in layouts):
+                raise InputError(
+                    f"pixel_values of shape {tuple(pixel_values.shape)} do not hold the crops of "
+                    f"{len(layouts)} image(s) of sizes {[list(map(int, s)) for s in image_sizes]}"
+                )
+        else:
+            self._check_crops(pixel_values, "[num_images, num_crops, 3, H, W] or [total_crops, 3, H, W]")
+            needed = sum(lay.num_crops for lay in layouts)
+            if pixel_values.shape[0] != needed:
+                raise InputError(f"{pixel_values.shape[0]} crops given; the image sizes need {needed}")
+        return layouts
+
+    def plan(self, pixel_values: torch.Tensor, image_sizes: Any = None, **encoder_kwargs: Any) -> list[int]:
+        height, width = self.grid
+        runs = []
+        for layout in self._layouts(pixel_values, image_sizes):
+            if layout.num_crops == 1:  # base view only: its tokens and one newline
+                runs.append(height * width + 1)
+            else:
+                rows, cols = layout.unpadded.shape
+                runs.append(height * width + rows * cols + rows)
+        return runs
+
+    def planned_counts(self, run_lengths: list[int]) -> list[int | None]:
+        return [None] * len(run_lengths)  # newlines follow which rows keep tokens: known only after selection
+
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        image_sizes: Any = None,
+        vision_feature_layer: Any = None,
+        vision_feature_select_strategy: str | None = None,
+    ) -> EncodedImages:
+        layouts = self._layouts(pixel_values, image_sizes)
+        if pixel_values.dim() == 5:
+            pixel_values = torch.cat([p[: lay.num_crops] for p, lay in zip(pixel_values, layouts, strict=True)])
+        features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
+        device = features.device
+        height, width = self.grid
+
+        # which tokens of each crop survive unpadding; where each sub-image token sits in the stitched grid
+        valid, stitched_index, image_index, crop_index = [], [], [], []
+        local = torch.arange(height * width)
+        y, x = local // width, local % width
+        for i, layout in enumerate(layouts):
+            keep = torch.zeros(layout.rows * height * layout.cols * width, dtype=torch.bool)
+            keep[layout.unpadded.flatten()] = True
+            for c in range(layout.num_crops):
+                if c == 0:
+                    positions = torch.full_like(local, -1)
+                else:
+                    r, col = divmod(c - 1, layout.cols)
+                    positions = (r * height + y) * (layout.cols * width) + col * width + x
+                valid.append(keep[positions] if c else torch.ones_like(local, dtype=torch.bool))
+                stitched_index.append(positions)
+                image_index.append(i)
+                crop_index.append(c)
+        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), torch.stack(valid).to(device))
+        selection, timer = self.select(tokens)
+
+        kept = [selection.kept_of(c) for c in range(tokens.num_crops)]
+        embeds = self.inner.multi_modal_projector(torch.cat([features[c, k] for c, k in enumerate(kept)]))
+        embeds = embeds.split([len(k) for k in kept])
+        newline = self.inner.image_newline
+
+        per_image, first = [], 0
+        for layout in layouts:
+            crops = range(first, first + layout.num_crops)
+            first += layout.num_crops
+            base = embeds[crops[0]]
+            if layout.num_crops == 1:
+                per_image.append(torch.cat([base, newline[None].to(base)]))
+                continue
+            keys = torch.cat([stitched_index[c].to(device)[kept[c]] for c in crops[1:]])
+            tokens_embeds = torch.cat([embeds[c] for c in crops[1:]])
+            per_image.append(
+                torch.cat([base, _raster_with_newlines(keys, tokens_embeds, layout.cols * width, newline)])
+            )
+        records = self.crop_records(tokens, selection, timer, crop_index)
+        return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)
+
+
+def _raster_with_newlines(keys: torch.Tensor, embeds: torch.Tensor, row_length: int, newline: torch.Tensor):
+    """Tokens at stitched raster positions `keys` [M] with embeddings [M, D], in raster order, each row that
+    holds tokens followed by `newline` [D]: returns [M + rows, D]."""
+    order = keys.argsort()
+    keys, embeds = keys[order], embeds[order]
+    rows = keys // row_length
+    if len(rows) == 0:
+        return embeds
+    starts_row = torch.ones_like(rows, dtype=torch.bool)
+    starts_row[1:] = rows[1:] != rows[:-1]
+    ends_row = torch.ones_like(rows, dtype=torch.bool)
+    ends_row[:-1] = rows[1:] != rows[:-1]
+    rows_before = starts_row.long().cumsum(0) - 1  # newlines emitted before each token
+    out = embeds.new_empty(len(keys) + int(starts_row.sum()), embeds.shape[-1])
+    token_slots = torch.arange(len(keys), device=keys.device) + rows_before
+    out[token_slots] = embeds
+    out[token_slots[ends_row] + 1] = newline.to(embeds)
+    return out

@@ -1,0 +1,207 @@
+"""LLaVA-NeXT (anyres) invariants on the tiny offline model, native layout."""
+
+import pytest
+import torch
+from conftest import make_image
+
+import vtoken
+from vtoken.zoo import build_prompt, tiny_llava_next
+
+METHODS = ["fastervlm", "random"]
+SIZES = [(336, 336), (800, 300), (300, 900), (1000, 1000), (50, 20), (640, 427)]
+
+
+@pytest.fixture(scope="module")
+def next_model():
+    return tiny_llava_next()
+
+
+@pytest.fixture(autouse=True)
+def _unpatch(next_model):
+    yield
+    if vtoken.handle_of(next_model[0]) is not None:
+        vtoken.unpatch(next_model[0])
+
+
+def _inputs(processor, sizes, questions=None):
+    images = [make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
+    questions = questions or ["what is in the image?"] * len(images)
+    return processor(
+        images=images, text=[build_prompt(processor, q) for q in questions], return_tensors="pt", padding=True
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_identity_at_full_budget_for_every_size(next_model, method):
+    model, processor = next_model
+    for size in SIZES:
+        inputs = _inputs(processor, [size])
+        with torch.no_grad():
+            ref = model(**inputs).logits
+            ref_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+            with vtoken.patched(model, method, budget=1.0):
+                logits = model(**inputs).logits
+                tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert (logits - ref).abs().max() <= 1e-5, size
+        assert torch.equal(tokens, ref_tokens)
+
+
+def _reference_sequence(model, inputs, records):
+    """Independent reference for one image: HF's own packing applied to token ids tells which packed position
+    holds which (crop, token); keep the kept tokens and the newline of every row that still has one."""
+    inner = model.model
+    with torch.no_grad():
+        full = inner.get_image_features(
+            pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"]
+        ).pooler_output[0]  # [L, D], stock packing with newlines
+    num_crops = len(records)
+    ids = torch.arange(num_crops * 576, dtype=torch.float32).view(num_crops, 576, 1)
+    packed_ids, _ = inner.pack_image_features(
+        [ids], inputs["image_sizes"], "default", image_newline=torch.tensor([-1.0])
+    )
+    packed_ids = packed_ids[0].squeeze(1).long()
+    kept_ids = set()
+    for r in records:
+        kept_ids.update((r.crop * 576 + r.kept).tolist())
+    keep = torch.tensor([int(i) in kept_ids for i in packed_ids])
+    # a newline stays iff the row it closes (back to the previous newline) kept a token
+    row_has_token = False
+    for pos, token in enumerate(packed_ids.tolist()):
+        if token == -1:
+            keep[pos] = row_has_token
+            row_has_token = False
+        else:
+            row_has_token = row_has_token or bool(keep[pos])
+    return full[keep], int((packed_ids == -1)[keep].sum())
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("size", [(800, 300), (1000, 1000), (50, 20)])
+def test_pruned_run_equals_language_model_fed_by_hand(next_model, method, size):
+    model, processor = next_model
+    inputs = _inputs(processor, [size])
+    with torch.no_grad(), vtoken.patched(model, method, budget=0.1) as handle:
+        logits = model(**inputs).logits
+    image_embeds, newlines = _reference_sequence(model, inputs, handle.records)
+    assert len(image_embeds) == sum(r.tokens_out for r in handle.records) + newlines
+    ids = inputs["input_ids"][0]
+    ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
+    new_ids = torch.cat(
+        [ids[: ph[0]], torch.full((len(image_embeds),), model.config.image_token_id), ids[ph[-1] + 1 :]]
+    )[None]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(new_ids)
+        embeds[new_ids == model.config.image_token_id] = image_embeds
+        out = model.model.language_model(inputs_embeds=embeds)
+        ref = model.lm_head(out.last_hidden_state)
+    assert logits.shape == ref.shape
+    assert (logits - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("budget", [0.5, 0.25, 0.05, 30])
+def test_exact_budget_per_crop_for_every_size(next_model, method, budget):
+    model, processor = next_model
+    seen = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["inputs_embeds"].shape[1]), with_kwargs=True
+    )
+    try:
+        with torch.no_grad(), vtoken.patched(model, method, budget=budget) as handle:
+            for size in SIZES:
+                inputs = _inputs(processor, [size])
+                model(**inputs)
+                records = handle.records
+                assert records[0].crop == 0 and records[0].tokens_in == 576
+                for r in records:
+                    assert r.tokens_out == vtoken.tokens_to_keep(budget, r.tokens_in)
+                    assert len(r.kept) == r.tokens_out and torch.equal(r.kept, r.kept.sort().values)
+                # newline count: distinct stitched rows among kept sub-image tokens (independently computed)
+                adapter = handle.adapter
+                layout = adapter.layout(inputs["image_sizes"][0])
+                rows = set()
+                for r in records[1:]:
+                    crop_row = (r.crop - 1) // layout.cols
+                    rows.update((crop_row * 24 + r.kept // 24).tolist())
+                kept_visual = sum(r.tokens_out for r in records)
+                run = int((inputs["input_ids"] == model.config.image_token_id).sum())
+                assert seen[-1] == inputs["input_ids"].shape[1] - run + kept_visual + len(rows), size
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padded_batch_of_different_sizes_equals_one_by_one(next_model, method):
+    model, processor = next_model
+    sizes, questions = [(800, 300), (300, 900)], ["what is in the image?", "describe the image in detail."]
+    with torch.no_grad(), vtoken.patched(model, method, budget=0.25):
+        batched = _inputs(processor, sizes, questions)
+        out = model.generate(**batched, max_new_tokens=6, do_sample=False)
+        width = batched["input_ids"].shape[1]
+        for i in range(2):
+            single = processor(
+                images=[make_image(*sizes[i], seed=i)],
+                text=[build_prompt(processor, questions[i])],
+                return_tensors="pt",
+            )
+            one = model.generate(**single, max_new_tokens=6, do_sample=False)
+            assert torch.equal(out[i, width:], one[0, single["input_ids"].shape[1] :])
+
+
+def test_beams_and_restore(next_model):
+    model, processor = next_model
+    inputs = _inputs(processor, [(640, 427), (50, 20)])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+        with vtoken.patched(model, "fastervlm", budget=0.1) as handle:
+            out = model.generate(**inputs, max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+            assert {r.image for r in handle.records} == {0, 1}
+        after = model.generate(**inputs, max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    assert out.shape[0] == 4 and torch.equal(
+        out[:, : inputs["input_ids"].shape[1]], inputs["input_ids"].repeat_interleave(2, 0)
+    )
+    assert torch.equal(after, ref)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert "generate" not in model.__dict__ and not model._forward_pre_hooks
+
+
+def test_fastervlm_keeps_topk_of_eager_cls_attention_among_valid_tokens(next_model):
+    from transformers import CLIPVisionModel
+
+    model, processor = next_model
+    inputs = _inputs(processor, [(800, 300)])
+    with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=0.25) as handle:
+        model(**inputs)
+    tower = model.model.vision_tower
+    config = tower.config.__class__.from_dict(tower.config.to_dict())
+    config._attn_implementation = "eager"
+    eager = CLIPVisionModel(config).eval()
+    eager.load_state_dict(tower.state_dict())
+    crops = inputs["pixel_values"][0, : len(handle.records)]
+    with torch.no_grad():
+        scores = eager(crops, output_attentions=True).attentions[-2][:, :, 0, 1:].mean(1)
+    layout = handle.adapter.layout(inputs["image_sizes"][0])
+    valid_stitched = set(layout.unpadded.flatten().tolist())
+    for r in handle.records:
+        s = scores[r.crop].clone()
+        if r.crop > 0:
+            row, col = divmod(r.crop - 1, layout.cols)
+            for t in range(576):
+                if ((row * 24 + t // 24) * layout.cols * 24 + col * 24 + t % 24) not in valid_stitched:
+                    s[t] = float("-inf")
+        assert torch.equal(r.kept, s.topk(r.tokens_out).indices.sort().values)
+
+
+def test_pool_is_refused_with_the_missing_signal_named(next_model):
+    with pytest.raises(vtoken.MissingSignalError, match="full_grid"):
+        vtoken.patch(next_model[0], "pool", budget=0.25)
+    assert vtoken.handle_of(next_model[0]) is None
+
+
+def test_missing_image_sizes_is_named(next_model):
+    model, processor = next_model
+    inputs = _inputs(processor, [(336, 336)])
+    del inputs["image_sizes"]
+    with vtoken.patched(model, "random", budget=0.5), pytest.raises(vtoken.InputError, match="image_sizes"):
+        model(**inputs)
