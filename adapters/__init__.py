@@ -1,7 +1,7 @@
 """Model adapters, one file per family; importing this package registers them."""
 
-from .base import Adapter, EncodedImages
+from .base import Adapter, EncodedImages, Modality
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 
-__all__ = ["Adapter", "EncodedImages", "LlavaAdapter", "LlavaNextAdapter"]
+__all__ = ["Adapter", "EncodedImages", "Modality", "LlavaAdapter", "LlavaNextAdapter"]

@@ -24,7 +24,22 @@ from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.methods.base import Method
 from vtoken.records import Record
 
-from .prompt import CompressedPrompt, compress_prompt
+from .prompt import compress_prompt, gather_columns
+
+
+@dataclass(frozen=True)
+class Modality:
+    """One kind of visual input of a model family.
+
+    name: its key in `mm_encoder_outputs` ("image" or "video"); pixel_key: the forward argument with its pixels;
+    placeholder_attr: the config attribute holding its placeholder token id; encoder_kwargs: other forward
+    arguments its encoder consumes (e.g. `image_sizes`, `image_grid_thw`).
+    """
+
+    name: str
+    pixel_key: str
+    placeholder_attr: str
+    encoder_kwargs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -46,12 +61,11 @@ class Adapter:
     family: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     model_classes: ClassVar[tuple[str, ...]] = ()
-    pixel_key: ClassVar[str] = "pixel_values"
-    placeholder_attr: ClassVar[str] = "image_token_id"
-    # forward/generate keyword arguments consumed by the encoder stage
-    encoder_kwargs: ClassVar[tuple[str, ...]] = ()
+    modalities: ClassVar[tuple[Modality, ...]] = (Modality("image", "pixel_values", "image_token_id"),)
     # "renumber": kept tokens get contiguous positions; "original": they keep the positions they had
     positions: ClassVar[str] = "renumber"
+    # per-token inputs besides input_ids/attention_mask/labels that shrink with the prompt, and their pad value
+    token_columns: ClassVar[dict[str, int]] = {}
 
     def __init__(self, model: nn.Module, methods: list[Method]):
         self.model = model
@@ -71,21 +85,40 @@ class Adapter:
         """Score signals this model can provide to methods."""
         return set()
 
-    def plan(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
-        """Visual tokens of every image before reduction (its placeholder count); validates the input shapes."""
+    def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
+        """Placeholder count of every image (or video) before reduction; validates the input shapes."""
         raise NotImplementedError
 
-    def planned_counts(self, run_lengths: list[int]) -> list[int | None]:
+    def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         """Per image, the placeholders that remain, when known before encoding (None: only after it)."""
         return [self.encoder_method.planned_count(n) for n in run_lengths]
 
-    def encode(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
+    def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         """Run the vision side with the encoder-stage method and return what reaches the LLM."""
         raise NotImplementedError
 
-    @property
-    def placeholder_id(self) -> int:
-        return getattr(self.model.config, self.placeholder_attr)
+    def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Hook: model kwargs of the unpruned prompt, e.g. to compute its own position ids first."""
+        return kwargs
+
+    def after_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Hook: model kwargs of the shrunk prompt before the stock forward/generate sees them."""
+        return kwargs
+
+    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor) -> Any:
+        """Positions of a manual decoding step after a pruned prefill, given the step's remapped `mask` and the
+        tokens each row lost."""
+        positions = kwargs.get("position_ids")
+        steps = mask.shape[1] - kwargs["_past"]
+        if positions is None:
+            return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
+        return positions - lost.to(positions.device)[:, None] if self.positions == "renumber" else positions
+
+    def placeholder_id(self, modality: Modality) -> int:
+        return getattr(self.model.config, modality.placeholder_attr)
+
+    def present(self, kwargs: dict[str, Any]) -> list[Modality]:
+        return [m for m in self.modalities if kwargs.get(m.pixel_key) is not None]
 
     @property
     def pad_token_id(self) -> int:
@@ -141,52 +174,61 @@ class Adapter:
         self.model.__dict__.pop("generate", None)
 
     # ----------------------------------------------------------------- the shared encode + shrink step
-    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], CompressedPrompt]:
-        """Encode `kwargs[pixel_key]`, shrink the prompt, and return model kwargs for the stock code path."""
+    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Encode every visual input in `kwargs`, shrink the prompt, and return model kwargs for the stock code
+        path with whether the prompt changed."""
         kwargs = dict(kwargs)
-        pixel_values = kwargs.pop(self.pixel_key)
-        encoder_kwargs = {k: kwargs.pop(k) for k in self.encoder_kwargs if k in kwargs}
-        input_ids = kwargs.get("input_ids")
-        if input_ids is None:
+        if kwargs.get("input_ids") is None:
             raise InputError(
                 "a patched model needs `input_ids` (with the image placeholders) next to the images, to know where "
                 "visual tokens go; inputs_embeds alone are not supported"
             )
-        run_lengths = self.plan(pixel_values, **encoder_kwargs)
-        shrink = functools.partial(
-            compress_prompt,
-            input_ids,
-            self.placeholder_id,
-            run_lengths,
-            attention_mask=kwargs.get("attention_mask"),
-            position_ids=kwargs.get("position_ids"),
-            labels=kwargs.get("labels"),
-            pad_token_id=self.pad_token_id,
-            positions=self.positions,
-        )
-        # "How many" before the encoder, "which" after: with contiguous positions only the count matters to the
-        # prompt, so for fixed-count methods it is shrunk while the accelerator is still idle (no host sync later).
-        planned = self.planned_counts(run_lengths)
-        early = self.positions == "renumber" and None not in planned
-        if early:
-            compressed = shrink([torch.arange(k) for k in planned])
-        encoded = self.encode(pixel_values, **encoder_kwargs)
-        self.records = encoded.records
-        if early:
-            produced = [len(f) for f in encoded.features]
-            if produced != planned:
-                raise RuntimeError(f"{self.encoder_method.name} kept {produced} tokens, planned {planned}")
-        else:
-            compressed = shrink(encoded.keep_offsets)
-        kwargs["input_ids"] = compressed.input_ids
-        for key in ("attention_mask", "position_ids", "labels"):
-            value = getattr(compressed, key)
-            if value is not None or key in kwargs:
-                kwargs[key] = value
+        kwargs = self.before_shrinking(kwargs)
         mm = dict(kwargs.get("mm_encoder_outputs") or {})
-        mm["image"] = BaseModelOutputWithPooling(pooler_output=encoded.features)
+        records, changed = [], False
+        for modality in self.present(kwargs):
+            pixel_values = kwargs.pop(modality.pixel_key)
+            encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
+            run_lengths = self.plan(modality, pixel_values, **encoder_kwargs)
+            shrink = functools.partial(
+                compress_prompt,
+                kwargs["input_ids"],
+                self.placeholder_id(modality),
+                run_lengths,
+                attention_mask=kwargs.get("attention_mask"),
+                position_ids=kwargs.get("position_ids"),
+                labels=kwargs.get("labels"),
+                pad_token_id=self.pad_token_id,
+                positions=self.positions,
+            )
+            # "How many" before the encoder, "which" after: with contiguous positions only the count matters to
+            # the prompt, so for fixed-count methods it is shrunk while the accelerator is still idle.
+            planned = self.planned_counts(modality, run_lengths)
+            early = self.positions == "renumber" and None not in planned
+            if early:
+                compressed = shrink([torch.arange(k) for k in planned])
+            encoded = self.encode(modality, pixel_values, **encoder_kwargs)
+            if early:
+                produced = [len(f) for f in encoded.features]
+                if produced != planned:
+                    raise RuntimeError(f"{self.encoder_method.name} kept {produced} tokens, planned {planned}")
+            else:
+                compressed = shrink(encoded.keep_offsets)
+            records += encoded.records
+            mm[modality.name] = BaseModelOutputWithPooling(pooler_output=encoded.features)
+            if compressed.changed:
+                changed = True
+                kwargs["input_ids"] = compressed.input_ids
+                for key in ("attention_mask", "position_ids", "labels"):
+                    value = getattr(compressed, key)
+                    if value is not None or key in kwargs:
+                        kwargs[key] = value
+                for key, fill in self.token_columns.items():
+                    if kwargs.get(key) is not None:
+                        kwargs[key] = gather_columns(kwargs[key], compressed.index, fill)
+        self.records = records
         kwargs["mm_encoder_outputs"] = mm
-        return kwargs, compressed
+        return self.after_shrinking(kwargs), changed
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if args:
@@ -194,47 +236,47 @@ class Adapter:
             kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
         if self._in_generate:  # generate already works on the shrunk prompt
             return None
-        if kwargs.get(self.pixel_key) is None:
+        if not self.present(kwargs):
             continued = self._continue_decoding(kwargs)
             if continued is None:
                 self.records, self._last_prompt = [], None
             return (), continued or kwargs
         original_len = kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else None
         caller_mask = kwargs.get("attention_mask")
-        kwargs, compressed = self.prepare(kwargs)
-        self._last_prompt = (original_len, caller_mask, compressed) if compressed.changed else None
+        kwargs, changed = self.prepare(kwargs)
+        shrunk = (kwargs["input_ids"].shape[1], kwargs.get("attention_mask"))
+        self._last_prompt = (original_len, caller_mask, *shrunk) if changed else None
         return (), kwargs
 
     def _continue_decoding(self, kwargs: dict) -> dict | None:
         """Map a manual decoding step after a pruned `model(...)` call onto the shrunk prompt.
 
         The caller's mask covers the original prompt (L columns) plus new tokens, the cache the shrunk prompt
-        (L' columns) plus the same new tokens: swap the prompt part of the mask, and shift given positions by the
-        tokens each row lost. Returns None when the call is not such a step.
+        (L' columns) plus the same new tokens: swap the prompt part of the mask, and let `decode_positions` place
+        the new tokens. Returns None when the call is not such a step.
         """
         cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
         if self._last_prompt is None or cache is None or mask is None or mask.dim() != 2:
             return None
-        original_len, original_mask, prompt = self._last_prompt
+        original_len, caller_mask, new_len, prompt_mask = self._last_prompt
         new_ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        batch, new_len = prompt.input_ids.shape
-        if new_ids is None or mask.shape[0] != batch:
+        past = cache.get_seq_length()
+        if new_ids is None or mask.shape[0] != (caller_mask.shape[0] if caller_mask is not None else mask.shape[0]):
             return None
-        if mask.shape[1] != cache.get_seq_length() + new_ids.shape[1] + original_len - new_len:
+        if mask.shape[1] != past + new_ids.shape[1] + original_len - new_len:
             return None
-        prompt_mask = prompt.attention_mask if prompt.attention_mask is not None else torch.ones_like(prompt.input_ids)
+        batch = mask.shape[0]
+        if prompt_mask is None:
+            prompt_mask = torch.ones(batch, new_len, dtype=mask.dtype, device=mask.device)
+        caller_mask = caller_mask if caller_mask is not None else torch.ones(batch, original_len, device=mask.device)
+        lost = caller_mask.long().sum(1) - prompt_mask.long().sum(1)
         mask = torch.cat([prompt_mask.to(mask.dtype), mask[:, original_len:]], dim=1)
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new_ids.shape[1] :]
-        elif self.positions == "renumber":
-            caller_mask = original_mask if original_mask is not None else torch.ones(batch, original_len)
-            lost = caller_mask.long().sum(1) - prompt_mask.long().sum(1)
-            positions = positions - lost.to(positions.device)[:, None]
+        positions = self.decode_positions({**kwargs, "_past": past}, mask, lost)
         return dict(kwargs, attention_mask=mask, position_ids=positions)
 
     _in_generate = False
-    _last_prompt = None  # (original length, caller's mask, CompressedPrompt) of the last pruned model(...) call
+    # (original length, caller's mask, shrunk length, shrunk mask) of the last pruned model(...) call
+    _last_prompt = None
 
     @torch.no_grad()
     def _patched_generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -242,29 +284,27 @@ class Adapter:
         kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
         if isinstance(kwargs.get("inputs"), torch.Tensor) and kwargs.get("input_ids") is None:
             kwargs["input_ids"] = kwargs.pop("inputs")
-        if kwargs.get(self.pixel_key) is None:
+        if not self.present(kwargs):
             self.records = []
             return self._stock_generate(**kwargs)
         original_ids = kwargs.get("input_ids")
-        kwargs, compressed = self.prepare(kwargs)
-        if compressed.changed and kwargs.get("max_length") is not None:
-            kwargs["max_length"] -= original_ids.shape[1] - compressed.input_ids.shape[1]
+        kwargs, changed = self.prepare(kwargs)
+        if changed and kwargs.get("max_length") is not None:
+            kwargs["max_length"] -= original_ids.shape[1] - kwargs["input_ids"].shape[1]
         self._in_generate = True
         try:
             out = self._stock_generate(**kwargs)
         finally:
             self._in_generate = False
-        return _restore_prompt(out, original_ids, compressed)
+        return _restore_prompt(out, original_ids, kwargs["input_ids"].shape[1]) if changed else out
 
 
-def _restore_prompt(out: Any, original_ids: torch.Tensor, compressed: CompressedPrompt) -> Any:
+def _restore_prompt(out: Any, original_ids: torch.Tensor, shrunk_length: int) -> Any:
     """Put the caller's own prompt back in front of the generated tokens."""
-    if not compressed.changed:
-        return out
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     repeats = sequences.shape[0] // original_ids.shape[0]
     prompt = original_ids.to(sequences.device).repeat_interleave(repeats, dim=0)
-    full = torch.cat([prompt, sequences[:, compressed.input_ids.shape[1] :]], dim=1)
+    full = torch.cat([prompt, sequences[:, shrunk_length:]], dim=1)
     if isinstance(out, torch.Tensor):
         return full
     out.sequences = full

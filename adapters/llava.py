@@ -13,7 +13,7 @@ from vtoken.registry import register_adapter
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, VisualTokens
 
-from .base import Adapter, EncodedImages
+from .base import Adapter, EncodedImages, Modality
 from .probes import ClsAttentionProbe
 
 
@@ -24,7 +24,10 @@ class LlavaAdapter(Adapter):
     family = "llava-1.5"
     model_types = ("llava",)
     model_classes = ("LlavaForConditionalGeneration", "LlavaModel")
-    encoder_kwargs = ("vision_feature_layer", "vision_feature_select_strategy", "image_sizes")
+    modalities = (
+        Modality("image", "pixel_values", "image_token_id",
+                 ("vision_feature_layer", "vision_feature_select_strategy", "image_sizes")),
+    )  # fmt: skip
 
     @property
     def inner(self):
@@ -68,7 +71,7 @@ class LlavaAdapter(Adapter):
                 f"H = W = {size}, as its processor makes them"
             )
 
-    def plan(self, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
+    def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
         self._check_crops(pixel_values, "[num_images, 3, H, W]")
         height, width = self.grid
         return [height * width] * pixel_values.shape[0]
@@ -135,6 +138,7 @@ class LlavaAdapter(Adapter):
 
     def encode(
         self,
+        modality: Modality,
         pixel_values: torch.Tensor,
         vision_feature_layer: Any = None,
         vision_feature_select_strategy: str | None = None,

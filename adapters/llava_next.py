@@ -22,7 +22,7 @@ from vtoken.errors import InputError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages
+from .base import EncodedImages, Modality
 from .llava import LlavaAdapter
 
 
@@ -45,7 +45,10 @@ class LlavaNextAdapter(LlavaAdapter):
     family = "llava-next"
     model_types = ("llava_next",)
     model_classes = ("LlavaNextForConditionalGeneration", "LlavaNextModel")
-    encoder_kwargs = ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy")
+    modalities = (
+        Modality("image", "pixel_values", "image_token_id",
+                 ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy")),
+    )  # fmt: skip
 
     def available_signals(self) -> set[str]:
         return super().available_signals() - {"full_grid"}
@@ -82,7 +85,9 @@ class LlavaNextAdapter(LlavaAdapter):
                 raise InputError(f"{pixel_values.shape[0]} crops given; the image sizes need {needed}")
         return layouts
 
-    def plan(self, pixel_values: torch.Tensor, image_sizes: Any = None, **encoder_kwargs: Any) -> list[int]:
+    def plan(
+        self, modality: Modality, pixel_values: torch.Tensor, image_sizes: Any = None, **encoder_kwargs: Any
+    ) -> list[int]:
         height, width = self.grid
         runs = []
         for layout in self._layouts(pixel_values, image_sizes):
@@ -93,11 +98,12 @@ class LlavaNextAdapter(LlavaAdapter):
                 runs.append(height * width + rows * cols + rows)
         return runs
 
-    def planned_counts(self, run_lengths: list[int]) -> list[int | None]:
+    def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         return [None] * len(run_lengths)  # newlines follow which rows keep tokens: known only after selection
 
     def encode(
         self,
+        modality: Modality,
         pixel_values: torch.Tensor,
         image_sizes: Any = None,
         vision_feature_layer: Any = None,

@@ -31,8 +31,9 @@ class CompressedPrompt:
         return self.index is not None
 
 
-def _gather_columns(x: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
-    """x [..., B, L] gathered along the last dim with index [B, L'] (-1 -> fill)."""
+def gather_columns(x: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+    """x [..., B, L] gathered along the last dim with index [B, L'] (-1 -> fill), on x's device."""
+    index = index.to(x.device)
     idx = index.clamp(min=0).expand(*x.shape[:-2], *index.shape)
     out = x.gather(-1, idx)
     return out.masked_fill(index < 0, fill)
@@ -122,9 +123,9 @@ def compress_prompt(
     index = order.gather(1, source.clamp(0, length - 1)).masked_fill(~valid, -1)
 
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    new_mask = _gather_columns(mask, index, 0)
-    new_ids = _gather_columns(input_ids, index, pad_token_id)
-    new_labels = _gather_columns(labels, index, -100) if labels is not None else None
+    new_mask = gather_columns(mask, index, 0)
+    new_ids = gather_columns(input_ids, index, pad_token_id)
+    new_labels = gather_columns(labels, index, -100) if labels is not None else None
 
     new_positions = None
     if position_ids is not None or positions == "original" or bool((new_mask == 0).any()):
@@ -133,6 +134,6 @@ def compress_prompt(
         if positions == "renumber":
             dropped_before = (~keep).long().cumsum(-1)
             position_ids = position_ids - dropped_before
-        new_positions = _gather_columns(position_ids, index, 0)
+        new_positions = gather_columns(position_ids, index, 0)
     new_mask = new_mask if attention_mask is not None or bool((new_mask == 0).any()) else None
     return CompressedPrompt(new_ids, new_mask, new_positions, new_labels, index)
