@@ -3,5 +3,14 @@
 from .base import Adapter, EncodedImages, Modality
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
+from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
 
-__all__ = ["Adapter", "EncodedImages", "Modality", "LlavaAdapter", "LlavaNextAdapter"]
+__all__ = [
+    "Adapter",
+    "EncodedImages",
+    "Modality",
+    "LlavaAdapter",
+    "LlavaNextAdapter",
+    "QwenVLAdapter",
+    "Qwen25VLAdapter",
+]

@@ -23,6 +23,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.methods.base import Method
 from vtoken.records import Record
+from vtoken.timing import Stopwatch
+from vtoken.tokens import Selection, VisualTokens
 
 from .prompt import compress_prompt, gather_columns
 
@@ -96,6 +98,45 @@ class Adapter:
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         """Run the vision side with the encoder-stage method and return what reaches the LLM."""
         raise NotImplementedError
+
+    def select(self, tokens: VisualTokens) -> tuple[Selection, Stopwatch]:
+        """Score and select with the encoder method. Callable signals are resolved here, so the stopwatch covers
+        computing the scores as well as selecting."""
+        timer = Stopwatch(tokens.features.device).start()
+        tokens.signals = {k: v() if callable(v) else v for k, v in tokens.signals.items()}
+        selection = self.encoder_method.select(tokens)
+        timer.stop()
+        return selection, timer
+
+    def crop_records(
+        self,
+        tokens: VisualTokens,
+        selection: Selection,
+        timer: Stopwatch,
+        crop_index: list[int],
+        modality: str = "image",
+    ) -> list[Record]:
+        """One record per crop; `crop_index[c]` is crop c's index within its image (or frame within its video)."""
+        num_crops = tokens.num_crops
+        valid = tokens.valid.sum(1).tolist() if tokens.valid is not None else [tokens.num_tokens] * num_crops
+        kept_counts = selection.counts or [selection.num_kept] * num_crops
+        images = tokens.image_index.tolist()
+        return [
+            Record(
+                "encoder",
+                self.encoder_method.name,
+                image=images[c],
+                crop=crop_index[c],
+                tokens_in=valid[c],
+                tokens_out=kept_counts[c],
+                kept=selection.kept_of(c),
+                grid=tokens.grid,
+                timer=timer,
+                share=1 / num_crops,
+                modality=modality,
+            )
+            for c in range(num_crops)
+        ]
 
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Hook: model kwargs of the unpruned prompt, e.g. to compute its own position ids first."""

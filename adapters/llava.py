@@ -8,10 +8,8 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError
-from vtoken.records import Record
 from vtoken.registry import register_adapter
-from vtoken.timing import Stopwatch
-from vtoken.tokens import Selection, VisualTokens
+from vtoken.tokens import VisualTokens
 
 from .base import Adapter, EncodedImages, Modality
 from .probes import ClsAttentionProbe
@@ -100,41 +98,9 @@ class LlavaAdapter(Adapter):
         with probe:
             out = self.tower(crops, output_hidden_states=layers, return_dict=True)
         features = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)
-        # the [CLS] row is computed here, inside the selection timer of `select`
-        signals = {"cls_attention": probe} if needs_cls else {}
+        # a callable: the [CLS] row is computed inside the selection timer of `select`
+        signals = {"cls_attention": lambda: probe.scores} if needs_cls else {}
         return features, signals
-
-    def select(self, tokens: VisualTokens) -> tuple[Selection, Stopwatch]:
-        """Score and select with the encoder method; the stopwatch covers scores and selection."""
-        timer = Stopwatch(tokens.features.device).start()
-        tokens.signals = {k: v.scores if isinstance(v, ClsAttentionProbe) else v for k, v in tokens.signals.items()}
-        selection = self.encoder_method.select(tokens)
-        timer.stop()
-        return selection, timer
-
-    def crop_records(
-        self, tokens: VisualTokens, selection: Selection, timer: Stopwatch, crop_index: list[int]
-    ) -> list[Record]:
-        """One record per crop; `crop_index[c]` is crop c's index within its image."""
-        num_crops = tokens.num_crops
-        valid = tokens.valid.sum(1).tolist() if tokens.valid is not None else [tokens.num_tokens] * num_crops
-        kept_counts = selection.counts or [selection.num_kept] * num_crops
-        images = tokens.image_index.tolist()
-        return [
-            Record(
-                "encoder",
-                self.encoder_method.name,
-                image=images[c],
-                crop=crop_index[c],
-                tokens_in=valid[c],
-                tokens_out=kept_counts[c],
-                kept=selection.kept_of(c),
-                grid=self.grid,
-                timer=timer,
-                share=1 / num_crops,
-            )
-            for c in range(num_crops)
-        ]
 
     def encode(
         self,

@@ -14,7 +14,8 @@ class Record:
     """One crop's visual tokens at one stage.
 
     stage: e.g. "encoder"; method: the method's registered name.
-    image: index of the image in the call (row-major over the batch); crop: index of the crop within it.
+    image: index of the image (or video) in the call, row-major over the batch; crop: index of the crop (or
+        frame) within it; modality: "image" or "video".
     tokens_in / tokens_out: visual tokens before and after this stage.
     kept: sorted LongTensor [tokens_out] of kept indices into the crop's token sequence as the vision tower
         emits it (without [CLS]), on the model's device; None for merging methods.
@@ -33,6 +34,7 @@ class Record:
     grid: tuple[int, int]
     timer: Stopwatch = field(repr=False)
     share: float = 1.0
+    modality: str = "image"
 
     @property
     def seconds(self) -> float:

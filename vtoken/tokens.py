@@ -48,11 +48,14 @@ class Selection:
     features: [C, k, D] replacement features for merging methods (None when tokens are only selected).
     counts: per crop, how many leading entries of its `kept` row are real when crops keep different numbers
         (the rest is padding); None when every crop keeps k.
+    anchors: for merging methods, [C, k] ascending index of the original token each merged token stands at
+        (models that keep original positions, e.g. M-RoPE, give it that token's position).
     """
 
     kept: torch.Tensor | None = None
     features: torch.Tensor | None = None
     counts: list[int] | None = None
+    anchors: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.kept is None) == (self.features is None):
@@ -61,6 +64,14 @@ class Selection:
     @property
     def num_kept(self) -> int:
         return (self.kept if self.kept is not None else self.features).shape[1]
+
+    def offsets_of(self, crop: int) -> torch.Tensor:
+        """Original token indices whose places (and positions) the crop's output tokens take, ascending."""
+        if self.kept is not None:
+            return self.kept_of(crop)
+        if self.anchors is not None:
+            return self.anchors[crop]
+        return torch.arange(self.features.shape[1], device=self.features.device)
 
     def kept_of(self, crop: int) -> torch.Tensor | None:
         """Ascending kept indices of one crop (None for merging methods)."""

@@ -29,8 +29,13 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(special_tokens: tuple[str, ...] = ("<image>",), vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained in-process on a fixed corpus (deterministic, ~ms)."""
+def tiny_tokenizer(
+    special_tokens: tuple[str, ...] = ("<image>",), vocab_size: int = 384, named: dict[str, str] | None = None
+):
+    """A byte-level BPE tokenizer trained in-process on a fixed corpus (deterministic, ~ms).
+
+    named: the processor-facing names of special tokens (default {"image_token": "<image>"}).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -51,7 +56,7 @@ def tiny_tokenizer(special_tokens: tuple[str, ...] = ("<image>",), vocab_size: i
         eos_token="</s>",
         pad_token="<pad>",
         padding_side="left",
-        extra_special_tokens={"image_token": "<image>"},
+        extra_special_tokens=named or {"image_token": "<image>"},
     )
 
 
@@ -160,7 +165,85 @@ def tiny_llava_next(seed: int = 0):
     return model, processor
 
 
-TINY_MODELS: dict[str, Callable] = {"tiny-llava": tiny_llava, "tiny-llava-next": tiny_llava_next}
+QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_qwen(config_cls, model_cls, processor_cls, vision: dict, seed: int):
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    tokenizer = tiny_tokenizer(QWEN_SPECIALS, named={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    processor = processor_cls(
+        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 256),
+        video_processor=Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64),
+        tokenizer=tokenizer,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    text = dict(
+        TINY_TEXT,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config = config_cls(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, processor
+
+
+def tiny_qwen2_vl(seed: int = 0):
+    """A tiny random-weight Qwen2-VL: dynamic-resolution ViT + 2x2 patch merger, M-RoPE Qwen2 LM, image + video."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    vision = dict(depth=2, embed_dim=32, hidden_size=TINY_TEXT["hidden_size"], num_heads=4, mlp_ratio=2)
+    return _tiny_qwen(Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, vision, seed)
+
+
+def tiny_qwen2_5_vl(seed: int = 0):
+    """A tiny random-weight Qwen2.5-VL: windowed-attention ViT (one full-attention block) + merger, M-RoPE LM."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=TINY_TEXT["hidden_size"],
+        window_size=56,
+        fullatt_block_indexes=[1],
+    )
+    return _tiny_qwen(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, vision, seed)
+
+
+TINY_MODELS: dict[str, Callable] = {
+    "tiny-llava": tiny_llava,
+    "tiny-llava-next": tiny_llava_next,
+    "tiny-qwen2-vl": tiny_qwen2_vl,
+    "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
+}
 
 
 def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | None = None, **kwargs):

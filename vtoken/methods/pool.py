@@ -23,24 +23,34 @@ def _bounds(size: int, parts: int, i: int) -> tuple[int, int]:
     return (i * size) // parts, -((-(i + 1) * size) // parts)
 
 
-@lru_cache(maxsize=64)
-def pool_weights(height: int, width: int, k: int) -> torch.Tensor:
-    """[k, height*width] averaging weights, rows in raster order of the pooled cells."""
+def _cells(height: int, width: int, k: int) -> list[tuple[int, int, int, int]]:
+    """The k pooling cells (row0, row1, col0, col1) in raster order."""
     rows = max(1, min(height, k, round(math.sqrt(k * height / width))))
     while -(-k // rows) > width:  # a band cannot hold more cells than the grid has columns
         rows += 1
-    weights = torch.zeros(k, height * width)
-    cell = 0
+    cells = []
     for i in range(rows):
         cols = k // rows + (1 if i < k % rows else 0)
         r0, r1 = _bounds(height, rows, i)
-        for j in range(cols):
-            c0, c1 = _bounds(width, cols, j)
-            block = torch.zeros(height, width)
-            block[r0:r1, c0:c1] = 1.0 / ((r1 - r0) * (c1 - c0))
-            weights[cell] = block.flatten()
-            cell += 1
-    return weights
+        cells += [(r0, r1, *_bounds(width, cols, j)) for j in range(cols)]
+    return cells
+
+
+@lru_cache(maxsize=64)
+def pool_weights(height: int, width: int, k: int) -> torch.Tensor:
+    """[k, height*width] averaging weights, rows in raster order of the pooled cells."""
+    weights = torch.zeros(k, height, width)
+    for cell, (r0, r1, c0, c1) in enumerate(_cells(height, width, k)):
+        weights[cell, r0:r1, c0:c1] = 1.0 / ((r1 - r0) * (c1 - c0))
+    return weights.flatten(1)
+
+
+@lru_cache(maxsize=64)
+def pool_anchors(height: int, width: int, k: int) -> torch.Tensor:
+    """[k] raster index of the patch at the centre of each pooled cell (ascending)."""
+    return torch.tensor(
+        [((r0 + r1 - 1) // 2) * width + (c0 + c1 - 1) // 2 for r0, r1, c0, c1 in _cells(height, width, k)]
+    )
 
 
 @register_method
@@ -57,4 +67,5 @@ class Pool(Method):
         feats = tokens.features
         weights = pool_weights(h, w, k).to(device=feats.device, dtype=torch.float32)
         pooled = torch.einsum("kn,cnd->ckd", weights, feats.float()).to(feats.dtype)
-        return Selection(features=pooled)
+        anchors = pool_anchors(h, w, k).to(feats.device).expand(tokens.num_crops, -1)
+        return Selection(features=pooled, anchors=anchors)

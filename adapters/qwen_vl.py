@@ -1,0 +1,149 @@
+"""Qwen2-VL and Qwen2.5-VL: dynamic-resolution ViT, 2x2 patch merger, multimodal RoPE (M-RoPE).
+
+Visual tokens are the patch-merger outputs: an image of grid (t=1, h, w) patches gives (h/2) x (w/2) tokens, a
+video (t, h, w) gives t frames of (h/2) x (w/2). Budgets apply per image and per video frame. Kept tokens keep
+their **original (t, h, w) M-RoPE positions**, computed by the model's own `get_rope_index` on the unpruned
+prompt. The text position row that transformers uses for attention masks stays contiguous. `mm_token_type_ids`
+shrinks with the prompt, and decoding continues after the largest position, as the stock model does.
+
+There is no [CLS] token: methods that need [CLS] attention fail at `patch` time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vtoken.errors import InputError
+from vtoken.registry import register_adapter
+from vtoken.tokens import VisualTokens
+
+from .base import Adapter, EncodedImages, Modality
+
+GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
+
+
+@register_adapter
+class QwenVLAdapter(Adapter):
+    family = "qwen2-vl"
+    model_types = ("qwen2_vl",)
+    model_classes = ("Qwen2VLForConditionalGeneration", "Qwen2VLModel")
+    modalities = (
+        Modality("image", "pixel_values", "image_token_id", ("image_grid_thw",)),
+        Modality("video", "pixel_values_videos", "video_token_id", ("video_grid_thw",)),
+    )
+    positions = "original"
+    token_columns = {"mm_token_type_ids": 0}
+
+    @property
+    def inner(self):
+        return self.model.model if hasattr(self.model, "lm_head") else self.model
+
+    @property
+    def merge(self) -> int:
+        return self.model.config.vision_config.spatial_merge_size
+
+    def available_signals(self) -> set[str]:
+        return {"patch_features", "full_grid"}
+
+    def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> torch.Tensor:
+        key = GRID_KEYS[modality.name]
+        if grid_thw is None:
+            raise InputError(f"{type(self.model).__name__} needs `{key}` next to `{modality.pixel_key}` "
+                             "(its processor returns both)")  # fmt: skip
+        grid_thw = torch.as_tensor(grid_thw)
+        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or pixel_values.dim() != 2:
+            raise InputError(
+                f"{modality.pixel_key} of shape {tuple(pixel_values.shape)} with {key} of shape "
+                f"{tuple(grid_thw.shape)}; expected [total_patches, channels * patch volume] and "
+                f"[num_{modality.name}s, 3]"
+            )
+        if int(grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
+            raise InputError(
+                f"{key} {grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())} patches, but "
+                f"{modality.pixel_key} holds {pixel_values.shape[0]}"
+            )
+        return grid_thw
+
+    def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
+        grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
+        return (grid_thw.prod(-1) // self.merge**2).tolist()
+
+    def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The stock [4, B, L] positions of the unpruned prompt (text row + t/h/w rows), to be gathered."""
+        for modality in self.present(kwargs):
+            self._grids(modality, kwargs[modality.pixel_key], kwargs.get(GRID_KEYS[modality.name]))
+        if kwargs.get("position_ids") is not None:
+            return kwargs
+        if kwargs.get("mm_token_type_ids") is None:
+            raise InputError(
+                f"{type(self.model).__name__} needs `mm_token_type_ids` to place visual tokens in M-RoPE; pass "
+                "everything its processor returns"
+            )
+        grids = {key: kwargs.get(key) for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+        rope, _ = self.inner.get_rope_index(
+            kwargs["input_ids"],
+            mm_token_type_ids=kwargs["mm_token_type_ids"],
+            attention_mask=kwargs.get("attention_mask"),
+            **{k: v for k, v in grids.items() if v is not None},
+        )
+        text = _text_positions(kwargs.get("attention_mask"), kwargs["input_ids"])
+        return dict(kwargs, position_ids=torch.cat([text[None], rope.to(text.device)]))
+
+    def after_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Renumber the text row (masks need it contiguous); store the decoding offset the stock model uses."""
+        positions = kwargs["position_ids"]
+        mask = kwargs.get("attention_mask")
+        text = _text_positions(mask, kwargs["input_ids"])
+        positions = torch.cat([text[None].to(positions), positions[1:]]) if positions.shape[0] == 4 else positions
+        valid = mask.bool() if mask is not None else torch.ones_like(kwargs["input_ids"], dtype=torch.bool)
+        largest = positions[-3:].masked_fill(~valid[None], -1).amax(dim=(0, 2))
+        self.inner.rope_deltas = (largest + 1 - valid.sum(1))[:, None]
+        return dict(kwargs, position_ids=positions)
+
+    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor) -> Any:
+        """New tokens continue after the largest prompt position: text row from the mask, t/h/w rows offset by
+        the rope delta stored at prefill. (Explicit, since the stock fallback returns positions for the whole
+        mask rather than the new tokens in transformers 5.23.)"""
+        if kwargs.get("position_ids") is not None:
+            return kwargs["position_ids"]
+        steps = mask.shape[1] - kwargs["_past"]
+        text = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
+        rope = (text + self.inner.rope_deltas.to(text.device))[None].expand(3, -1, -1)
+        return torch.cat([text[None], rope])
+
+    def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
+        grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
+        visual = self.inner.visual
+        merged = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device)).pooler_output
+        sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
+        features, offsets, records = [], [], []
+        for index, (tokens, (frames, height, width)) in enumerate(
+            zip(merged.split(sizes), grid_thw.tolist(), strict=True)
+        ):
+            grid = (height // self.merge, width // self.merge)
+            per_frame = tokens.view(frames, grid[0] * grid[1], -1)
+            crops = VisualTokens(per_frame, grid, {}, torch.full((frames,), index))
+            selection, timer = self.select(crops)
+            features.append(selection.gather(per_frame).flatten(0, 1))
+            offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
+            records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)
+        return EncodedImages(features, offsets, records)
+
+
+@register_adapter
+class Qwen25VLAdapter(QwenVLAdapter):
+    """Qwen2.5-VL: as Qwen2-VL (its window-ordered encoder internals are restored to raster order by the stock
+    merger output, which is all the current methods read)."""
+
+    family = "qwen2.5-vl"
+    model_types = ("qwen2_5_vl",)
+    model_classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
+
+
+def _text_positions(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+    """Contiguous 1-D positions over the real tokens of every row (what generate uses for masks)."""
+    if mask is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -1,0 +1,213 @@
+"""Qwen2-VL and Qwen2.5-VL: original M-RoPE positions, dynamic resolution, several images, video frames."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_image
+from PIL import Image
+
+import vtoken
+from vtoken.zoo import tiny_qwen2_5_vl, tiny_qwen2_vl
+
+FAMILIES = {"qwen2-vl": tiny_qwen2_vl, "qwen2.5-vl": tiny_qwen2_5_vl}
+METHODS = ["random", "pool"]
+SIZES = [(448, 448), (500, 300), (300, 700), (120, 90), (1000, 400)]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen(request):
+    return FAMILIES[request.param]()
+
+
+@pytest.fixture(autouse=True)
+def _unpatch(qwen):
+    yield
+    if vtoken.handle_of(qwen[0]) is not None:
+        vtoken.unpatch(qwen[0])
+
+
+def _prompt(processor, question, images=1, videos=0):
+    content = [{"type": "image"}] * images + [{"type": "video"}] * videos + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def _clip(frames, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (90, 120, 3), dtype=np.uint8)
+    return [Image.fromarray(np.roll(base, 4 * i, axis=1)) for i in range(frames)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_identity_at_full_budget(qwen, method):
+    model, processor = qwen
+    cases = [
+        processor(images=[make_image(w, h, i)], text=[_prompt(processor, "what is in the image?")], return_tensors="pt")
+        for i, (w, h) in enumerate(SIZES[:3])
+    ]
+    cases.append(processor(videos=[_clip(4)], text=[_prompt(processor, "what happens?", 0, 1)], return_tensors="pt"))
+    for inputs in cases:
+        with torch.no_grad():
+            ref, ref_tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
+            with vtoken.patched(model, method, budget=1.0):
+                logits, tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert (logits - ref).abs().max() <= 1e-5
+        assert torch.equal(tokens, ref_tokens)
+
+
+def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
+    """The bare language model fed the kept embeddings at their ORIGINAL M-RoPE positions (text row contiguous),
+    then greedy decoding continuing after the largest position: prefill logits and the generated tokens."""
+    inner = model.model
+    rope, _ = inner.get_rope_index(
+        inputs["input_ids"],
+        mm_token_type_ids=inputs["mm_token_type_ids"],
+        image_grid_thw=inputs.get("image_grid_thw"),
+        video_grid_thw=inputs.get("video_grid_thw"),
+    )
+    ids = inputs["input_ids"][0, keep_columns][None]
+    positions = rope[:, :, keep_columns]
+    text = torch.arange(ids.shape[1])[None, None]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+        embeds[ids == model.config.image_token_id] = image_embeds
+        embeds[ids == model.config.video_token_id] = image_embeds if (ids == model.config.video_token_id).any() else 0
+        out = inner.language_model(inputs_embeds=embeds, position_ids=torch.cat([text, positions]), use_cache=True)
+        logits = model.lm_head(out.last_hidden_state)
+        tokens, cache, nxt = [], out.past_key_values, int(positions.max()) + 1
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        for step in range(steps):
+            tokens.append(token)
+            if step == steps - 1:
+                break
+            pos = torch.full((3, 1, 1), nxt + step)
+            text_pos = torch.full((1, 1, 1), ids.shape[1] + step)
+            out = inner.language_model(
+                inputs_embeds=model.get_input_embeddings()(token),
+                past_key_values=cache,
+                position_ids=torch.cat([text_pos, pos]),
+                use_cache=True,
+            )
+            token = model.lm_head(out.last_hidden_state)[:, -1].argmax(-1, keepdim=True)
+    return logits, torch.cat(tokens, dim=1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pruned_run_equals_language_model_with_original_positions(qwen, method):
+    model, processor = qwen
+    inputs = processor(
+        images=[make_image(448, 448, 3)], text=[_prompt(processor, "what is in the image?")], return_tensors="pt"
+    )  # a 16 x 16 merged grid
+    k = 64
+    with torch.no_grad(), vtoken.patched(model, method, budget=k) as handle:
+        logits = model(**inputs).logits
+        generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+    assert [r.tokens_out for r in handle.records] == [k]
+    with torch.no_grad():
+        full = torch.cat(model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
+    if method == "pool":  # 8 x 8 adaptive average pooling; each cell sits at its centre patch (2i, 2j)
+        chosen = F.adaptive_avg_pool2d(full.view(16, 16, -1).permute(2, 0, 1), 8).flatten(1).T
+        offsets = torch.tensor([2 * i * 16 + 2 * j for i in range(8) for j in range(8)])
+    else:
+        offsets = handle.records[0].kept
+        chosen = full[offsets]
+    ids = inputs["input_ids"][0]
+    placeholders = (ids == model.config.image_token_id).nonzero().squeeze(1)
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[placeholders] = False
+    keep[placeholders[offsets]] = True
+    ref_logits, ref_tokens = _reference_generate(model, inputs, keep.nonzero().squeeze(1), chosen, steps=5)
+    assert logits.shape == ref_logits.shape
+    assert (logits - ref_logits).abs().max() <= 1e-5
+    assert torch.equal(generated, ref_tokens)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("budget", [0.5, 0.2, 0.05, 17])
+def test_exact_budget_for_dynamic_resolutions(qwen, method, budget):
+    model, processor = qwen
+    with torch.no_grad(), vtoken.patched(model, method, budget=budget) as handle:
+        for i, (w, h) in enumerate(SIZES):
+            inputs = processor(images=[make_image(w, h, i)], text=[_prompt(processor, "what?")], return_tensors="pt")
+            logits = model(**inputs).logits
+            t, gh, gw = inputs["image_grid_thw"][0].tolist()
+            n = gh * gw // 4
+            k = vtoken.tokens_to_keep(budget, n)
+            assert [(r.tokens_in, r.tokens_out, r.grid) for r in handle.records] == [(n, k, (gh // 2, gw // 2))]
+            assert logits.shape[1] == inputs["input_ids"].shape[1] - n + k
+
+
+@pytest.mark.parametrize("frames", [1, 4, 32])
+def test_video_budget_per_frame(qwen, frames):
+    model, processor = qwen
+    inputs = processor(videos=[_clip(frames)], text=[_prompt(processor, "what happens?", 0, 1)], return_tensors="pt")
+    t, gh, gw = inputs["video_grid_thw"][0].tolist()
+    per_frame = gh * gw // 4
+    with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
+        logits = model(**inputs).logits
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    k = vtoken.tokens_to_keep(0.25, per_frame)
+    assert [(r.modality, r.crop, r.tokens_out) for r in handle.records] == [("video", f, k) for f in range(t)]
+    assert logits.shape[1] == inputs["input_ids"].shape[1] - t * (per_frame - k)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+def test_images_and_video_in_one_prompt_and_padded_batch(qwen):
+    model, processor = qwen
+    texts = [_prompt(processor, "compare these.", images=2, videos=1), _prompt(processor, "and this one?")]
+    images = [make_image(300, 200, 0), make_image(200, 500, 1), make_image(640, 480, 2)]
+    clip = _clip(4)
+    with torch.no_grad(), vtoken.patched(model, "random", budget=0.3) as handle:
+        batched = processor(images=images, videos=[clip], text=texts, return_tensors="pt", padding=True)
+        out = model.generate(**batched, max_new_tokens=5, do_sample=False)
+        assert sorted({(r.modality, r.image) for r in handle.records}) == [
+            ("image", 0),
+            ("image", 1),
+            ("image", 2),
+            ("video", 0),
+        ]
+        width = batched["input_ids"].shape[1]
+        first = processor(images=images[:2], videos=[clip], text=texts[:1], return_tensors="pt")
+        second = processor(images=images[2:], text=texts[1:], return_tensors="pt")
+        for row, single in enumerate([first, second]):
+            one = model.generate(**single, max_new_tokens=5, do_sample=False)
+            assert torch.equal(out[row, width:], one[0, single["input_ids"].shape[1] :])
+
+
+def test_beams_manual_decoding_and_restore(qwen):
+    model, processor = qwen
+    inputs = processor(images=[make_image(500, 300, 0)], text=[_prompt(processor, "what?")], return_tensors="pt")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+        with vtoken.patched(model, "pool", budget=0.25):
+            beams = model.generate(**inputs, max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+            greedy = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+            # a hand-written loop with the caller's own (unpruned-length) mask
+            mask = inputs["attention_mask"]
+            out = model(**inputs, use_cache=True)
+            tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
+            for _ in range(3):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = model(
+                    input_ids=tokens[-1], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True
+                )
+                tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        after = model.generate(**inputs, max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    assert beams.shape[0] == 2 and torch.equal(
+        beams[:, : inputs["input_ids"].shape[1]], inputs["input_ids"].repeat(2, 1)
+    )
+    assert torch.equal(torch.cat(tokens, 1), greedy)
+    assert torch.equal(after, ref) and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_missing_inputs_are_named(qwen):
+    model, processor = qwen
+    inputs = processor(images=[make_image(300, 300, 0)], text=[_prompt(processor, "what?")], return_tensors="pt")
+    with vtoken.patched(model, "random", budget=0.5):
+        with pytest.raises(vtoken.InputError, match="mm_token_type_ids"):
+            model(**{k: v for k, v in inputs.items() if k != "mm_token_type_ids"})
+        with pytest.raises(vtoken.InputError, match="image_grid_thw"):
+            model(**{k: v for k, v in inputs.items() if k != "image_grid_thw"})
+    with pytest.raises(vtoken.MissingSignalError, match="cls_attention"):
+        vtoken.patch(model, "fastervlm", budget=0.25)
