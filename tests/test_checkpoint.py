@@ -1,5 +1,6 @@
 """The real loading path: a checkpoint saved with save_pretrained, loaded through AutoModelForImageTextToText."""
 
+import pytest
 import torch
 from conftest import inputs_for
 
@@ -27,7 +28,29 @@ def test_saved_checkpoint_loads_offline_and_patches(llava, photos, tmp_path, mon
 
 
 def test_unknown_model_name_is_named():
-    import pytest
 
     with pytest.raises(vtoken.VTokenError, match="tiny-llava"):
         load("not-a-model")
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_every_family_round_trips_through_from_pretrained(name, tmp_path, monkeypatch):
+    from conftest import make_image
+
+    from vtoken.zoo import TINY_MODELS, build_prompt
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, processor = TINY_MODELS[name]()
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded, loaded_processor = load(str(tmp_path))
+    assert type(loaded) is type(model)
+    inputs = loaded_processor(
+        images=[make_image(500, 300)], text=[build_prompt(loaded_processor, "what?")], return_tensors="pt"
+    )
+    with torch.no_grad():
+        with vtoken.patched(model, "random", budget=0.25):
+            expected = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        with vtoken.patched(loaded, "random", budget=0.25) as handle:
+            got = loaded.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected) and handle.records

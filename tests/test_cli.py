@@ -47,3 +47,58 @@ def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
 def test_count_budget_is_parsed_as_a_count(capsys):
     assert main(["run", "--method", "pool", "--budget", "29", "--repeats", "1", "--max-new-tokens", "1"]) == 0
     assert "576 -> 29 (5.0% kept)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_every_builtin_family_runs(model, capsys):
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                model,
+                "--method",
+                "random",
+                "--budget",
+                "0.25",
+                "--repeats",
+                "1",
+                "--max-new-tokens",
+                "1",
+            ]
+        )
+        == 0
+    )
+    assert "25.0% kept" in capsys.readouterr().out
+
+
+def test_video_from_a_gif(tmp_path, capsys):
+    from vtoken.images import example_clip
+
+    clip = example_clip(6)
+    path = tmp_path / "clip.gif"
+    clip[0].save(path, save_all=True, append_images=clip[1:], duration=100, loop=0)
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "tiny-qwen2-vl",
+                "--video",
+                str(path),
+                "--frames",
+                "4",
+                "--method",
+                "pool",
+                "--budget",
+                "0.25",
+                "--repeats",
+                "1",
+                "--max-new-tokens",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "clip.gif" in out and "128 -> 32 (25.0% kept)" in out

@@ -11,7 +11,7 @@ import torch
 
 from . import api
 from .errors import VTokenError
-from .images import example_image, load_image
+from .images import example_image, load_image, load_video
 from .registry import available_methods, supported_models
 from .zoo import TINY_MODELS, build_prompt, load
 
@@ -50,10 +50,16 @@ def _answer(model, processor, inputs, max_new_tokens: int) -> str:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model, processor = load(args.model, dtype=args.dtype, device=args.device)
-    image = load_image(args.image) if args.image else example_image()
-    prompt = build_prompt(processor, args.prompt)
-    inputs = processor(images=[image], text=[prompt], return_tensors="pt").to(model.device)
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    if args.video:
+        visual = {"videos": [load_video(args.video, args.frames)]}
+        prompt = build_prompt(processor, args.prompt, num_images=0, num_videos=1)
+    else:
+        visual = {"images": [load_image(args.image) if args.image else example_image()]}
+        prompt = build_prompt(processor, args.prompt)
+    inputs = processor(text=[prompt], return_tensors="pt", **visual).to(model.device)
+    for key, value in inputs.items():  # pixels in the model's dtype
+        if value.is_floating_point():
+            inputs[key] = value.to(model.dtype)
     params = {"budget": args.budget}
 
     with torch.inference_mode():
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     tokens_in = sum(r.tokens_in for r in records)
     tokens_out = sum(r.tokens_out for r in records)
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
-    print(f"image:   {args.image or 'generated example scene'}")
+    print(f"input:   {args.video or args.image or 'generated example scene'}")
     print(f"prompt:  {args.prompt!r}")
     print(f"method:  {args.method} (budget={args.budget})")
     print(f"visual tokens: {tokens_in} -> {tokens_out} ({tokens_out / max(tokens_in, 1):.1%} kept)")
@@ -94,10 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtoken", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="answer a prompt about an image, unpatched and patched, and compare")
-    p.add_argument("--model", default="tiny-llava", help="built-in tiny model, local checkpoint dir or hub id")
+    p.add_argument(
+        "--model", default="tiny-llava", help=f"built-in ({', '.join(TINY_MODELS)}), checkpoint dir or hub id"
+    )
     p.add_argument("--method", default="fastervlm", help=f"one of: {', '.join(available_methods())}")
     p.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0.25) or tokens per crop (144)")
     p.add_argument("--image", default=None, help="image file (default: a generated example scene)")
+    p.add_argument("--video", default=None, help="video file (GIF; MP4 and others with PyAV) instead of an image")
+    p.add_argument("--frames", type=int, default=8, help="frames sampled uniformly from --video")
     p.add_argument("--prompt", default="What is in the image?")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median reported)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageSequence
 
 from .errors import InputError
 
@@ -30,3 +30,32 @@ def load_image(path: str | Path) -> Image.Image:
         return Image.open(path).convert("RGB")
     except (OSError, ValueError) as err:
         raise InputError(f"cannot read image {str(path)!r}: {err}; expected a PNG/JPEG/GIF/... file") from err
+
+
+def example_clip(frames: int = 8, size: int = 224) -> list[Image.Image]:
+    """A deterministic clip: the example scene panned sideways, one step per frame."""
+    scene = example_image(size * 2)
+    step = size // max(frames, 1)
+    return [scene.crop((i * step, size // 2, i * step + size, size // 2 + size)) for i in range(frames)]
+
+
+def load_video(path: str | Path, frames: int = 8) -> list[Image.Image]:
+    """`frames` RGB frames sampled uniformly from a GIF/animated image (Pillow) or a video file (PyAV)."""
+    try:
+        with Image.open(path) as clip:
+            decoded = [frame.convert("RGB") for frame in ImageSequence.Iterator(clip)]
+    except (OSError, ValueError):
+        try:
+            import av
+        except ImportError as err:
+            raise InputError(f"cannot read {str(path)!r} as an animated image; for MP4 and other video files "
+                             "install PyAV (pip install av)") from err  # fmt: skip
+        try:
+            with av.open(str(path)) as container:
+                decoded = [frame.to_image().convert("RGB") for frame in container.decode(video=0)]
+        except (OSError, ValueError, av.error.FFmpegError) as err:
+            raise InputError(f"cannot read video {str(path)!r}: {err}") from err
+    if not decoded:
+        raise InputError(f"video {str(path)!r} has no frames")
+    picks = [round(i * (len(decoded) - 1) / max(frames - 1, 1)) for i in range(min(frames, len(decoded)))]
+    return [decoded[i] for i in picks]

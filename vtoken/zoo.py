@@ -270,8 +270,8 @@ def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str 
     return model, processor
 
 
-def build_prompt(processor, question: str, num_images: int = 1) -> str:
-    """The model's own chat-formatted prompt for one user turn with `num_images` images and `question`."""
-    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+def build_prompt(processor, question: str, num_images: int = 1, num_videos: int = 0) -> str:
+    """The model's own chat-formatted prompt for one user turn with images, videos and `question`."""
+    content = [{"type": "image"}] * num_images + [{"type": "video"}] * num_videos + [{"type": "text", "text": question}]
     messages = [{"role": "user", "content": content}]
     return processor.apply_chat_template(messages, add_generation_prompt=True)
