@@ -4,6 +4,7 @@ from .base import Adapter, EncodedImages, Modality
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
+from .video_llava import VideoLlavaAdapter
 
 __all__ = [
     "Adapter",
@@ -13,4 +14,5 @@ __all__ = [
     "LlavaNextAdapter",
     "QwenVLAdapter",
     "Qwen25VLAdapter",
+    "VideoLlavaAdapter",
 ]

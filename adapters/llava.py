@@ -80,8 +80,12 @@ class LlavaAdapter(Adapter):
         crops: torch.Tensor,
         vision_feature_layer: Any = None,
         vision_feature_select_strategy: str | None = None,
+        tower: Any = None,
+        with_cls: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Run the CLIP tower on crops [C, 3, H, W]: patch features [C, N, Dv] and the signals methods need."""
+        """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
+        [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need."""
+        tower = tower or self.tower
         strategy = vision_feature_select_strategy or self.model.config.vision_feature_select_strategy
         if strategy != "default":
             raise InputError(
@@ -91,13 +95,13 @@ class LlavaAdapter(Adapter):
         layers = self._feature_layers(vision_feature_layer)
         needs_cls = "cls_attention" in self.encoder_method.requires
         probe = (
-            ClsAttentionProbe(self.tower.encoder.layers[self._attention_layer(layers[-1])].self_attn)
+            ClsAttentionProbe(tower.encoder.layers[self._attention_layer(layers[-1])].self_attn)
             if needs_cls
             else nullcontext()
         )
         with probe:
-            out = self.tower(crops, output_hidden_states=layers, return_dict=True)
-        features = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)
+            out = tower(crops, output_hidden_states=layers, return_dict=True)
+        features = torch.cat([out.hidden_states[i][:, 0 if with_cls else 1 :] for i in layers], dim=-1)
         # a callable: the [CLS] row is computed inside the selection timer of `select`
         signals = {"cls_attention": lambda: probe.scores} if needs_cls else {}
         return features, signals

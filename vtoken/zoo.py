@@ -22,7 +22,8 @@ _CORPUS = (
 )
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
-    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n{% endif %}{% endfor %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n"
+    "{% elif item['type'] == 'video' %}<video>\n{% endif %}{% endfor %}"
     "{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %} "
     "{% else %}ASSISTANT: {% for item in message['content'] %}{{ item['text'] }}{% endfor %}</s>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
@@ -238,7 +239,43 @@ def tiny_qwen2_5_vl(seed: int = 0):
     return _tiny_qwen(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, vision, seed)
 
 
+def tiny_video_llava(seed: int = 0):
+    """A tiny random-weight Video-LLaVA: CLIP image and video towers (224 px, 16 x 16 patches), shared projector."""
+    from transformers import (
+        VideoLlavaConfig,
+        VideoLlavaForConditionalGeneration,
+        VideoLlavaImageProcessor,
+        VideoLlavaProcessor,
+        VideoLlavaVideoProcessor,
+    )
+
+    tokenizer = tiny_tokenizer(("<image>", "<video>"), named={"image_token": "<image>", "video_token": "<video>"})
+    size = {"shortest_edge": 224}, {"height": 224, "width": 224}
+    processor = VideoLlavaProcessor(
+        image_processor=VideoLlavaImageProcessor(size=size[0], crop_size=size[1]),
+        video_processor=VideoLlavaVideoProcessor(size=size[0], crop_size=size[1]),
+        tokenizer=tokenizer,
+        patch_size=14,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    base = llava_config(tokenizer, vision=dict(TINY_VISION), text=dict(TINY_TEXT), image_size=224, patch_size=14)
+    config = VideoLlavaConfig(
+        vision_config=base.vision_config.to_dict(),
+        text_config=base.text_config.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = VideoLlavaForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, processor
+
+
 TINY_MODELS: dict[str, Callable] = {
+    "tiny-video-llava": tiny_video_llava,
     "tiny-llava": tiny_llava,
     "tiny-llava-next": tiny_llava_next,
     "tiny-qwen2-vl": tiny_qwen2_vl,

@@ -1,0 +1,69 @@
+"""Video-LLaVA (`VideoLlavaForConditionalGeneration`): separate CLIP image and video towers, one projector.
+
+Images: the image tower's patch tokens ([CLS] dropped), as LLaVA-1.5. Videos: each frame goes through the video
+tower, and transformers feeds the LLM the frame's [CLS] token followed by its patch tokens. Methods choose among
+the frame's patch tokens, per frame, which is what the official FasterVLM video code scores and prunes. The frame's
+[CLS] token is passed through unchanged and, like a newline, never counted as a visual token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vtoken.registry import register_adapter
+from vtoken.tokens import VisualTokens
+
+from .base import EncodedImages, Modality
+from .llava import LlavaAdapter
+
+IMAGE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
+
+
+@register_adapter
+class VideoLlavaAdapter(LlavaAdapter):
+    family = "video-llava"
+    model_types = ("video_llava",)
+    model_classes = ("VideoLlavaForConditionalGeneration", "VideoLlavaModel")
+    modalities = (
+        Modality("image", "pixel_values_images", "image_token_id", IMAGE_KWARGS),
+        Modality("image", "pixel_values", "image_token_id", IMAGE_KWARGS),
+        Modality("video", "pixel_values_videos", "video_token_id", ("vision_feature_layer",)),
+    )
+    stacked_features = True  # its forward masked-scatters `pooler_output` as a tensor
+
+    @property
+    def tower(self):
+        return self.inner.image_tower
+
+    def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
+        if modality.name == "image":
+            return super().plan(modality, pixel_values)
+        self._check_crops(pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values,
+                          "[num_videos, num_frames, 3, H, W]")  # fmt: skip
+        height, width = self.grid
+        return [pixel_values.shape[1] * (1 + height * width)] * pixel_values.shape[0]
+
+    def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
+        if modality.name == "image":
+            return super().planned_counts(modality, run_lengths)
+        patches = self.grid[0] * self.grid[1]
+        kept = self.encoder_method.planned_count(patches)
+        return [None if kept is None else run // (1 + patches) * (1 + kept) for run in run_lengths]
+
+    def encode(self, modality: Modality, pixel_values: torch.Tensor, vision_feature_layer: Any = None,
+               vision_feature_select_strategy: str | None = None) -> EncodedImages:  # fmt: skip
+        if modality.name == "image":
+            return super().encode(modality, pixel_values, vision_feature_layer, vision_feature_select_strategy)
+        videos, frames = pixel_values.shape[:2]
+        hidden, signals = self.vision_tokens(
+            pixel_values.flatten(0, 1), vision_feature_layer, tower=self.inner.video_tower, with_cls=True
+        )
+        cls, patches = hidden[:, :1], hidden[:, 1:]
+        tokens = VisualTokens(patches, self.grid, signals, torch.arange(videos).repeat_interleave(frames))
+        selection, timer = self.select(tokens)
+        embeds = self.inner.multi_modal_projector(torch.cat([cls, selection.gather(patches)], dim=1))
+        per_video = list(embeds.view(videos, -1, embeds.shape[-1]))
+        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
+        return EncodedImages(per_video, [torch.arange(len(e)) for e in per_video], records)

@@ -1,0 +1,110 @@
+"""Video-LLaVA: image and video towers, per-frame budgets, the frame's [CLS] passed through."""
+
+import pytest
+import torch
+from conftest import make_image
+
+import vtoken
+from vtoken.images import example_clip
+from vtoken.zoo import build_prompt, tiny_video_llava
+
+METHODS = ["fastervlm", "random", "pool"]
+
+
+@pytest.fixture(scope="module")
+def vl():
+    return tiny_video_llava()
+
+
+@pytest.fixture(autouse=True)
+def _unpatch(vl):
+    yield
+    if vtoken.handle_of(vl[0]) is not None:
+        vtoken.unpatch(vl[0])
+
+
+def _video(processor, frames, question="what happens?"):
+    return processor(videos=[example_clip(frames)], text=[build_prompt(processor, question, 0, 1)], return_tensors="pt")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_identity_for_images_and_video(vl, method):
+    model, processor = vl
+    image = processor(images=[make_image(300, 200)], text=[build_prompt(processor, "what?")], return_tensors="pt")
+    for inputs in (image, _video(processor, 4)):
+        with torch.no_grad():
+            ref, ref_tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
+            with vtoken.patched(model, method, budget=1.0):
+                logits, tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("frames", [1, 4, 32])
+@pytest.mark.parametrize("method", METHODS)
+def test_per_frame_budget_and_equivalence(vl, frames, method):
+    model, processor = vl
+    inputs = _video(processor, frames)
+    k = 64
+    with torch.no_grad(), vtoken.patched(model, method, budget=k) as handle:
+        logits = model(**inputs).logits
+    assert [(r.modality, r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [
+        ("video", f, 256, k) for f in range(frames)
+    ]
+    # reference: per frame [CLS] + the chosen patches, projected, fed to the bare language model
+    with torch.no_grad():
+        hidden = model.model.video_tower(inputs["pixel_values_videos"][0], output_hidden_states=True).hidden_states[-2]
+        if method == "pool":  # 64 = 8 x 8 adaptive pooling of the 16 x 16 patch grid
+            grid = hidden[:, 1:].reshape(frames, 16, 16, -1).permute(0, 3, 1, 2)
+            patches = torch.nn.functional.adaptive_avg_pool2d(grid, 8).flatten(2).transpose(1, 2)
+        else:
+            patches = torch.stack([hidden[f, 1:][r.kept] for f, r in enumerate(handle.records)])
+        video = model.model.multi_modal_projector(torch.cat([hidden[:, :1], patches], dim=1)).flatten(0, 1)
+        ids = inputs["input_ids"][0]
+        ph = (ids == model.config.video_token_id).nonzero().squeeze(1)
+        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(video)]], ids[ph[-1] + 1 :]])[None]
+        embeds = model.get_input_embeddings()(new_ids)
+        embeds[new_ids == model.config.video_token_id] = video
+        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
+
+
+def test_fastervlm_per_frame_matches_eager_video_tower_attention(vl):
+    from transformers import CLIPVisionModel
+
+    model, processor = vl
+    inputs = _video(processor, 4)
+    with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=0.1) as handle:
+        model(**inputs)
+    tower = model.model.video_tower
+    config = tower.config.__class__.from_dict(tower.config.to_dict())
+    config._attn_implementation = "eager"
+    eager = CLIPVisionModel(config).eval()
+    eager.load_state_dict(tower.state_dict())
+    with torch.no_grad():
+        scores = eager(inputs["pixel_values_videos"][0], output_attentions=True).attentions[-2][:, :, 0, 1:].mean(1)
+    for frame, record in enumerate(handle.records):
+        assert torch.equal(record.kept, scores[frame].topk(record.tokens_out).indices.sort().values)
+
+
+def test_batch_of_videos_beams_and_restore(vl):
+    model, processor = vl
+    texts = [
+        build_prompt(processor, "what happens?", 0, 1),
+        build_prompt(processor, "describe the video in detail.", 0, 1),
+    ]
+    clips = [example_clip(4), example_clip(4, size=160)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        batched = processor(videos=clips, text=texts, return_tensors="pt", padding=True)
+        ref = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
+        with vtoken.patched(model, "fastervlm", budget=0.25):
+            out = model.generate(**batched, max_new_tokens=5, do_sample=False)
+            width = batched["input_ids"].shape[1]
+            for i in range(2):
+                single = processor(videos=[clips[i]], text=[texts[i]], return_tensors="pt")
+                one = model.generate(**single, max_new_tokens=5, do_sample=False)
+                assert torch.equal(out[i, width:], one[0, single["input_ids"].shape[1] :])
+            beams = model.generate(**batched, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
+        after = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
+    assert beams.shape[0] == 4 and torch.equal(after, ref)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
