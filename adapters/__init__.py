@@ -3,6 +3,7 @@
 from .base import Adapter, EncodedImages, Modality
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
+from .llava_next_video import LlavaNextVideoAdapter
 from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
 from .video_llava import VideoLlavaAdapter
 
@@ -12,6 +13,7 @@ __all__ = [
     "Modality",
     "LlavaAdapter",
     "LlavaNextAdapter",
+    "LlavaNextVideoAdapter",
     "QwenVLAdapter",
     "Qwen25VLAdapter",
     "VideoLlavaAdapter",

@@ -129,29 +129,37 @@ TINY_TEXT = dict(
 ANYRES_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 
 
-def tiny_llava_next(seed: int = 0):
-    """A tiny random-weight LLaVA-NeXT: anyres crops (LLaVA-NeXT's 5 grid pinpoints), CLIP with [CLS], newline."""
-    from transformers import (
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        LlavaNextImageProcessor,
-        LlavaNextProcessor,
-    )
+def tiny_llava_next(seed: int = 0, video: bool = False):
+    """A tiny random-weight LLaVA-NeXT: anyres crops (LLaVA-NeXT's 5 grid pinpoints), CLIP with [CLS], newline.
+    With `video`, LLaVA-NeXT-Video: the same plus per-frame video tokens through a stride-2 resampler."""
+    import transformers
 
-    tokenizer = tiny_tokenizer()
-    image_processor = LlavaNextImageProcessor(
+    prefix = "LlavaNextVideo" if video else "LlavaNext"
+    specials, named = ("<image>",), {"image_token": "<image>"}
+    if video:
+        specials, named = ("<image>", "<video>"), {"image_token": "<image>", "video_token": "<video>"}
+    tokenizer = tiny_tokenizer(specials, named=named)
+    image_processor = transformers.LlavaNextImageProcessor(
         size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, image_grid_pinpoints=ANYRES_PINPOINTS
     )
-    processor = LlavaNextProcessor(
+    extra = {}
+    if video:
+        extra["video_processor"] = transformers.LlavaNextVideoVideoProcessor(
+            size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}
+        )
+    processor = getattr(transformers, prefix + "Processor")(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=14,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
         chat_template=LLAVA_CHAT_TEMPLATE,
+        **extra,
     )
     base = llava_config(tokenizer, vision=dict(TINY_VISION), text=dict(TINY_TEXT))
-    config = LlavaNextConfig(
+    if video:
+        extra = {"video_token_id": tokenizer.convert_tokens_to_ids("<video>")}
+    config = getattr(transformers, prefix + "Config")(
         vision_config=base.vision_config.to_dict(),
         text_config=base.text_config.to_dict(),
         image_token_id=base.image_token_id,
@@ -159,11 +167,17 @@ def tiny_llava_next(seed: int = 0):
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         pad_token_id=tokenizer.pad_token_id,
+        **extra,
     )
     torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config).eval()
+    model = getattr(transformers, prefix + "ForConditionalGeneration")(config).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, processor
+
+
+def tiny_llava_next_video(seed: int = 0):
+    """A tiny random-weight LLaVA-NeXT-Video (see `tiny_llava_next`)."""
+    return tiny_llava_next(seed, video=True)
 
 
 QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -276,6 +290,7 @@ def tiny_video_llava(seed: int = 0):
 
 TINY_MODELS: dict[str, Callable] = {
     "tiny-video-llava": tiny_video_llava,
+    "tiny-llava-next-video": tiny_llava_next_video,
     "tiny-llava": tiny_llava,
     "tiny-llava-next": tiny_llava_next,
     "tiny-qwen2-vl": tiny_qwen2_vl,

@@ -1,0 +1,86 @@
+"""LLaVA-NeXT-Video (`LlavaNextVideoForConditionalGeneration`): LLaVA-NeXT images plus per-frame video tokens.
+
+Images are handled exactly as LLaVA-NeXT (anyres, native packing). Video frames go through the CLIP tower, then
+the model's spatial resampler (stride-2 pooling: 24 x 24 -> 12 x 12), then the projector, with no newline. The
+visual tokens of a frame are the resampler's outputs, and budgets apply per frame. A [CLS] score for a pooled
+token is the mean [CLS] attention of the patches it pools: an extension, since FasterVLM's official code has no
+resampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vtoken.registry import register_adapter
+from vtoken.tokens import VisualTokens
+
+from .base import EncodedImages, Modality
+from .llava_next import LlavaNextAdapter
+
+FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
+
+
+@register_adapter
+class LlavaNextVideoAdapter(LlavaNextAdapter):
+    family = "llava-next-video"
+    model_types = ("llava_next_video",)
+    model_classes = ("LlavaNextVideoForConditionalGeneration", "LlavaNextVideoModel")
+    modalities = (
+        Modality("image", "pixel_values", "image_token_id", ("image_sizes", *FEATURE_KWARGS)),
+        Modality("video", "pixel_values_videos", "video_token_id", FEATURE_KWARGS),
+    )
+
+    @property
+    def stride(self) -> int:
+        return self.model.config.spatial_pool_stride
+
+    @property
+    def frame_grid(self) -> tuple[int, int]:
+        return self.grid[0] // self.stride, self.grid[1] // self.stride
+
+    def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
+        if modality.name == "image":
+            return super().plan(modality, pixel_values, **encoder_kwargs)
+        self._check_crops(pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values,
+                          "[num_videos, num_frames, 3, H, W]")  # fmt: skip
+        return [pixel_values.shape[1] * self.frame_grid[0] * self.frame_grid[1]] * pixel_values.shape[0]
+
+    def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
+        if modality.name == "image":
+            return super().planned_counts(modality, run_lengths)
+        per_frame = self.frame_grid[0] * self.frame_grid[1]
+        kept = self.encoder_method.planned_count(per_frame)
+        return [None if kept is None else run // per_frame * kept for run in run_lengths]
+
+    def encode(
+        self,
+        modality: Modality,
+        pixel_values: torch.Tensor,
+        image_sizes: Any = None,
+        vision_feature_layer: Any = None,
+        vision_feature_select_strategy: str | None = None,
+    ) -> EncodedImages:
+        if modality.name == "image":
+            return super().encode(modality, pixel_values, image_sizes, vision_feature_layer,
+                                  vision_feature_select_strategy)  # fmt: skip
+        videos, frames = pixel_values.shape[:2]
+        patches, signals = self.vision_tokens(pixel_values.flatten(0, 1), vision_feature_layer,
+                                              vision_feature_select_strategy)  # fmt: skip
+        pooled = self.inner.vision_resampler(patches)  # [videos * frames, 144, Dv]
+        if "cls_attention" in signals:
+            patch_scores, grid = signals["cls_attention"], self.grid
+
+            def pooled_scores():
+                maps = patch_scores().view(-1, 1, *grid)
+                return F.avg_pool2d(maps, self.stride).flatten(1)
+
+            signals = {"cls_attention": pooled_scores}
+        tokens = VisualTokens(pooled, self.frame_grid, signals, torch.arange(videos).repeat_interleave(frames))
+        selection, timer = self.select(tokens)
+        embeds = self.inner.multi_modal_projector(selection.gather(pooled))
+        per_video = list(embeds.reshape(videos, -1, embeds.shape[-1]))
+        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
+        return EncodedImages(per_video, [torch.arange(len(e)) for e in per_video], records)

@@ -1,0 +1,80 @@
+"""LLaVA-NeXT-Video: per-frame budgets on the resampled 12 x 12 grid; images as LLaVA-NeXT."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_image
+
+import vtoken
+from vtoken.images import example_clip
+from vtoken.zoo import build_prompt, tiny_llava_next_video
+
+
+@pytest.fixture(scope="module")
+def nv():
+    return tiny_llava_next_video()
+
+
+@pytest.fixture(autouse=True)
+def _unpatch(nv):
+    yield
+    if vtoken.handle_of(nv[0]) is not None:
+        vtoken.unpatch(nv[0])
+
+
+def _video(processor, frames):
+    return processor(
+        videos=[example_clip(frames)], text=[build_prompt(processor, "what happens?", 0, 1)], return_tensors="pt"
+    )
+
+
+@pytest.mark.parametrize("method", ["fastervlm", "random"])
+def test_identity_for_images_and_video(nv, method):
+    model, processor = nv
+    image = processor(images=[make_image(800, 300)], text=[build_prompt(processor, "what?")], return_tensors="pt")
+    for inputs in (image, _video(processor, 4)):
+        with torch.no_grad():
+            ref, ref_tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
+            with vtoken.patched(model, method, budget=1.0):
+                logits, tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("frames", [1, 4, 32])
+def test_per_frame_budget_and_equivalence(nv, frames):
+    model, processor = nv
+    inputs = _video(processor, frames)
+    with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
+        logits = model(**inputs).logits
+    assert [(r.modality, r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [
+        ("video", f, 144, 36) for f in range(frames)
+    ]
+    with torch.no_grad():  # the stock video features, 144 per frame, keeping the recorded tokens
+        full = model.model.get_video_features(inputs["pixel_values_videos"]).pooler_output[0].view(frames, 144, -1)
+        video = torch.cat([full[f, r.kept] for f, r in enumerate(handle.records)])
+        ids = inputs["input_ids"][0]
+        ph = (ids == model.config.video_token_id).nonzero().squeeze(1)
+        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(video)]], ids[ph[-1] + 1 :]])[None]
+        embeds = model.get_input_embeddings()(new_ids)
+        embeds[new_ids == model.config.video_token_id] = video
+        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
+
+
+def test_fastervlm_score_is_the_pooled_eager_cls_attention(nv):
+    from transformers import CLIPVisionModel
+
+    model, processor = nv
+    inputs = _video(processor, 2)
+    with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=20) as handle:
+        model(**inputs)
+    tower = model.model.vision_tower
+    config = tower.config.__class__.from_dict(tower.config.to_dict())
+    config._attn_implementation = "eager"
+    eager = CLIPVisionModel(config).eval()
+    eager.load_state_dict(tower.state_dict())
+    with torch.no_grad():
+        scores = eager(inputs["pixel_values_videos"][0], output_attentions=True).attentions[-2][:, :, 0, 1:].mean(1)
+    pooled = F.avg_pool2d(scores.view(-1, 1, 24, 24), 2).flatten(1)
+    for frame, record in enumerate(handle.records):
+        assert torch.equal(record.kept, pooled[frame].topk(20).indices.sort().values)
