@@ -4,6 +4,7 @@ from .base import Adapter, EncodedImages, Modality
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 from .llava_next_video import LlavaNextVideoAdapter
+from .llava_onevision import LlavaOnevisionAdapter
 from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
 from .video_llava import VideoLlavaAdapter
 
@@ -14,6 +15,7 @@ __all__ = [
     "LlavaAdapter",
     "LlavaNextAdapter",
     "LlavaNextVideoAdapter",
+    "LlavaOnevisionAdapter",
     "QwenVLAdapter",
     "Qwen25VLAdapter",
     "VideoLlavaAdapter",

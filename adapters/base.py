@@ -68,8 +68,8 @@ class Adapter:
     positions: ClassVar[str] = "renumber"
     # per-token inputs besides input_ids/attention_mask/labels that shrink with the prompt, and their pad value
     token_columns: ClassVar[dict[str, int]] = {}
-    # the model wants `pooler_output` as one [num_items, tokens, D] tensor rather than a list
-    stacked_features: ClassVar[bool] = False
+    # modalities whose `pooler_output` the model wants as one [num_items, tokens, D] tensor rather than a list
+    stacked_features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, model: nn.Module, methods: list[Method]):
         self.model = model
@@ -258,7 +258,8 @@ class Adapter:
             else:
                 compressed = shrink(encoded.keep_offsets)
             records += encoded.records
-            features = torch.stack(encoded.features) if self.stacked_features else encoded.features
+            stack = modality.name in self.stacked_features
+            features = torch.stack(encoded.features) if stack else encoded.features
             mm[modality.name] = BaseModelOutputWithPooling(pooler_output=features)
             if compressed.changed:
                 changed = True

@@ -31,7 +31,7 @@ class VideoLlavaAdapter(LlavaAdapter):
         Modality("image", "pixel_values", "image_token_id", IMAGE_KWARGS),
         Modality("video", "pixel_values_videos", "video_token_id", ("vision_feature_layer",)),
     )
-    stacked_features = True  # its forward masked-scatters `pooler_output` as a tensor
+    stacked_features = frozenset({"image", "video"})  # its forward masked-scatters `pooler_output` tensors
 
     @property
     def tower(self):

@@ -288,7 +288,55 @@ def tiny_video_llava(seed: int = 0):
     return model, processor
 
 
+ONEVISION_PINPOINTS = [[384, 384], [384, 768], [768, 384], [768, 768], [384, 1152], [1152, 384], [1152, 1152],
+                       [1536, 1536]]  # fmt: skip
+
+
+def tiny_onevision(seed: int = 0):
+    """A tiny random-weight LLaVA-OneVision: SigLIP (no [CLS], 27 x 27 tokens), anyres_max_9 packing with a 4 x 4
+    pinpoint that triggers its downsampling, image newline, 2 x 2 bilinear video pooling."""
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    tokenizer = tiny_tokenizer(("<image>", "<video>"), named={"image_token": "<image>", "video_token": "<video>"})
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(
+            size={"height": 384, "width": 384}, image_grid_pinpoints=ONEVISION_PINPOINTS
+        ),
+        video_processor=LlavaOnevisionVideoProcessor(size={"height": 384, "width": 384}),
+        tokenizer=tokenizer,
+        num_image_tokens=729,
+        vision_feature_select_strategy="full",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        vision_aspect_ratio="anyres_max_9",
+    )
+    text = llava_config(tokenizer, vision=dict(TINY_VISION), text=dict(TINY_TEXT)).text_config
+    vision = dict(TINY_VISION, model_type="siglip_vision_model", image_size=384, patch_size=14)
+    vision.pop("projection_dim")
+    config = LlavaOnevisionConfig(
+        vision_config=vision,
+        text_config=text.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=ONEVISION_PINPOINTS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_9",
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, processor
+
+
 TINY_MODELS: dict[str, Callable] = {
+    "tiny-onevision": tiny_onevision,
     "tiny-video-llava": tiny_video_llava,
     "tiny-llava-next-video": tiny_llava_next_video,
     "tiny-llava": tiny_llava,

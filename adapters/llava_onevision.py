@@ -1,0 +1,164 @@
+"""LLaVA-OneVision (`LlavaOnevisionForConditionalGeneration`): SigLIP tower (no [CLS]), projector before packing.
+
+Images: a base view (27 x 27 tokens) plus, for single-image prompts, the anyres sub-images stitched into one
+grid, unpadded, and bilinearly downsampled when larger than `anyres_max_9` allows. The visual tokens are
+exactly those the model would pack, computed by the model's own functions: crop 0 is the base view and crop 1
+the final stitched grid. After selection, the native packing is kept: base tokens ascending, then the
+stitched grid's kept tokens in raster order with `image_newline` after every row that still has tokens (a
+single newline after a base-only image). Videos: each frame's tokens are pooled bilinearly to 14 x 14 by the
+model, budgets apply per frame, and one newline follows the whole video.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers.models.llava_onevision import modeling_llava_onevision as onevision
+
+from vtoken.errors import InputError
+from vtoken.registry import register_adapter
+from vtoken.tokens import VisualTokens
+
+from .base import EncodedImages, Modality
+from .llava import LlavaAdapter
+from .llava_next import _raster_with_newlines
+
+FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
+
+
+@register_adapter
+class LlavaOnevisionAdapter(LlavaAdapter):
+    family = "llava-onevision"
+    model_types = ("llava_onevision",)
+    model_classes = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel")
+    modalities = (
+        Modality("image", "pixel_values", "image_token_id",
+                 ("image_sizes", "batch_num_images", "vision_aspect_ratio", *FEATURE_KWARGS)),
+        Modality("video", "pixel_values_videos", "video_token_id", FEATURE_KWARGS),
+    )  # fmt: skip
+    stacked_features = frozenset({"video"})
+
+    def available_signals(self) -> set[str]:
+        return {"patch_features", "full_grid"}  # SigLIP has no [CLS]
+
+    def _crop_counts(self, image_sizes: Any, batch_num_images: Any) -> list[int]:
+        """Crops per image, as the model decides them (anyres only for single-image prompts)."""
+        if image_sizes is None:
+            raise InputError(f"{type(self.model).__name__} needs `image_sizes` next to pixel_values")
+        patching = [True] * len(image_sizes) if batch_num_images is None else \
+            [n == 1 for n in batch_num_images.tolist() for _ in range(n)]  # fmt: skip
+        config = self.model.config
+        return [
+            onevision.image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
+            if patch else 1
+            for size, patch in zip(image_sizes, patching, strict=True)
+        ]  # fmt: skip
+
+    def stitched_grid(self, image_size: Any, vision_aspect_ratio: str | None = None) -> tuple[int, int]:
+        """(rows, cols) of the stitched grid the model packs for an anyres image: unpadded, then downsampled."""
+        config = self.model.config
+        rows, cols = onevision.get_anyres_image_grid_shape(
+            image_size, config.image_grid_pinpoints, config.vision_config.image_size
+        )
+        side = self.grid[0]
+        unpadded = onevision.unpad_image(torch.empty(0, rows * side, cols * side), image_size)
+        height, width = unpadded.shape[1:]
+        max_crops = int((vision_aspect_ratio or config.vision_aspect_ratio).removeprefix("anyres_max_"))
+        ratio = math.sqrt(height * width / (max_crops * side**2))
+        return (int(height // ratio), int(width // ratio)) if ratio > 1.1 else (height, width)
+
+    def plan(
+        self,
+        modality: Modality,
+        pixel_values: torch.Tensor,
+        image_sizes: Any = None,
+        batch_num_images: Any = None,
+        vision_aspect_ratio: str | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        side = self.grid[0]
+        if modality.name == "video":
+            self._check_crops(pixel_values.flatten(0, 1), "[num_videos, num_frames, 3, H, W]")
+            pooled = math.ceil(side / 2) ** 2
+            return [pixel_values.shape[1] * pooled + 1] * pixel_values.shape[0]
+        self._check_crops(pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values,
+                          "[num_images, num_crops, 3, H, W]")  # fmt: skip
+        runs = []
+        for size, crops in zip(image_sizes, self._crop_counts(image_sizes, batch_num_images), strict=True):
+            if crops == 1:
+                runs.append(side * side + 1)
+            else:
+                rows, cols = self.stitched_grid(size, vision_aspect_ratio)
+                runs.append(side * side + rows * cols + rows)
+        return runs
+
+    def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
+        if modality.name == "image":
+            return [None] * len(run_lengths)  # rows with newlines depend on which tokens are kept
+        pooled = math.ceil(self.grid[0] / 2) ** 2
+        kept = self.encoder_method.planned_count(pooled)
+        return [None if kept is None else (run - 1) // pooled * kept + 1 for run in run_lengths]
+
+    def _projected(self, crops: torch.Tensor, vision_feature_layer: Any, strategy: str | None) -> torch.Tensor:
+        layers = self._feature_layers(vision_feature_layer)
+        out = self.tower(crops, output_hidden_states=layers, return_dict=True)
+        hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        if (strategy or self.model.config.vision_feature_select_strategy) == "default":
+            hidden = hidden[:, 1:]
+        return self.inner.multi_modal_projector(hidden)
+
+    def encode(
+        self,
+        modality: Modality,
+        pixel_values: torch.Tensor,
+        image_sizes: Any = None,
+        batch_num_images: Any = None,
+        vision_aspect_ratio: str | None = None,
+        vision_feature_layer: Any = None,
+        vision_feature_select_strategy: str | None = None,
+    ) -> EncodedImages:
+        newline = self.inner.image_newline
+        if modality.name == "video":
+            videos, frames = pixel_values.shape[:2]
+            embeds = self._projected(pixel_values.flatten(0, 1), vision_feature_layer, vision_feature_select_strategy)
+            pooled = self.inner.apply_pooling(embeds)
+            side = math.ceil(self.grid[0] / 2)
+            tokens = VisualTokens(pooled, (side, side), {}, torch.arange(videos).repeat_interleave(frames))
+            selection, timer = self.select(tokens)
+            kept = selection.gather(pooled).reshape(videos, -1, pooled.shape[-1])
+            per_video = [torch.cat([v, newline[None].to(v)]) for v in kept]
+            records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
+            return EncodedImages(per_video, [torch.arange(len(v)) for v in per_video], records)
+
+        counts = self._crop_counts(image_sizes, batch_num_images)
+        if pixel_values.dim() == 5:
+            pixel_values = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])
+        embeds = self._projected(pixel_values, vision_feature_layer, vision_feature_select_strategy)
+        # the model's own stitching, unpadding and downsampling, without newlines: base view, then the grid
+        packed, _ = self.inner.pack_image_features(
+            list(embeds.split(counts)), image_sizes, image_newline=None,
+            vision_aspect_ratio=vision_aspect_ratio or self.model.config.vision_aspect_ratio,
+        )  # fmt: skip
+        side = self.grid[0]
+        base = torch.stack([p[: side * side] for p in packed])
+        base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed)))
+        selection, timer = self.select(base_tokens)
+        base_kept = selection.gather(base)
+        records = self.crop_records(base_tokens, selection, timer, [0] * len(packed))
+        per_image = []
+        for i, (features, crops) in enumerate(zip(packed, counts, strict=True)):
+            if crops == 1:
+                per_image.append(torch.cat([base_kept[i], newline[None].to(base_kept)]))
+                continue
+            grid = self.stitched_grid(image_sizes[i], vision_aspect_ratio)
+            stitched = features[side * side :][None]
+            tokens = VisualTokens(stitched, grid, {}, torch.tensor([i]))
+            chosen, watch = self.select(tokens)
+            keys = chosen.offsets_of(0)
+            rows = _raster_with_newlines(keys, chosen.gather(stitched)[0], grid[1], newline)
+            per_image.append(torch.cat([base_kept[i], rows]))
+            records += self.crop_records(tokens, chosen, watch, [1])
+        records.sort(key=lambda r: (r.image, r.crop))
+        return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)

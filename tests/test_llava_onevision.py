@@ -1,0 +1,133 @@
+"""LLaVA-OneVision: SigLIP (no [CLS]), anyres_max_9 packing incl. downsampling, multi-image, pooled video."""
+
+import pytest
+import torch
+from conftest import make_image
+
+import vtoken
+from vtoken.images import example_clip
+from vtoken.zoo import build_prompt, tiny_onevision
+
+SIZES = [(384, 384), (800, 300), (1600, 1500), (200, 900), (1000, 700)]
+
+
+@pytest.fixture(scope="module")
+def ov():
+    return tiny_onevision()
+
+
+@pytest.fixture(autouse=True)
+def _unpatch(ov):
+    yield
+    if vtoken.handle_of(ov[0]) is not None:
+        vtoken.unpatch(ov[0])
+
+
+def _image(processor, size, seed=0):
+    return processor(images=[make_image(*size, seed)], text=[build_prompt(processor, "what?")], return_tensors="pt")
+
+
+@pytest.mark.parametrize("method", ["random", "pool"])
+def test_identity_for_single_multi_image_and_video(ov, method):
+    model, processor = ov
+    cases = [_image(processor, s, i) for i, s in enumerate(SIZES[:3])]
+    cases.append(
+        processor(
+            images=[make_image(800, 300), make_image(200, 900, 1)],
+            text=[build_prompt(processor, "compare.", 2)],
+            return_tensors="pt",
+        )
+    )
+    cases.append(
+        processor(videos=[example_clip(4)], text=[build_prompt(processor, "what?", 0, 1)], return_tensors="pt")
+    )
+    for inputs in cases:
+        with torch.no_grad():
+            ref, ref_tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=3, do_sample=False)
+            with vtoken.patched(model, method, budget=1.0):
+                logits, tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.1, 50])
+def test_exact_budget_per_crop_and_equivalence_with_stock_packing(ov, budget):
+    model, processor = ov
+    for i, size in enumerate(SIZES):
+        inputs = _image(processor, size, i)
+        with torch.no_grad(), vtoken.patched(model, "random", budget=budget) as handle:
+            logits = model(**inputs).logits
+        base, grid = handle.records
+        assert (base.crop, base.tokens_in, grid.crop) == (0, 729, 1)
+        for r in handle.records:
+            assert r.tokens_out == vtoken.tokens_to_keep(budget, r.tokens_in) and len(r.kept) == r.tokens_out
+        rows, cols = grid.grid
+        assert grid.tokens_in == rows * cols
+        with torch.no_grad():  # the stock packing: 729 base tokens, then rows of `cols` tokens + a newline each
+            packed = model.model.get_image_features(
+                inputs["pixel_values"], inputs["image_sizes"], batch_num_images=inputs["batch_num_images"]
+            ).pooler_output[0]
+        assert len(packed) == 729 + rows * (cols + 1)
+        keep = [int(j) for j in base.kept]
+        kept_rows = {}
+        for t in grid.kept.tolist():
+            kept_rows.setdefault(t // cols, []).append(t % cols)
+        for row in sorted(kept_rows):
+            start = 729 + row * (cols + 1)
+            keep += [start + c for c in sorted(kept_rows[row])] + [start + cols]
+        image = packed[torch.tensor(keep)]
+        ids = inputs["input_ids"][0]
+        ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
+        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(image)]], ids[ph[-1] + 1 :]])[None]
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(new_ids)
+            embeds[new_ids == model.config.image_token_id] = image
+            ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+        assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5, size
+
+
+@pytest.mark.parametrize("frames", [1, 4, 32])
+def test_video_per_frame_budget_with_one_trailing_newline(ov, frames):
+    model, processor = ov
+    inputs = processor(
+        videos=[example_clip(frames)], text=[build_prompt(processor, "what?", 0, 1)], return_tensors="pt"
+    )
+    with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
+        logits = model(**inputs).logits
+        out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert [(r.modality, r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [
+        ("video", f, 196, 49) for f in range(frames)
+    ]
+    with torch.no_grad():
+        stock = model.model.get_video_features(inputs["pixel_values_videos"]).pooler_output[0]  # [F*196 + 1, D]
+        frames_tokens = stock[:-1].view(frames, 196, -1)
+        video = torch.cat([*(frames_tokens[f, r.kept] for f, r in enumerate(handle.records)), stock[-1:]])
+        ids = inputs["input_ids"][0]
+        ph = (ids == model.config.video_token_id).nonzero().squeeze(1)
+        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(video)]], ids[ph[-1] + 1 :]])[None]
+        embeds = model.get_input_embeddings()(new_ids)
+        embeds[new_ids == model.config.video_token_id] = video
+        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+    assert (logits - ref).abs().max() <= 1e-5 and out.shape[1] == inputs["input_ids"].shape[1] + 2
+
+
+def test_batch_beams_restore_and_no_cls(ov):
+    model, processor = ov
+    texts = [build_prompt(processor, "what?"), build_prompt(processor, "describe the image in detail.")]
+    images = [make_image(800, 300), make_image(200, 900, 1)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
+        ref = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
+        with vtoken.patched(model, "pool", budget=0.25):
+            out = model.generate(**batched, max_new_tokens=4, do_sample=False)
+            width = batched["input_ids"].shape[1]
+            for i in range(2):
+                single = processor(images=[images[i]], text=[texts[i]], return_tensors="pt")
+                one = model.generate(**single, max_new_tokens=4, do_sample=False)
+                assert torch.equal(out[i, width:], one[0, single["input_ids"].shape[1] :])
+            beams = model.generate(**batched, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
+        after = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
+    assert beams.shape[0] == 4 and torch.equal(after, ref)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(vtoken.MissingSignalError, match="cls_attention"):
+        vtoken.patch(model, "fastervlm", budget=0.25)
