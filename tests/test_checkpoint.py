@@ -33,7 +33,17 @@ def test_unknown_model_name_is_named():
         load("not-a-model")
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny-llava-next",
+        "tiny-qwen2-vl",
+        "tiny-qwen2.5-vl",
+        "tiny-onevision",
+        "tiny-llava-next-video",
+        "tiny-video-llava",
+    ],
+)
 def test_every_family_round_trips_through_from_pretrained(name, tmp_path, monkeypatch):
     from conftest import make_image
 

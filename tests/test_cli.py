@@ -49,7 +49,17 @@ def test_count_budget_is_parsed_as_a_count(capsys):
     assert "576 -> 29 (5.0% kept)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("model", ["tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "tiny-llava-next",
+        "tiny-qwen2-vl",
+        "tiny-qwen2.5-vl",
+        "tiny-onevision",
+        "tiny-llava-next-video",
+        "tiny-video-llava",
+    ],
+)
 def test_every_builtin_family_runs(model, capsys):
     assert (
         main(
@@ -72,7 +82,16 @@ def test_every_builtin_family_runs(model, capsys):
     assert "25.0% kept" in capsys.readouterr().out
 
 
-def test_video_from_a_gif(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        ("tiny-qwen2-vl", "128 -> 32"),
+        ("tiny-onevision", "784 -> 196"),
+        ("tiny-llava-next-video", "576 -> 144"),
+        ("tiny-video-llava", "1024 -> 256"),
+    ],
+)
+def test_video_from_a_gif(tmp_path, capsys, model, expected):
     from vtoken.images import example_clip
 
     clip = example_clip(6)
