@@ -71,9 +71,12 @@ class Adapter:
     # modalities whose `pooler_output` the model wants as one [num_items, tokens, D] tensor rather than a list
     stacked_features: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, model: nn.Module, methods: list[Method]):
+    layouts: ClassVar[tuple[str, ...]] = ("native",)
+
+    def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
         self.methods = methods
+        self.layout = layout
         self.records: list[Record] = []
         self._hook = None
         self._generate = None
@@ -178,6 +181,11 @@ class Adapter:
         return found[0] if found else None
 
     def validate(self) -> None:
+        if self.layout not in self.layouts:
+            raise VTokenError(
+                f"layout={self.layout!r} is not available for {type(self.model).__name__} ({self.family}); "
+                f"it has: {', '.join(self.layouts)}"
+            )
         encoder_methods = [m for m in self.methods if m.stage == "encoder"]
         if len(encoder_methods) > 1:
             names = ", ".join(m.name for m in encoder_methods)

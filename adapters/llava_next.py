@@ -9,6 +9,11 @@ tokens. Newlines are not visual tokens: budgets and records never count them.
 
 Every crop keeps its budget of its *valid* tokens: sub-image tokens in the padded border that unpadding removes
 never reach the LLM, so they are never picked (the records say how many valid tokens each crop had).
+
+`layout="official"` packs as the official FasterVLM code does for LLaVA-NeXT: no unpadding and no newlines;
+every crop keeps its budget of all its tokens, and the sequence is the base view's kept tokens, then the kept
+sub-image tokens in raster order of the full stitched grid. The LLM then sees a sequence the checkpoint was not
+trained on, so use it to reproduce published numbers, not for best accuracy.
 """
 
 from __future__ import annotations
@@ -50,10 +55,13 @@ class LlavaNextAdapter(LlavaAdapter):
                  ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy")),
     )  # fmt: skip
 
-    def available_signals(self) -> set[str]:
-        return super().available_signals() - {"full_grid"}
+    layouts = ("native", "official")
 
-    def layout(self, image_size: torch.Tensor) -> AnyresLayout:
+    def available_signals(self) -> set[str]:
+        signals = super().available_signals()  # official layout: every crop is a full grid
+        return signals if self.layout == "official" else signals - {"full_grid"}
+
+    def crop_layout(self, image_size: torch.Tensor) -> AnyresLayout:
         """The crop grid and unpadded token window of an image of `image_size` (height, width)."""
         from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
 
@@ -70,7 +78,7 @@ class LlavaNextAdapter(LlavaAdapter):
             raise InputError(
                 f"{type(self.model).__name__} needs `image_sizes` next to pixel_values (its processor makes both)"
             )
-        layouts = [self.layout(size) for size in image_sizes]
+        layouts = [self.crop_layout(size) for size in image_sizes]
         if pixel_values.dim() == 5:
             self._check_crops(pixel_values[0], "[num_images, num_crops, 3, H, W]")
             if pixel_values.shape[0] != len(layouts) or any(lay.num_crops > pixel_values.shape[1] for lay in layouts):
@@ -133,13 +141,18 @@ class LlavaNextAdapter(LlavaAdapter):
                 stitched_index.append(positions)
                 image_index.append(i)
                 crop_index.append(c)
-        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), torch.stack(valid).to(device))
+        valid = torch.stack(valid).to(device) if self.layout == "native" else None  # official: no unpadding
+        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), valid)
         selection, timer = self.select(tokens)
 
-        kept = [selection.kept_of(c) for c in range(tokens.num_crops)]
-        embeds = self.inner.multi_modal_projector(torch.cat([features[c, k] for c, k in enumerate(kept)]))
-        embeds = embeds.split([len(k) for k in kept])
+        kept = [selection.offsets_of(c) for c in range(tokens.num_crops)]
+        if selection.counts is None:  # every crop keeps k: one batched gather
+            embeds = self.inner.multi_modal_projector(selection.gather(features)).unbind(0)
+        else:
+            embeds = self.inner.multi_modal_projector(torch.cat([features[c, k] for c, k in enumerate(kept)]))
+            embeds = embeds.split([len(k) for k in kept])
         newline = self.inner.image_newline
+        official = self.layout == "official"
 
         per_image, first = [], 0
         for layout in layouts:
@@ -147,13 +160,15 @@ class LlavaNextAdapter(LlavaAdapter):
             first += layout.num_crops
             base = embeds[crops[0]]
             if layout.num_crops == 1:
-                per_image.append(torch.cat([base, newline[None].to(base)]))
+                per_image.append(base if official else torch.cat([base, newline[None].to(base)]))
                 continue
             keys = torch.cat([stitched_index[c].to(device)[kept[c]] for c in crops[1:]])
-            tokens_embeds = torch.cat([embeds[c] for c in crops[1:]])
-            per_image.append(
-                torch.cat([base, _raster_with_newlines(keys, tokens_embeds, layout.cols * width, newline)])
-            )
+            sub = torch.cat([embeds[c] for c in crops[1:]])
+            if official:
+                sub = sub[keys.argsort()]
+            else:
+                sub = _raster_with_newlines(keys, sub, layout.cols * width, newline)
+            per_image.append(torch.cat([base, sub]))
         records = self.crop_records(tokens, selection, timer, crop_index)
         return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)
 

@@ -53,7 +53,8 @@ def compress_prompt(
     """Drop placeholder tokens so that image i keeps only the placeholders at `keep_offsets[i]` of its run.
 
     input_ids: [B, L]; images own consecutive placeholders in row-major order, image i owning `run_lengths[i]`.
-    keep_offsets[i]: sorted LongTensor of kept offsets within image i's run.
+    keep_offsets[i]: sorted LongTensor of kept offsets within image i's run; offsets at or past the run's end
+        (renumbered positions only) add placeholders, for layouts longer than the processor's run.
     position_ids: [B, L] or [P, B, L] (multi-axis RoPE), or None.
     positions: "renumber" = kept tokens get contiguous positions (what the model sees is simply a shorter
         prompt); "original" = kept tokens keep the positions they had.
@@ -103,24 +104,24 @@ def compress_prompt(
         return unchanged
 
     batch, length = input_ids.shape
-    starts = torch.tensor([0, *run_lengths[:-1]], device=device).cumsum(0)
-    kept_ordinals = torch.cat([s + k.to(device) for s, k in zip(starts, keep_offsets, strict=True)])
-    placeholder_cols = is_placeholder.flatten().nonzero().squeeze(1)
-    keep = (~is_placeholder).flatten()
-    keep[placeholder_cols[kept_ordinals]] = True
-    keep = keep.view(batch, length)
-
-    lengths = keep.sum(1)
+    # how often each original column appears in the new prompt: text once, placeholders as often as their
+    # offset is listed (offsets past the end of a run repeat its last placeholder: a run can also grow)
+    repeats = (~is_placeholder).long().flatten()
+    counts = [
+        torch.bincount(k.to(device).clamp(max=n - 1), minlength=n)
+        for k, n in zip(keep_offsets, run_lengths, strict=True)
+    ]
+    repeats[is_placeholder.flatten()] = torch.cat(counts)
+    repeats = repeats.view(batch, length)
+    lengths = repeats.sum(1)
     new_len = int(lengths.max())
-    cols = torch.arange(length, device=device)
-    # kept columns first, in ascending order, then the dropped ones
-    order = torch.where(keep, cols, cols + length).argsort(dim=1)
+    source = torch.repeat_interleave(torch.arange(length, device=device).repeat(batch), repeats.flatten())
+    rows = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
+    rank = torch.arange(len(source), device=device) - (lengths.cumsum(0) - lengths)[rows]
     right_padded = attention_mask is not None and bool((attention_mask[:, -1] == 0).any())
-    slots = torch.arange(new_len, device=device).expand(batch, -1)
     shift = torch.zeros_like(lengths) if right_padded else new_len - lengths
-    source = slots - shift[:, None]
-    valid = (source >= 0) & (source < lengths[:, None])
-    index = order.gather(1, source.clamp(0, length - 1)).masked_fill(~valid, -1)
+    index = torch.full((batch, new_len), -1, dtype=torch.long, device=device)
+    index[rows, rank + shift[rows]] = source
 
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     new_mask = gather_columns(mask, index, 0)
@@ -131,9 +132,13 @@ def compress_prompt(
     if position_ids is not None or positions == "original" or bool((new_mask == 0).any()):
         if position_ids is None:
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        if positions == "renumber":
-            dropped_before = (~keep).long().cumsum(-1)
-            position_ids = position_ids - dropped_before
-        new_positions = gather_columns(position_ids, index, 0)
+        if positions == "original":
+            new_positions = gather_columns(position_ids, index, 0)
+        else:  # contiguous from each row's first real position
+            first = (mask != 0).long().argmax(dim=1)  # [B]: each row's first real column
+            first = first.view(*[1] * (position_ids.dim() - 2), -1, 1).expand(*position_ids.shape[:-1], 1)
+            start = position_ids.gather(-1, first)
+            rank = (new_mask.long().cumsum(-1) - 1).clamp(min=0)
+            new_positions = (start + rank).masked_fill(new_mask == 0, 0)
     new_mask = new_mask if attention_mask is not None or bool((new_mask == 0).any()) else None
     return CompressedPrompt(new_ids, new_mask, new_positions, new_labels, index)

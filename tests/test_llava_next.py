@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_image
 
 import vtoken
@@ -118,7 +119,7 @@ def test_exact_budget_per_crop_for_every_size(next_model, method, budget):
                     assert len(r.kept) == r.tokens_out and torch.equal(r.kept, r.kept.sort().values)
                 # newline count: distinct stitched rows among kept sub-image tokens (independently computed)
                 adapter = handle.adapter
-                layout = adapter.layout(inputs["image_sizes"][0])
+                layout = adapter.crop_layout(inputs["image_sizes"][0])
                 rows = set()
                 for r in records[1:]:
                     crop_row = (r.crop - 1) // layout.cols
@@ -181,7 +182,7 @@ def test_fastervlm_keeps_topk_of_eager_cls_attention_among_valid_tokens(next_mod
     crops = inputs["pixel_values"][0, : len(handle.records)]
     with torch.no_grad():
         scores = eager(crops, output_attentions=True).attentions[-2][:, :, 0, 1:].mean(1)
-    layout = handle.adapter.layout(inputs["image_sizes"][0])
+    layout = handle.adapter.crop_layout(inputs["image_sizes"][0])
     valid_stitched = set(layout.unpadded.flatten().tolist())
     for r in handle.records:
         s = scores[r.crop].clone()
@@ -205,3 +206,57 @@ def test_missing_image_sizes_is_named(next_model):
     del inputs["image_sizes"]
     with vtoken.patched(model, "random", budget=0.5), pytest.raises(vtoken.InputError, match="image_sizes"):
         model(**inputs)
+
+
+@pytest.mark.parametrize("method", ["fastervlm", "random", "pool"])
+@pytest.mark.parametrize("size, budget", [((50, 20), 1.0), ((50, 20), 144), ((1000, 1000), 144), ((800, 300), 36)])
+def test_official_layout_equals_hand_built_sequence(next_model, method, size, budget):
+    """layout="official": every crop keeps k of all 576 tokens; base first, then sub-image tokens in raster order
+    of the full stitched grid; no unpadding, no newline. (50 x 20 at full budget is longer than the processor's
+    placeholder run: the run grows.)"""
+    model, processor = next_model
+    inputs = _inputs(processor, [size])
+    with torch.no_grad(), vtoken.patched(model, method, budget=budget, layout="official") as handle:
+        logits = model(**inputs).logits
+        generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    k = vtoken.tokens_to_keep(budget, 576)
+    assert all((r.tokens_in, r.tokens_out) == (576, k) for r in handle.records)
+    layout = handle.adapter.crop_layout(inputs["image_sizes"][0])
+    crops = inputs["pixel_values"][0, : layout.num_crops]
+    with torch.no_grad():
+        hidden = model.model.vision_tower(crops, output_hidden_states=True).hidden_states[-2][:, 1:]
+        side = int(k**0.5)
+        if method == "pool":  # k = side^2: adaptive pooling; cells ordered by their place in the stitched grid
+            pooled = F.adaptive_avg_pool2d(hidden.view(-1, 24, 24, hidden.shape[-1]).permute(0, 3, 1, 2), side)
+            chosen = pooled.flatten(2).transpose(1, 2)
+            step = 24 // side
+            where = torch.tensor([(i * step) * 24 + j * step for i in range(side) for j in range(side)])
+            where = where.expand(layout.num_crops, -1)
+        else:
+            chosen = torch.stack([hidden[r.crop, r.kept] for r in handle.records])
+            where = torch.stack([r.kept for r in handle.records])
+        embeds_per_crop = model.model.multi_modal_projector(chosen)
+        keys, subs = [], []
+        for c in range(1, layout.num_crops):
+            row, col = divmod(c - 1, layout.cols)
+            keys.append((row * 24 + where[c] // 24) * layout.cols * 24 + col * 24 + where[c] % 24)
+            subs.append(embeds_per_crop[c])
+        order = torch.cat(keys).argsort()
+        image = torch.cat([embeds_per_crop[0], torch.cat(subs)[order]])
+    ids = inputs["input_ids"][0]
+    ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
+    new_ids = torch.cat([ids[: ph[0]], torch.full((len(image),), model.config.image_token_id), ids[ph[-1] + 1 :]])
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(new_ids[None])
+        embeds[new_ids[None] == model.config.image_token_id] = image
+        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
+    assert torch.equal(generated[:, : inputs["input_ids"].shape[1]], inputs["input_ids"])
+
+
+def test_layouts_are_checked(next_model, llava):
+    with pytest.raises(vtoken.VTokenError, match="layout='nope'.*native, official"):
+        vtoken.patch(next_model[0], "random", budget=0.5, layout="nope")
+    with pytest.raises(vtoken.VTokenError, match="layout='official'.*it has: native"):
+        vtoken.patch(llava[0], "random", budget=0.5, layout="official")
+    assert vtoken.handle_of(next_model[0]) is None and vtoken.handle_of(llava[0]) is None

@@ -102,3 +102,15 @@ def test_4d_masks_are_refused():
     ids = torch.tensor([[1, PH, 2]])
     with pytest.raises(InputError, match="4-D attention_mask"):
         compress_prompt(ids, PH, [1], [torch.arange(1)], attention_mask=torch.ones(1, 1, 3, 3))
+
+
+def test_runs_can_grow_for_layouts_longer_than_the_processors_run():
+    ids = torch.tensor([[0, 0, 1, PH, PH, PH, 2, 3], [1, 5, PH, PH, PH, 2, 3, 4]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
+    labels = torch.arange(16).view(2, 8)
+    out = compress_prompt(ids, PH, [3, 3], [torch.arange(5), torch.tensor([1])], attention_mask=mask, labels=labels)
+    # row 0 grows by two placeholders, row 1 loses two: re-padded on the left to the longest row
+    assert out.input_ids.tolist() == [[0, 0, 1, PH, PH, PH, PH, PH, 2, 3], [0, 0, 0, 0, 1, 5, PH, 2, 3, 4]]
+    assert out.attention_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]]
+    assert out.position_ids.tolist() == [[0, 0, 0, 1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 1, 2, 3, 4, 5]]
+    assert out.labels.tolist()[0] == [0, 1, 2, 3, 4, 5, 5, 5, 6, 7]  # the run's last placeholder repeats

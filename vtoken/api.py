@@ -71,11 +71,15 @@ def _find_adapter(model: nn.Module):
     raise UnsupportedModelError(f"{type(model).__name__} is not a supported vision-language model; supported: {known}")
 
 
-def patch(model: nn.Module, method: str | Method | Sequence[str | Method], **params: Any) -> PatchHandle:
+def patch(
+    model: nn.Module, method: str | Method | Sequence[str | Method], *, layout: str = "native", **params: Any
+) -> PatchHandle:
     """Apply token reduction to `model` in place and return a handle whose `.records` say what was kept.
 
     `method`: a registered name (see `available_methods()`) with its parameters as keywords, e.g.
     `patch(model, "fastervlm", budget=0.25)`, or a method object, or a list of them (stages compose).
+    `layout`: how kept tokens are packed for anyres models: "native" (the model's own packing, the default) or
+    "official" (a seed method's own code layout, for paper reproduction; LLaVA-NeXT).
     The model's own `generate(...)` / `model(...)` keep working; `unpatch(model)` restores it exactly.
     """
     if getattr(model, _HANDLE_ATTR, None) is not None:
@@ -84,7 +88,7 @@ def patch(model: nn.Module, method: str | Method | Sequence[str | Method], **par
             "call vtoken.unpatch(model) first"
         )
     methods = _resolve_methods(method, params)
-    adapter = _find_adapter(model)(model, methods)  # validates before anything is installed
+    adapter = _find_adapter(model)(model, methods, layout)  # validates before anything is installed
     try:
         adapter.install()
     except BaseException:
