@@ -80,7 +80,8 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
             signals = {"cls_attention": pooled_scores}
         tokens = VisualTokens(pooled, self.frame_grid, signals, torch.arange(videos).repeat_interleave(frames))
         selection, timer = self.select(tokens)
-        embeds = self.inner.multi_modal_projector(selection.gather(pooled))
-        per_video = list(embeds.reshape(videos, -1, embeds.shape[-1]))
+        embeds = self.inner.multi_modal_projector(selection.gather_flat(pooled))
+        per_frame = selection.counts_per_crop()
+        per_video = list(embeds.split([sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]))
         records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
         return EncodedImages(per_video, [torch.arange(len(e)) for e in per_video], records)

@@ -127,7 +127,10 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             side = math.ceil(self.grid[0] / 2)
             tokens = VisualTokens(pooled, (side, side), {}, torch.arange(videos).repeat_interleave(frames))
             selection, timer = self.select(tokens)
-            kept = selection.gather(pooled).reshape(videos, -1, pooled.shape[-1])
+            per_frame = selection.counts_per_crop()
+            kept = selection.gather_flat(pooled).split(
+                [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
+            )
             per_video = [torch.cat([v, newline[None].to(v)]) for v in kept]
             records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
             return EncodedImages(per_video, [torch.arange(len(v)) for v in per_video], records)

@@ -126,7 +126,7 @@ class QwenVLAdapter(Adapter):
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
             crops = VisualTokens(per_frame, grid, {}, torch.full((frames,), index))
             selection, timer = self.select(crops)
-            features.append(selection.gather(per_frame).flatten(0, 1))
+            features.append(selection.gather_flat(per_frame))
             offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
             records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)
         return EncodedImages(features, offsets, records)

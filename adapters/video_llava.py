@@ -63,7 +63,11 @@ class VideoLlavaAdapter(LlavaAdapter):
         cls, patches = hidden[:, :1], hidden[:, 1:]
         tokens = VisualTokens(patches, self.grid, signals, torch.arange(videos).repeat_interleave(frames))
         selection, timer = self.select(tokens)
-        embeds = self.inner.multi_modal_projector(torch.cat([cls, selection.gather(patches)], dim=1))
-        per_video = list(embeds.view(videos, -1, embeds.shape[-1]))
+        # each frame: its [CLS] token, then its kept patches
+        frame_tokens = [torch.cat([cls[f], patches[f, selection.kept_of(f)]]) for f in range(videos * frames)] \
+            if selection.kept is not None else list(torch.cat([cls, selection.gather(patches)], dim=1))  # fmt: skip
+        embeds = self.inner.multi_modal_projector(torch.cat(frame_tokens))
+        sizes = [len(t) for t in frame_tokens]
+        per_video = list(embeds.split([sum(sizes[v * frames : (v + 1) * frames]) for v in range(videos)]))
         records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
         return EncodedImages(per_video, [torch.arange(len(e)) for e in per_video], records)

@@ -21,7 +21,7 @@ from .errors import (
 )
 from .methods import FasterVLM, Method, Pool, Random, ScoreMethod
 from .records import Record
-from .registry import available_methods, supported_models
+from .registry import available_methods, make_method, supported_models
 from .tokens import Selection, VisualTokens
 
 __version__ = "0.1.0"
@@ -33,6 +33,7 @@ __all__ = [
     "handle_of",
     "PatchHandle",
     "available_methods",
+    "make_method",
     "supported_models",
     "tokens_to_keep",
     "FasterVLM",

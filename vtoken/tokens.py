@@ -79,8 +79,18 @@ class Selection:
             return None
         return self.kept[crop] if self.counts is None else self.kept[crop, : self.counts[crop]]
 
+    def gather_flat(self, features: torch.Tensor) -> torch.Tensor:
+        """Kept features of all crops, crop after crop: [sum of kept, D] (crops may keep different numbers)."""
+        if self.counts is None:
+            return self.gather(features).flatten(0, 1)
+        return torch.cat([features[c, self.kept_of(c)] for c in range(features.shape[0])])
+
+    def counts_per_crop(self) -> list[int]:
+        return self.counts if self.counts is not None else [self.num_kept] * (
+            (self.kept if self.kept is not None else self.features).shape[0])  # fmt: skip
+
     def gather(self, features: torch.Tensor) -> torch.Tensor:
-        """Kept features [C, k, D] from the crops' features [C, N, D]."""
+        """Kept features [C, k, D] from the crops' features [C, N, D] (every crop keeping k)."""
         if self.features is not None:
             return self.features
         return features.gather(1, self.kept.unsqueeze(-1).expand(-1, -1, features.shape[-1]))

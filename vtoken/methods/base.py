@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 
 from ..budget import Budget, check_budget, tokens_to_keep
+from ..errors import VTokenError
 from ..tokens import Selection, VisualTokens
 
 
@@ -18,18 +19,25 @@ from ..tokens import Selection, VisualTokens
 class Method:
     """A visual-token reduction method.
 
+    budget: fraction kept or token count. scope: what the budget counts over: "crop" (every crop or video frame
+    keeps its budget) or "image" (an image or video keeps its budget over all its crops or frames together).
     name: registered name. stage: where it acts ("encoder" = on the vision features, before the LLM).
     requires: score signals the adapter must provide (see `VisualTokens.signals`).
     """
 
     budget: Budget = 0.25
+    scope: str = "crop"
 
     name: ClassVar[str] = ""
     stage: ClassVar[str] = "encoder"
     requires: ClassVar[tuple[str, ...]] = ()
 
+    scopes: ClassVar[tuple[str, ...]] = ("crop", "image")
+
     def __post_init__(self) -> None:
         self.budget = check_budget(self.budget)
+        if self.scope not in self.scopes:
+            raise VTokenError(f"{self.name}: scope={self.scope!r}; accepted: {', '.join(self.scopes)}")
 
     def keep_count(self, n: int) -> int:
         """Tokens kept per crop of n tokens."""
@@ -40,7 +48,7 @@ class Method:
 
         Knowing "how many" before the encoder runs lets the adapter shrink the prompt while the GPU is still idle.
         """
-        return self.keep_count(n)
+        return self.keep_count(n) if self.scope == "crop" else None
 
     def select(self, tokens: VisualTokens) -> Selection:
         """Decide which tokens of every crop reach the LLM."""
@@ -57,6 +65,8 @@ class ScoreMethod(Method):
 
     def select(self, tokens: VisualTokens) -> Selection:
         scores = self.score(tokens)
+        if self.scope == "image":
+            return self._select_per_image(tokens, scores)
         if tokens.valid is None:
             k = self.keep_count(tokens.num_tokens)
             return Selection(kept=scores.topk(k, dim=-1).indices.sort(dim=-1).values)
@@ -66,4 +76,25 @@ class ScoreMethod(Method):
         rank = torch.arange(top.shape[1], device=top.device)
         limit = torch.tensor(counts, device=top.device)[:, None]
         kept = torch.where(rank < limit, top, tokens.num_tokens).sort(dim=-1).values
+        return Selection(kept=kept, counts=counts)
+
+    def _select_per_image(self, tokens: VisualTokens, scores: torch.Tensor) -> Selection:
+        """One top-k over all crops of each image; crops keep different numbers (padded rows + counts)."""
+        n = tokens.num_tokens
+        valid = tokens.valid if tokens.valid is not None else torch.ones_like(scores, dtype=torch.bool)
+        scores = scores.float().masked_fill(~valid, float("-inf"))
+        images = tokens.image_index if tokens.image_index is not None else torch.arange(tokens.num_crops)
+        per_crop: list[torch.Tensor] = [scores.new_empty(0, dtype=torch.long)] * tokens.num_crops
+        for image in images.unique().tolist():
+            crops = (images == image).nonzero().squeeze(1).tolist()
+            k = self.keep_count(int(valid[crops].sum()))
+            flat = scores[crops].flatten().topk(k).indices
+            for position, crop in enumerate(crops):
+                mine = flat[(flat // n) == position] % n
+                per_crop[crop] = mine.sort().values
+        counts = [len(k) for k in per_crop]
+        width = max(counts)
+        kept = torch.full((tokens.num_crops, width), n, dtype=torch.long, device=scores.device)
+        for crop, k in enumerate(per_crop):
+            kept[crop, : len(k)] = k
         return Selection(kept=kept, counts=counts)

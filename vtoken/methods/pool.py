@@ -59,6 +59,7 @@ class Pool(Method):
     """Average-pool the H x W grid of every crop to k tokens (merging: no kept indices)."""
 
     name = "pool"
+    scopes = ("crop",)  # pools each crop to its own budget
     requires = ("full_grid",)  # pools complete H x W crops; crops cut by unpadding are not grids
 
     def select(self, tokens: VisualTokens) -> Selection:

@@ -16,8 +16,8 @@ from .base import ScoreMethod
 class Random(ScoreMethod):
     """Uniform random keep-k per crop: the top-k of seeded uniform noise, i.e. a uniformly random k-subset.
 
-    The noise depends only on `seed` and N, never on a crop's place in the batch, so a padded batch gives the
-    same result as running its samples one by one; crops of equal size keep the same random positions.
+    The noise depends only on `seed`, N and the crop's index within its image (or frame within its video), never
+    on where the image sits in the batch, so a padded batch gives the same result as running samples one by one.
     """
 
     seed: int = 0
@@ -25,6 +25,10 @@ class Random(ScoreMethod):
     name = "random"
 
     def score(self, tokens: VisualTokens) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed)
-        noise = torch.rand(tokens.num_tokens, generator=generator)
-        return noise.to(tokens.features.device).expand(tokens.num_crops, -1)
+        # noise per crop index *within its image*: independent of where the image sits in the batch
+        images = tokens.image_index if tokens.image_index is not None else torch.arange(tokens.num_crops)
+        first = {int(i): int((images == i).nonzero()[0]) for i in images.unique()}
+        within = [c - first[int(i)] for c, i in enumerate(images.tolist())]
+        noise = {w: torch.rand(tokens.num_tokens, generator=torch.Generator().manual_seed(self.seed + 7919 * w))
+                 for w in set(within)}  # fmt: skip
+        return torch.stack([noise[w] for w in within]).to(tokens.features.device)
