@@ -17,12 +17,12 @@ def llava():
 
 @pytest.fixture(autouse=True)
 def _always_unpatch(request):
-    """Never let a failing test leave the shared model patched."""
+    """Never let a failing test leave a shared (model, processor) fixture patched."""
     yield
-    if "llava" in request.fixturenames:
-        model = request.getfixturevalue("llava")[0]
-        if vtoken.handle_of(model) is not None:
-            vtoken.unpatch(model)
+    for value in getattr(request.node, "funcargs", {}).values():
+        if isinstance(value, tuple) and value and isinstance(value[0], torch.nn.Module):
+            if vtoken.handle_of(value[0]) is not None:
+                vtoken.unpatch(value[0])
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +47,28 @@ def inputs_for(processor, images, questions):
     """Processor inputs for one image per prompt, left-padded."""
     prompts = [build_prompt(processor, q) for q in questions]
     return processor(images=images, text=prompts, return_tensors="pt", padding=True)
+
+
+def feed_language_model(model, input_ids, token_id, visual):
+    """Reference logits: the bare language model on `input_ids[0]` with its one run of `token_id` placeholders
+    replaced by exactly the embeddings `visual` [n, D], contiguous positions."""
+    ids = input_ids[0]
+    placeholders = (ids == token_id).nonzero().squeeze(1)
+    new_ids = torch.cat([ids[: placeholders[0]], torch.full((len(visual),), token_id), ids[placeholders[-1] + 1 :]])
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(new_ids[None])
+        embeds[new_ids[None] == token_id] = visual
+        return model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+
+
+def eager_cls_attention(tower, pixel_values, layer=-2):
+    """Independent [CLS] scores: an eager copy of a CLIP tower run with output_attentions; head-mean attention
+    of [CLS] to every patch in the layer whose output is hidden_states[layer]."""
+    from transformers import CLIPVisionModel
+
+    config = tower.config.__class__.from_dict(tower.config.to_dict())
+    config._attn_implementation = "eager"
+    eager = CLIPVisionModel(config).eval()
+    eager.load_state_dict(tower.state_dict())
+    with torch.no_grad():
+        return eager(pixel_values, output_attentions=True).attentions[layer][:, :, 0, 1:].mean(1)

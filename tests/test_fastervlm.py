@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import inputs_for
+from conftest import eager_cls_attention, inputs_for
 from vtoken.adapters.probes import ClsAttentionProbe
 
 import vtoken
@@ -20,28 +20,15 @@ def test_selection_is_topk_of_the_cls_map_in_ascending_order():
     assert vtoken.FasterVLM(budget=0.25).select(tokens).kept.tolist() == [[0, 3, 7, 15], [1, 5, 9, 12]]
 
 
-def _eager_cls_attention(model, pixel_values, layer=-2):
-    """Independent reference: an eager copy of the tower, output_attentions, [CLS] row of the feature layer."""
-    from transformers import CLIPVisionModel
-
-    tower = model.model.vision_tower
-    config = tower.config.__class__.from_dict(tower.config.to_dict())
-    config._attn_implementation = "eager"
-    eager = CLIPVisionModel(config).eval()
-    eager.load_state_dict(tower.state_dict())
-    with torch.no_grad():
-        attentions = eager(pixel_values, output_attentions=True).attentions
-    # hidden_states[-2] is the output of layer L-2, whose attention map is attentions[-2]
-    return attentions[layer][:, :, 0, 1:].mean(dim=1)
-
-
 def test_probe_equals_eager_attention_row(llava, photos):
     model, processor = llava
     pixel_values = inputs_for(processor, [photos["astronaut"], photos["rocket"]], ["a", "b"])["pixel_values"]
     tower = model.model.vision_tower
     with torch.no_grad(), ClsAttentionProbe(tower.encoder.layers[-2].self_attn) as probe:
         tower(pixel_values)
-    torch.testing.assert_close(probe.scores, _eager_cls_attention(model, pixel_values), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        probe.scores, eager_cls_attention(model.model.vision_tower, pixel_values), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("budget", [288, 144, 58, 29])
@@ -50,7 +37,7 @@ def test_kept_set_is_topk_of_eager_cls_attention(llava, photos, budget):
     inputs = inputs_for(processor, [photos["astronaut"], photos["coffee"]], ["what is in the image?", "hi"])
     with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=budget) as handle:
         model(**inputs)
-    reference = _eager_cls_attention(model, inputs["pixel_values"])
+    reference = eager_cls_attention(model.model.vision_tower, inputs["pixel_values"])
     for record, scores in zip(handle.records, reference, strict=True):
         expected = scores.topk(budget).indices.sort().values
         assert torch.equal(record.kept, expected)

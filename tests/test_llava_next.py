@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_image
+from conftest import eager_cls_attention, feed_language_model, make_image
 
 import vtoken
 from vtoken.zoo import build_prompt, tiny_llava_next
@@ -15,13 +15,6 @@ SIZES = [(336, 336), (800, 300), (300, 900), (1000, 1000), (50, 20), (640, 427)]
 @pytest.fixture(scope="module")
 def next_model():
     return tiny_llava_next()
-
-
-@pytest.fixture(autouse=True)
-def _unpatch(next_model):
-    yield
-    if vtoken.handle_of(next_model[0]) is not None:
-        vtoken.unpatch(next_model[0])
 
 
 def _inputs(processor, sizes, questions=None):
@@ -85,16 +78,7 @@ def test_pruned_run_equals_language_model_fed_by_hand(next_model, method, size):
         logits = model(**inputs).logits
     image_embeds, newlines = _reference_sequence(model, inputs, handle.records)
     assert len(image_embeds) == sum(r.tokens_out for r in handle.records) + newlines
-    ids = inputs["input_ids"][0]
-    ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
-    new_ids = torch.cat(
-        [ids[: ph[0]], torch.full((len(image_embeds),), model.config.image_token_id), ids[ph[-1] + 1 :]]
-    )[None]
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(new_ids)
-        embeds[new_ids == model.config.image_token_id] = image_embeds
-        out = model.model.language_model(inputs_embeds=embeds)
-        ref = model.lm_head(out.last_hidden_state)
+    ref = feed_language_model(model, inputs["input_ids"], model.config.image_token_id, image_embeds)
     assert logits.shape == ref.shape
     assert (logits - ref).abs().max() <= 1e-5
 
@@ -168,20 +152,12 @@ def test_beams_and_restore(next_model):
 
 
 def test_fastervlm_keeps_topk_of_eager_cls_attention_among_valid_tokens(next_model):
-    from transformers import CLIPVisionModel
-
     model, processor = next_model
     inputs = _inputs(processor, [(800, 300)])
     with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=0.25) as handle:
         model(**inputs)
-    tower = model.model.vision_tower
-    config = tower.config.__class__.from_dict(tower.config.to_dict())
-    config._attn_implementation = "eager"
-    eager = CLIPVisionModel(config).eval()
-    eager.load_state_dict(tower.state_dict())
     crops = inputs["pixel_values"][0, : len(handle.records)]
-    with torch.no_grad():
-        scores = eager(crops, output_attentions=True).attentions[-2][:, :, 0, 1:].mean(1)
+    scores = eager_cls_attention(model.model.vision_tower, crops)
     layout = handle.adapter.crop_layout(inputs["image_sizes"][0])
     valid_stitched = set(layout.unpadded.flatten().tolist())
     for r in handle.records:
@@ -243,13 +219,7 @@ def test_official_layout_equals_hand_built_sequence(next_model, method, size, bu
             subs.append(embeds_per_crop[c])
         order = torch.cat(keys).argsort()
         image = torch.cat([embeds_per_crop[0], torch.cat(subs)[order]])
-    ids = inputs["input_ids"][0]
-    ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
-    new_ids = torch.cat([ids[: ph[0]], torch.full((len(image),), model.config.image_token_id), ids[ph[-1] + 1 :]])
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(new_ids[None])
-        embeds[new_ids[None] == model.config.image_token_id] = image
-        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+    ref = feed_language_model(model, inputs["input_ids"], model.config.image_token_id, image)
     assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
     assert torch.equal(generated[:, : inputs["input_ids"].shape[1]], inputs["input_ids"])
 

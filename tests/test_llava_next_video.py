@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_image
+from conftest import eager_cls_attention, feed_language_model, make_image
 
 import vtoken
 from vtoken.images import example_clip
@@ -13,13 +13,6 @@ from vtoken.zoo import build_prompt, tiny_llava_next_video
 @pytest.fixture(scope="module")
 def nv():
     return tiny_llava_next_video()
-
-
-@pytest.fixture(autouse=True)
-def _unpatch(nv):
-    yield
-    if vtoken.handle_of(nv[0]) is not None:
-        vtoken.unpatch(nv[0])
 
 
 def _video(processor, frames):
@@ -52,29 +45,16 @@ def test_per_frame_budget_and_equivalence(nv, frames):
     with torch.no_grad():  # the stock video features, 144 per frame, keeping the recorded tokens
         full = model.model.get_video_features(inputs["pixel_values_videos"]).pooler_output[0].view(frames, 144, -1)
         video = torch.cat([full[f, r.kept] for f, r in enumerate(handle.records)])
-        ids = inputs["input_ids"][0]
-        ph = (ids == model.config.video_token_id).nonzero().squeeze(1)
-        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(video)]], ids[ph[-1] + 1 :]])[None]
-        embeds = model.get_input_embeddings()(new_ids)
-        embeds[new_ids == model.config.video_token_id] = video
-        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+        ref = feed_language_model(model, inputs["input_ids"], model.config.video_token_id, video)
     assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
 
 
 def test_fastervlm_score_is_the_pooled_eager_cls_attention(nv):
-    from transformers import CLIPVisionModel
-
     model, processor = nv
     inputs = _video(processor, 2)
     with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=20) as handle:
         model(**inputs)
-    tower = model.model.vision_tower
-    config = tower.config.__class__.from_dict(tower.config.to_dict())
-    config._attn_implementation = "eager"
-    eager = CLIPVisionModel(config).eval()
-    eager.load_state_dict(tower.state_dict())
-    with torch.no_grad():
-        scores = eager(inputs["pixel_values_videos"][0], output_attentions=True).attentions[-2][:, :, 0, 1:].mean(1)
+    scores = eager_cls_attention(model.model.vision_tower, inputs["pixel_values_videos"][0])
     pooled = F.avg_pool2d(scores.view(-1, 1, 24, 24), 2).flatten(1)
     for frame, record in enumerate(handle.records):
         assert torch.equal(record.kept, pooled[frame].topk(20).indices.sort().values)

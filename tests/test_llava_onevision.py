@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_image
+from conftest import feed_language_model, make_image
 
 import vtoken
 from vtoken.images import example_clip
@@ -14,13 +14,6 @@ SIZES = [(384, 384), (800, 300), (1600, 1500), (200, 900), (1000, 700)]
 @pytest.fixture(scope="module")
 def ov():
     return tiny_onevision()
-
-
-@pytest.fixture(autouse=True)
-def _unpatch(ov):
-    yield
-    if vtoken.handle_of(ov[0]) is not None:
-        vtoken.unpatch(ov[0])
 
 
 def _image(processor, size, seed=0):
@@ -75,13 +68,7 @@ def test_exact_budget_per_crop_and_equivalence_with_stock_packing(ov, budget):
             start = 729 + row * (cols + 1)
             keep += [start + c for c in sorted(kept_rows[row])] + [start + cols]
         image = packed[torch.tensor(keep)]
-        ids = inputs["input_ids"][0]
-        ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
-        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(image)]], ids[ph[-1] + 1 :]])[None]
-        with torch.no_grad():
-            embeds = model.get_input_embeddings()(new_ids)
-            embeds[new_ids == model.config.image_token_id] = image
-            ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+        ref = feed_language_model(model, inputs["input_ids"], model.config.image_token_id, image)
         assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5, size
 
 
@@ -101,12 +88,7 @@ def test_video_per_frame_budget_with_one_trailing_newline(ov, frames):
         stock = model.model.get_video_features(inputs["pixel_values_videos"]).pooler_output[0]  # [F*196 + 1, D]
         frames_tokens = stock[:-1].view(frames, 196, -1)
         video = torch.cat([*(frames_tokens[f, r.kept] for f, r in enumerate(handle.records)), stock[-1:]])
-        ids = inputs["input_ids"][0]
-        ph = (ids == model.config.video_token_id).nonzero().squeeze(1)
-        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(video)]], ids[ph[-1] + 1 :]])[None]
-        embeds = model.get_input_embeddings()(new_ids)
-        embeds[new_ids == model.config.video_token_id] = video
-        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+        ref = feed_language_model(model, inputs["input_ids"], model.config.video_token_id, video)
     assert (logits - ref).abs().max() <= 1e-5 and out.shape[1] == inputs["input_ids"].shape[1] + 2
 
 

@@ -20,13 +20,6 @@ def qwen(request):
     return FAMILIES[request.param]()
 
 
-@pytest.fixture(autouse=True)
-def _unpatch(qwen):
-    yield
-    if vtoken.handle_of(qwen[0]) is not None:
-        vtoken.unpatch(qwen[0])
-
-
 def _prompt(processor, question, images=1, videos=0):
     content = [{"type": "image"}] * images + [{"type": "video"}] * videos + [{"type": "text", "text": question}]
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)

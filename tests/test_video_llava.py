@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_image
+from conftest import eager_cls_attention, feed_language_model, make_image
 
 import vtoken
 from vtoken.images import example_clip
@@ -14,13 +14,6 @@ METHODS = ["fastervlm", "random", "pool"]
 @pytest.fixture(scope="module")
 def vl():
     return tiny_video_llava()
-
-
-@pytest.fixture(autouse=True)
-def _unpatch(vl):
-    yield
-    if vtoken.handle_of(vl[0]) is not None:
-        vtoken.unpatch(vl[0])
 
 
 def _video(processor, frames, question="what happens?"):
@@ -59,29 +52,16 @@ def test_per_frame_budget_and_equivalence(vl, frames, method):
         else:
             patches = torch.stack([hidden[f, 1:][r.kept] for f, r in enumerate(handle.records)])
         video = model.model.multi_modal_projector(torch.cat([hidden[:, :1], patches], dim=1)).flatten(0, 1)
-        ids = inputs["input_ids"][0]
-        ph = (ids == model.config.video_token_id).nonzero().squeeze(1)
-        new_ids = torch.cat([ids[: ph[0]], ids[ph[: len(video)]], ids[ph[-1] + 1 :]])[None]
-        embeds = model.get_input_embeddings()(new_ids)
-        embeds[new_ids == model.config.video_token_id] = video
-        ref = model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+        ref = feed_language_model(model, inputs["input_ids"], model.config.video_token_id, video)
     assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
 
 
 def test_fastervlm_per_frame_matches_eager_video_tower_attention(vl):
-    from transformers import CLIPVisionModel
-
     model, processor = vl
     inputs = _video(processor, 4)
     with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=0.1) as handle:
         model(**inputs)
-    tower = model.model.video_tower
-    config = tower.config.__class__.from_dict(tower.config.to_dict())
-    config._attn_implementation = "eager"
-    eager = CLIPVisionModel(config).eval()
-    eager.load_state_dict(tower.state_dict())
-    with torch.no_grad():
-        scores = eager(inputs["pixel_values_videos"][0], output_attentions=True).attentions[-2][:, :, 0, 1:].mean(1)
+    scores = eager_cls_attention(model.model.video_tower, inputs["pixel_values_videos"][0])
     for frame, record in enumerate(handle.records):
         assert torch.equal(record.kept, scores[frame].topk(record.tokens_out).indices.sort().values)
 
