@@ -79,7 +79,6 @@ class Adapter:
         self.layout = layout
         self.records: list[Record] = []
         self._hook = None
-        self._generate = None
         self.validate()
 
     # ----------------------------------------------------------------- family-specific
@@ -151,11 +150,11 @@ class Adapter:
         """Hook: model kwargs of the shrunk prompt before the stock forward/generate sees them."""
         return kwargs
 
-    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor) -> Any:
-        """Positions of a manual decoding step after a pruned prefill, given the step's remapped `mask` and the
-        tokens each row lost."""
+    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor, past: int) -> Any:
+        """Positions of a manual decoding step after a pruned prefill, given the step's remapped `mask`, the
+        tokens each row lost and the cache length."""
         positions = kwargs.get("position_ids")
-        steps = mask.shape[1] - kwargs["_past"]
+        steps = mask.shape[1] - past
         if positions is None:
             return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
         return positions - lost.to(positions.device)[:, None] if self.positions == "renumber" else positions
@@ -324,7 +323,7 @@ class Adapter:
         caller_mask = caller_mask if caller_mask is not None else torch.ones(batch, original_len, device=mask.device)
         lost = caller_mask.long().sum(1) - prompt_mask.long().sum(1)
         mask = torch.cat([prompt_mask.to(mask.dtype), mask[:, original_len:]], dim=1)
-        positions = self.decode_positions({**kwargs, "_past": past}, mask, lost)
+        positions = self.decode_positions(kwargs, mask, lost, past)
         return dict(kwargs, attention_mask=mask, position_ids=positions)
 
     _in_generate = False

@@ -53,7 +53,7 @@ class LlavaAdapter(Adapter):
         return None if layer < 0 else layer
 
     def available_signals(self) -> set[str]:
-        signals = {"patch_features", "full_grid"}
+        signals = {"patch_features", "grid"}
         has_cls = self.model.config.vision_feature_select_strategy == "default"  # a [CLS] token that LLaVA drops
         layer = self._attention_layer(self._feature_layers()[-1])
         attention = getattr(self.tower.encoder.layers[layer], "self_attn", None) if layer is not None else None

@@ -58,8 +58,7 @@ class LlavaNextAdapter(LlavaAdapter):
     layouts = ("native", "official")
 
     def available_signals(self) -> set[str]:
-        signals = super().available_signals()  # official layout: every crop is a full grid
-        return signals if self.layout == "official" else signals - {"full_grid"}
+        return super().available_signals()  # native sub-image crops are grids with a rectangular valid part
 
     def crop_layout(self, image_size: torch.Tensor) -> AnyresLayout:
         """The crop grid and unpadded token window of an image of `image_size` (height, width)."""
@@ -149,8 +148,7 @@ class LlavaNextAdapter(LlavaAdapter):
         if selection.counts is None:  # every crop keeps k: one batched gather
             embeds = self.inner.multi_modal_projector(selection.gather(features)).unbind(0)
         else:
-            embeds = self.inner.multi_modal_projector(torch.cat([features[c, k] for c, k in enumerate(kept)]))
-            embeds = embeds.split([len(k) for k in kept])
+            embeds = self.inner.multi_modal_projector(selection.gather_flat(features)).split(selection.counts)
         newline = self.inner.image_newline
         official = self.layout == "official"
 

@@ -41,7 +41,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     stacked_features = frozenset({"video"})
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "full_grid"}  # SigLIP has no [CLS]
+        return {"patch_features", "grid"}  # SigLIP has no [CLS]
 
     def _crop_counts(self, image_sizes: Any, batch_num_images: Any) -> list[int]:
         """Crops per image, as the model decides them (anyres only for single-image prompts)."""

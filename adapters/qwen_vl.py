@@ -45,7 +45,7 @@ class QwenVLAdapter(Adapter):
         return self.model.config.vision_config.spatial_merge_size
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "full_grid"}
+        return {"patch_features", "grid"}
 
     def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> torch.Tensor:
         key = GRID_KEYS[modality.name]
@@ -102,13 +102,13 @@ class QwenVLAdapter(Adapter):
         self.inner.rope_deltas = (largest + 1 - valid.sum(1))[:, None]
         return dict(kwargs, position_ids=positions)
 
-    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor) -> Any:
+    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor, past: int) -> Any:
         """New tokens continue after the largest prompt position: text row from the mask, t/h/w rows offset by
         the rope delta stored at prefill. (Explicit, since the stock fallback returns positions for the whole
         mask rather than the new tokens in transformers 5.23.)"""
         if kwargs.get("position_ids") is not None:
             return kwargs["position_ids"]
-        steps = mask.shape[1] - kwargs["_past"]
+        steps = mask.shape[1] - past
         text = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
         rope = (text + self.inner.rope_deltas.to(text.device))[None].expand(3, -1, -1)
         return torch.cat([text[None], rope])

@@ -8,7 +8,7 @@ from conftest import eager_cls_attention, feed_language_model, make_image
 import vtoken
 from vtoken.zoo import build_prompt, tiny_llava_next
 
-METHODS = ["fastervlm", "random"]
+METHODS = ["fastervlm", "random"]  # selection methods; pool has its own tests below
 SIZES = [(336, 336), (800, 300), (300, 900), (1000, 1000), (50, 20), (640, 427)]
 
 
@@ -25,7 +25,7 @@ def _inputs(processor, sizes, questions=None):
     )
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, "pool"])
 def test_identity_at_full_budget_for_every_size(next_model, method):
     model, processor = next_model
     for size in SIZES:
@@ -170,10 +170,32 @@ def test_fastervlm_keeps_topk_of_eager_cls_attention_among_valid_tokens(next_mod
         assert torch.equal(r.kept, s.topk(r.tokens_out).indices.sort().values)
 
 
-def test_pool_is_refused_with_the_missing_signal_named(next_model):
-    with pytest.raises(vtoken.MissingSignalError, match="full_grid"):
-        vtoken.patch(next_model[0], "pool", budget=0.25)
-    assert vtoken.handle_of(next_model[0]) is None
+def test_pool_native_layout_pools_every_crop_and_keeps_its_rows(next_model):
+    """1000 x 1000: four fully valid sub-crops; 144 per crop = 12 x 12 adaptive pooling, i.e. the 48 x 48 stitched
+    grid pooled to 24 x 24 with a newline after each of its rows; the base view pooled to 12 x 12."""
+    model, processor = next_model
+    inputs = _inputs(processor, [(1000, 1000)])
+    with torch.no_grad(), vtoken.patched(model, "pool", budget=144) as handle:
+        logits = model(**inputs).logits
+    assert [(r.tokens_in, r.tokens_out, r.kept) for r in handle.records] == [(576, 144, None)] * 5
+    with torch.no_grad():
+        hidden = model.model.vision_tower(inputs["pixel_values"][0], output_hidden_states=True).hidden_states[-2]
+        grids = hidden[:, 1:].reshape(5, 24, 24, -1).permute(0, 3, 1, 2)
+        pooled = model.model.multi_modal_projector(F.adaptive_avg_pool2d(grids, 12).permute(0, 2, 3, 1))  # [5,12,12,D]
+        stitched = torch.cat([torch.cat([pooled[1], pooled[2]], dim=1), torch.cat([pooled[3], pooled[4]], dim=1)])
+        newline = model.model.image_newline.expand(24, 1, -1)
+        rows = torch.cat([stitched, newline], dim=1).flatten(0, 1)
+        image = torch.cat([pooled[0].flatten(0, 1), rows])
+    ref = feed_language_model(model, inputs["input_ids"], model.config.image_token_id, image)
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
+
+
+def test_pool_native_budget_counts_valid_tokens(next_model):
+    model, processor = next_model
+    with torch.no_grad(), vtoken.patched(model, "pool", budget=0.25) as handle:
+        for size in SIZES:
+            model(**_inputs(processor, [size]))
+            assert all(r.tokens_out == vtoken.tokens_to_keep(0.25, r.tokens_in) for r in handle.records)
 
 
 def test_missing_image_sizes_is_named(next_model):

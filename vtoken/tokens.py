@@ -70,7 +70,7 @@ class Selection:
         if self.kept is not None:
             return self.kept_of(crop)
         if self.anchors is not None:
-            return self.anchors[crop]
+            return self.anchors[crop] if self.counts is None else self.anchors[crop, : self.counts[crop]]
         return torch.arange(self.features.shape[1], device=self.features.device)
 
     def kept_of(self, crop: int) -> torch.Tensor | None:
@@ -80,9 +80,11 @@ class Selection:
         return self.kept[crop] if self.counts is None else self.kept[crop, : self.counts[crop]]
 
     def gather_flat(self, features: torch.Tensor) -> torch.Tensor:
-        """Kept features of all crops, crop after crop: [sum of kept, D] (crops may keep different numbers)."""
+        """Output features of all crops, crop after crop: [sum of kept, D] (crops may keep different numbers)."""
         if self.counts is None:
             return self.gather(features).flatten(0, 1)
+        if self.kept is None:  # merged features, rows padded past each crop's count
+            return torch.cat([self.features[c, :n] for c, n in enumerate(self.counts)])
         return torch.cat([features[c, self.kept_of(c)] for c in range(features.shape[0])])
 
     def counts_per_crop(self) -> list[int]:

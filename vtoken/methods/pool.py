@@ -60,9 +60,11 @@ class Pool(Method):
 
     name = "pool"
     scopes = ("crop",)  # pools each crop to its own budget
-    requires = ("full_grid",)  # pools complete H x W crops; crops cut by unpadding are not grids
+    requires = ("grid",)  # tokens on an H x W grid whose valid part is a rectangle
 
     def select(self, tokens: VisualTokens) -> Selection:
+        if tokens.valid is not None:
+            return self._select_valid_rectangles(tokens)
         h, w = tokens.grid
         k = self.keep_count(tokens.num_tokens)
         feats = tokens.features
@@ -70,3 +72,33 @@ class Pool(Method):
         pooled = torch.einsum("kn,cnd->ckd", weights, feats.float()).to(feats.dtype)
         anchors = pool_anchors(h, w, k).to(feats.device).expand(tokens.num_crops, -1)
         return Selection(features=pooled, anchors=anchors)
+
+    def _select_valid_rectangles(self, tokens: VisualTokens) -> Selection:
+        """Crops whose valid tokens form a rectangle (e.g. LLaVA-NeXT sub-images cut by unpadding): pool that
+        rectangle to the budget of its valid tokens; cells anchor at their centre in the full crop grid."""
+        h, w = tokens.grid
+        feats, valid = tokens.features, tokens.valid.view(-1, h, w)
+        pooled, anchors = [], []
+        for crop in range(tokens.num_crops):
+            rows = valid[crop].any(1).nonzero().squeeze(1)
+            cols = valid[crop].any(0).nonzero().squeeze(1)
+            if len(rows) == 0:
+                pooled.append(feats.new_zeros(0, feats.shape[-1]))
+                anchors.append(torch.zeros(0, dtype=torch.long, device=feats.device))
+                continue
+            r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+            if int(valid[crop, r0:r1, c0:c1].sum()) != (r1 - r0) * (c1 - c0):
+                raise ValueError("pool needs each crop's valid tokens to form a rectangle")
+            k = self.keep_count((r1 - r0) * (c1 - c0))
+            region = feats[crop].view(h, w, -1)[r0:r1, c0:c1].reshape((r1 - r0) * (c1 - c0), -1)
+            weights = pool_weights(r1 - r0, c1 - c0, k).to(device=feats.device, dtype=torch.float32)
+            pooled.append((weights @ region.float()).to(feats.dtype))
+            local = pool_anchors(r1 - r0, c1 - c0, k).to(feats.device)
+            anchors.append((r0 + local // (c1 - c0)) * w + c0 + local % (c1 - c0))
+        counts = [len(a) for a in anchors]
+        width = max(counts)
+        features = feats.new_zeros(tokens.num_crops, width, feats.shape[-1])
+        anchor_rows = torch.full((tokens.num_crops, width), tokens.num_tokens, dtype=torch.long, device=feats.device)
+        for crop, (f, a) in enumerate(zip(pooled, anchors, strict=True)):
+            features[crop, : len(f)], anchor_rows[crop, : len(a)] = f, a
+        return Selection(features=features, anchors=anchor_rows, counts=counts)
