@@ -6,7 +6,10 @@ their **original (t, h, w) M-RoPE positions**, computed by the model's own `get_
 prompt. The text position row that transformers uses for attention masks stays contiguous. `mm_token_type_ids`
 shrinks with the prompt, and decoding continues after the largest position, as the stock model does.
 
-There is no [CLS] token: methods that need [CLS] attention fail at `patch` time.
+There is no [CLS] token: methods that need [CLS] attention fail at `patch` time. Methods can read
+`merge_features`: the last ViT block's output, mean-pooled over each 2 x 2 merge group, in the merged tokens'
+raster order. Qwen2.5-VL's encoder runs in window order, so these are un-permuted the way the model un-permutes
+its merger output.
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ class QwenVLAdapter(Adapter):
         return self.model.config.vision_config.spatial_merge_size
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "grid"}
+        return {"patch_features", "grid", "merge_features"}
+
+    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
+        return per_group  # Qwen2-VL's encoder keeps merge groups in raster order
 
     def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> torch.Tensor:
         key = GRID_KEYS[modality.name]
@@ -116,15 +123,21 @@ class QwenVLAdapter(Adapter):
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
         visual = self.inner.visual
-        merged = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device)).pooler_output
+        out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
+        merged = out.pooler_output
         sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
+        wants_groups = "merge_features" in self.encoder_method.requires
+        if wants_groups:  # last block output pooled per merge group, in raster order
+            groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
+            groups = self.raster_order(groups, grid_thw).split(sizes)
         features, offsets, records = [], [], []
         for index, (tokens, (frames, height, width)) in enumerate(
             zip(merged.split(sizes), grid_thw.tolist(), strict=True)
         ):
             grid = (height // self.merge, width // self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
-            crops = VisualTokens(per_frame, grid, {}, torch.full((frames,), index))
+            signals = {"merge_features": groups[index].view(frames, grid[0] * grid[1], -1)} if wants_groups else {}
+            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
             selection, timer = self.select(crops)
             features.append(selection.gather_flat(per_frame))
             offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
@@ -134,12 +147,21 @@ class QwenVLAdapter(Adapter):
 
 @register_adapter
 class Qwen25VLAdapter(QwenVLAdapter):
-    """Qwen2.5-VL: as Qwen2-VL (its window-ordered encoder internals are restored to raster order by the stock
-    merger output, which is all the current methods read)."""
+    """Qwen2.5-VL: as Qwen2-VL; its encoder internals are window-ordered and are put back in raster order."""
 
     family = "qwen2.5-vl"
     model_types = ("qwen2_5_vl",)
     model_classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
+
+    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Undo the encoder's window permutation, as the model does for its merger output."""
+        from transformers.vision_utils import get_vision_window_index
+
+        visual = self.inner.visual
+        window_index, _ = get_vision_window_index(
+            grid_thw.to(per_group.device), visual.spatial_merge_size, visual.window_size, visual.patch_size
+        )
+        return per_group[torch.argsort(window_index)]
 
 
 def _text_positions(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:

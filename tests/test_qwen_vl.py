@@ -204,3 +204,43 @@ def test_missing_inputs_are_named(qwen):
             model(**{k: v for k, v in inputs.items() if k != "image_grid_thw"})
     with pytest.raises(vtoken.MissingSignalError, match="cls_attention"):
         vtoken.patch(model, "fastervlm", budget=0.25)
+
+
+def test_encoder_signals_are_in_raster_order(qwen):
+    """merge_features = the last ViT block output pooled per 2 x 2 merge group, in raster order: the same
+    reordering maps the model's merger applied to that output onto its own (raster-ordered) pooler output."""
+    model, processor = qwen
+    inputs = processor(
+        images=[make_image(448, 448, 5), make_image(300, 500, 6)],
+        text=[_prompt(processor, "compare.", images=2)],
+        return_tensors="pt",
+    )
+    visual = model.model.visual
+    with torch.no_grad():
+        out = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        handle = vtoken.patch(model, "random", budget=0.5)
+        reordered = handle.adapter.raster_order(visual.merger(out.last_hidden_state), inputs["image_grid_thw"])
+        vtoken.unpatch(model)
+    torch.testing.assert_close(reordered, out.pooler_output)
+    if hasattr(visual, "window_size"):  # Qwen2.5-VL: the window order really differs from raster order here
+        assert not torch.allclose(visual.merger(out.last_hidden_state), out.pooler_output)
+
+    seen = {}
+
+    class Spy(vtoken.ScoreMethod):
+        name = "spy"
+        requires = ("merge_features",)
+
+        def score(self, tokens):
+            seen.setdefault("features", []).append(tokens.signals["merge_features"])
+            return tokens.signals["merge_features"].norm(dim=-1)
+
+    with torch.no_grad(), vtoken.patched(model, Spy(budget=10)) as handle:
+        model(**inputs)
+    merge = visual.spatial_merge_size
+    groups = out.last_hidden_state.view(-1, merge**2, out.last_hidden_state.shape[-1]).mean(1)
+    expected = handle.adapter.raster_order(groups, inputs["image_grid_thw"])
+    got = torch.cat([f.flatten(0, 1) for f in seen["features"]])
+    torch.testing.assert_close(got, expected)
+    for record, features in zip(handle.records, seen["features"], strict=True):
+        assert torch.equal(record.kept, features[0].norm(dim=-1).topk(10).indices.sort().values)
