@@ -66,6 +66,13 @@ class QwenVLAdapter(Adapter):
                 f"{tuple(grid_thw.shape)}; expected [total_patches, channels * patch volume] and "
                 f"[num_{modality.name}s, 3]"
             )
+        vision = self.model.config.vision_config
+        volume = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        if pixel_values.shape[1] != volume:
+            raise InputError(
+                f"{modality.pixel_key} of shape {tuple(pixel_values.shape)}; each row must hold one patch of "
+                f"{volume} values (channels x temporal patch x patch x patch), as the processor makes them"
+            )
         if int(grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
             raise InputError(
                 f"{key} {grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())} patches, but "
