@@ -72,3 +72,15 @@ def eager_cls_attention(tower, pixel_values, layer=-2):
     eager.load_state_dict(tower.state_dict())
     with torch.no_grad():
         return eager(pixel_values, output_attentions=True).attentions[layer][:, :, 0, 1:].mean(1)
+
+
+def assert_identity(model, method, inputs, max_new_tokens=4, **patch_kwargs):
+    """Invariant 1: keeping every token gives the unpatched model's logits (<= 1e-5) and greedy tokens."""
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        ref_tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        with vtoken.patched(model, method, budget=1.0, **patch_kwargs):
+            logits = model(**inputs).logits
+            tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    assert (logits - ref).abs().max() <= 1e-5
+    assert torch.equal(tokens, ref_tokens)

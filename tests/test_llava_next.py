@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import eager_cls_attention, feed_language_model, make_image
+from conftest import assert_identity, eager_cls_attention, feed_language_model, make_image
 
 import vtoken
 from vtoken.zoo import build_prompt, tiny_llava_next
@@ -29,15 +29,7 @@ def _inputs(processor, sizes, questions=None):
 def test_identity_at_full_budget_for_every_size(next_model, method):
     model, processor = next_model
     for size in SIZES:
-        inputs = _inputs(processor, [size])
-        with torch.no_grad():
-            ref = model(**inputs).logits
-            ref_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-            with vtoken.patched(model, method, budget=1.0):
-                logits = model(**inputs).logits
-                tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        assert (logits - ref).abs().max() <= 1e-5, size
-        assert torch.equal(tokens, ref_tokens)
+        assert_identity(model, method, _inputs(processor, [size]))
 
 
 def _reference_sequence(model, inputs, records):

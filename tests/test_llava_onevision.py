@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import feed_language_model, make_image
+from conftest import assert_identity, feed_language_model, make_image
 
 import vtoken
 from vtoken.images import example_clip
@@ -35,11 +35,7 @@ def test_identity_for_single_multi_image_and_video(ov, method):
         processor(videos=[example_clip(4)], text=[build_prompt(processor, "what?", 0, 1)], return_tensors="pt")
     )
     for inputs in cases:
-        with torch.no_grad():
-            ref, ref_tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=3, do_sample=False)
-            with vtoken.patched(model, method, budget=1.0):
-                logits, tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=3, do_sample=False)
-        assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+        assert_identity(model, method, inputs, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.1, 50])

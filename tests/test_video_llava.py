@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import eager_cls_attention, feed_language_model, make_image
+from conftest import assert_identity, eager_cls_attention, feed_language_model, make_image
 
 import vtoken
 from vtoken.images import example_clip
@@ -25,11 +25,7 @@ def test_identity_for_images_and_video(vl, method):
     model, processor = vl
     image = processor(images=[make_image(300, 200)], text=[build_prompt(processor, "what?")], return_tensors="pt")
     for inputs in (image, _video(processor, 4)):
-        with torch.no_grad():
-            ref, ref_tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
-            with vtoken.patched(model, method, budget=1.0):
-                logits, tokens = model(**inputs).logits, model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+        assert_identity(model, method, inputs, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("frames", [1, 4, 32])
