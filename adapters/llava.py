@@ -53,7 +53,8 @@ class LlavaAdapter(Adapter):
         return None if layer < 0 else layer
 
     def available_signals(self) -> set[str]:
-        signals = {"patch_features", "grid"}
+        # "resized_grid": positions are renumbered, so a method may hand back a smaller grid of any size
+        signals = {"patch_features", "grid", "resized_grid"}
         has_cls = self.model.config.vision_feature_select_strategy == "default"  # a [CLS] token that LLaVA drops
         layer = self._attention_layer(self._feature_layers()[-1])
         attention = getattr(self.tower.encoder.layers[layer], "self_attn", None) if layer is not None else None

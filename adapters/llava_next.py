@@ -58,7 +58,9 @@ class LlavaNextAdapter(LlavaAdapter):
     layouts = ("native", "official")
 
     def available_signals(self) -> set[str]:
-        return super().available_signals()  # native sub-image crops are grids with a rectangular valid part
+        # native sub-image crops are grids with a rectangular valid part; a resized grid would need its own
+        # stitching and unpadding
+        return super().available_signals() - {"resized_grid"}
 
     def crop_layout(self, image_size: torch.Tensor) -> AnyresLayout:
         """The crop grid and unpadded token window of an image of `image_size` (height, width)."""

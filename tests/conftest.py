@@ -75,11 +75,14 @@ def eager_cls_attention(tower, pixel_values, layer=-2):
 
 
 def assert_identity(model, method, inputs, max_new_tokens=4, **patch_kwargs):
-    """Invariant 1: keeping every token gives the unpatched model's logits (<= 1e-5) and greedy tokens."""
+    """Invariant 1: keeping every token gives the unpatched model's logits (<= 1e-5) and greedy tokens.
+    `method`: a name (patched at budget 1.0) or a method object already set to keep everything."""
+    if isinstance(method, str):
+        patch_kwargs["budget"] = 1.0
     with torch.no_grad():
         ref = model(**inputs).logits
         ref_tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        with vtoken.patched(model, method, budget=1.0, **patch_kwargs):
+        with vtoken.patched(model, method, **patch_kwargs):
             logits = model(**inputs).logits
             tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     assert (logits - ref).abs().max() <= 1e-5

@@ -19,7 +19,7 @@ from .errors import (
     UnsupportedModelError,
     VTokenError,
 )
-from .methods import FasterVLM, Method, Pool, Random, ScoreMethod
+from .methods import FasterVLM, FourierDCT, Method, Pool, Random, ScoreMethod
 from .records import Record
 from .registry import available_methods, make_method, supported_models
 from .tokens import Selection, VisualTokens
@@ -37,6 +37,7 @@ __all__ = [
     "supported_models",
     "tokens_to_keep",
     "FasterVLM",
+    "FourierDCT",
     "Random",
     "Pool",
     "Method",

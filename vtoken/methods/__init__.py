@@ -2,7 +2,8 @@
 
 from .base import Method, ScoreMethod
 from .fastervlm import FasterVLM
+from .fourier import FourierDCT
 from .pool import Pool
 from .random import Random
 
-__all__ = ["Method", "ScoreMethod", "FasterVLM", "Pool", "Random"]
+__all__ = ["Method", "ScoreMethod", "FasterVLM", "FourierDCT", "Pool", "Random"]

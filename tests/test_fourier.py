@@ -1,0 +1,82 @@
+"""Fourier-VLM (METHODS.md): orthonormal 2-D DCT low-pass, checked against scipy and on the models it fits."""
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+from conftest import assert_identity, feed_language_model, inputs_for
+
+import vtoken
+from vtoken.images import example_clip
+from vtoken.methods.fourier import dct, dct_lowpass, idct
+from vtoken.zoo import TINY_MODELS, build_prompt
+
+
+@pytest.mark.parametrize("shape", [(24, 24), (7, 13), (1, 5)])
+def test_dct_equals_scipy_dctn_ortho(shape):
+    x = torch.randn(*shape, 3, dtype=torch.float64)
+    ours = dct(dct(x, dim=0), dim=1)
+    ref = scipy.fft.dctn(x.numpy(), axes=(0, 1), norm="ortho")
+    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-12)
+    np.testing.assert_allclose(idct(idct(ours, dim=0), dim=1).numpy(), x.numpy(), atol=1e-12)
+
+
+@pytest.mark.parametrize("size", [(12, 12), (8, 5), (24, 24), (1, 1)])
+def test_lowpass_equals_scipy_and_scales_a_constant_grid(size):
+    h, w = size
+    x = torch.randn(2, 24, 24, 4, dtype=torch.float64)
+    ours = dct_lowpass(x, h, w)
+    block = scipy.fft.dctn(x.numpy(), axes=(1, 2), norm="ortho")[:, :h, :w]
+    ref = scipy.fft.idctn(block, axes=(1, 2), norm="ortho")
+    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-10)
+    constant = torch.full((1, 24, 24, 2), 3.0, dtype=torch.float64)
+    np.testing.assert_allclose(dct_lowpass(constant, h, w).numpy(), 3.0 * np.sqrt(24 * 24 / (h * w)), rtol=1e-12)
+
+
+def test_output_grid_from_reserve_ratio_or_budget():
+    assert vtoken.FourierDCT().output_grid(24, 24) == (12, 12)  # default budget 0.25 = official reserve 12
+    assert vtoken.FourierDCT(reserve=6).output_grid(24, 24) == (6, 6)
+    assert vtoken.FourierDCT(ratio=2 / 3).output_grid(30, 45) == (20, 30)
+    assert vtoken.FourierDCT(budget=64).output_grid(24, 24) == (8, 8)
+    for bad in [dict(reserve=0), dict(reserve=2.5), dict(ratio=0), dict(ratio=1.5), dict(budget=0)]:
+        with pytest.raises(vtoken.VTokenError):
+            vtoken.FourierDCT(**bad)
+
+
+@pytest.mark.parametrize("reserve", [16, 12, 8, 6])
+def test_llava_pruned_run_equals_language_model_fed_scipy_lowpass(llava, photos, reserve):
+    model, processor = llava
+    inputs = inputs_for(processor, [photos["chelsea"]], ["what is in the image?"])
+    with torch.no_grad(), vtoken.patched(model, "fourier", reserve=reserve) as handle:
+        logits = model(**inputs).logits
+    assert [(r.tokens_in, r.tokens_out, r.kept) for r in handle.records] == [(576, reserve**2, None)]
+    with torch.no_grad():
+        hidden = model.model.vision_tower(inputs["pixel_values"], output_hidden_states=True).hidden_states[-2][0, 1:]
+        grid = hidden.double().view(24, 24, -1).numpy()
+        block = scipy.fft.dctn(grid, axes=(0, 1), norm="ortho")[:reserve, :reserve]
+        low = torch.from_numpy(scipy.fft.idctn(block, axes=(0, 1), norm="ortho")).float().flatten(0, 1)
+        image = model.model.multi_modal_projector(low)
+    ref = feed_language_model(model, inputs["input_ids"], model.config.image_token_id, image)
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-4
+
+
+def test_llava_identity_at_full_size(llava, photos):
+    model, processor = llava
+    assert_identity(model, vtoken.FourierDCT(reserve=24), inputs_for(processor, [photos["rocket"]], ["what?"]))
+
+
+def test_video_llava_frames():
+    model, processor = TINY_MODELS["tiny-video-llava"]()
+    inputs = processor(videos=[example_clip(4)], text=[build_prompt(processor, "what?", 0, 1)], return_tensors="pt")
+    with torch.no_grad(), vtoken.patched(model, "fourier", reserve=8) as handle:
+        logits = model(**inputs).logits
+    assert [(r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [(f, 256, 64) for f in range(4)]
+    assert logits.shape[1] == inputs["input_ids"].shape[1] - 4 * (256 - 64)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2-vl", "tiny-onevision", "tiny-llava-next-video"])
+def test_families_that_need_their_own_grid_positions_refuse_clearly(name):
+    model, _ = TINY_MODELS[name]()
+    with pytest.raises(vtoken.MissingSignalError, match="resized_grid"):
+        vtoken.patch(model, "fourier", reserve=8)
+    assert vtoken.handle_of(model) is None
