@@ -48,7 +48,7 @@ class QwenVLAdapter(Adapter):
         return self.model.config.vision_config.spatial_merge_size
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "grid", "merge_features"}
+        return {"patch_features", "grid", "merge_features", "resized_grid"}
 
     def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
@@ -84,18 +84,13 @@ class QwenVLAdapter(Adapter):
         grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
         return (grid_thw.prod(-1) // self.merge**2).tolist()
 
-    def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The stock [4, B, L] positions of the unpruned prompt (text row + t/h/w rows), to be gathered."""
-        for modality in self.present(kwargs):
-            self._grids(modality, kwargs[modality.pixel_key], kwargs.get(GRID_KEYS[modality.name]))
-        if kwargs.get("position_ids") is not None:
-            return kwargs
+    def _rope_positions(self, kwargs: dict[str, Any], grids: dict[str, Any]) -> torch.Tensor:
+        """[4, B, L] positions of the prompt in `kwargs` as the stock model builds them: text row + t/h/w rows."""
         if kwargs.get("mm_token_type_ids") is None:
             raise InputError(
                 f"{type(self.model).__name__} needs `mm_token_type_ids` to place visual tokens in M-RoPE; pass "
                 "everything its processor returns"
             )
-        grids = {key: kwargs.get(key) for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
         rope, _ = self.inner.get_rope_index(
             kwargs["input_ids"],
             mm_token_type_ids=kwargs["mm_token_type_ids"],
@@ -103,14 +98,40 @@ class QwenVLAdapter(Adapter):
             **{k: v for k, v in grids.items() if v is not None},
         )
         text = _text_positions(kwargs.get("attention_mask"), kwargs["input_ids"])
-        return dict(kwargs, position_ids=torch.cat([text[None], rope.to(text.device)]))
+        return torch.cat([text[None], rope.to(text.device)])
+
+    @property
+    def resizes_grids(self) -> bool:
+        """The method hands back a smaller grid (Fourier-VLM): positions are those of the smaller grid."""
+        return "resized_grid" in self.encoder_method.requires
+
+    def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The stock [4, B, L] positions of the unpruned prompt, to be gathered for the kept tokens."""
+        for modality in self.present(kwargs):
+            self._grids(modality, kwargs[modality.pixel_key], kwargs.get(GRID_KEYS[modality.name]))
+        self._new_grids: dict[str, list[tuple[int, int, int]]] = {"image": [], "video": []}
+        self._seconds_per_grid = kwargs.get("second_per_grid_ts")
+        if kwargs.get("position_ids") is not None or self.resizes_grids:
+            if kwargs.get("mm_token_type_ids") is None:
+                self._rope_positions(kwargs, {})  # raises the clear error
+            return kwargs
+        grids = {key: kwargs.get(key) for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+        return dict(kwargs, position_ids=self._rope_positions(kwargs, grids))
 
     def after_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Renumber the text row (masks need it contiguous); store the decoding offset the stock model uses."""
-        positions = kwargs["position_ids"]
+        """Renumber the text row (masks need it contiguous); store the decoding offset the stock model uses.
+        For resized grids, the positions are the stock ones of the shrunk prompt with the smaller grids."""
         mask = kwargs.get("attention_mask")
-        text = _text_positions(mask, kwargs["input_ids"])
-        positions = torch.cat([text[None].to(positions), positions[1:]]) if positions.shape[0] == 4 else positions
+        if self.resizes_grids:
+            grids = {
+                f"{name}_grid_thw": torch.tensor(sizes) if sizes else None for name, sizes in self._new_grids.items()
+            }
+            grids["second_per_grid_ts"] = self._seconds_per_grid
+            positions = self._rope_positions(kwargs, grids)
+        else:
+            positions = kwargs["position_ids"]
+            text = _text_positions(mask, kwargs["input_ids"])
+            positions = torch.cat([text[None].to(positions), positions[1:]]) if positions.shape[0] == 4 else positions
         valid = mask.bool() if mask is not None else torch.ones_like(kwargs["input_ids"], dtype=torch.bool)
         largest = positions[-3:].masked_fill(~valid[None], -1).amax(dim=(0, 2))
         self.inner.rope_deltas = (largest + 1 - valid.sum(1))[:, None]
@@ -146,6 +167,8 @@ class QwenVLAdapter(Adapter):
             signals = {"merge_features": groups[index].view(frames, grid[0] * grid[1], -1)} if wants_groups else {}
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
             selection, timer = self.select(crops)
+            out_grid = selection.grid or grid
+            self._new_grids[modality.name].append((frames, out_grid[0] * self.merge, out_grid[1] * self.merge))
             features.append(selection.gather_flat(per_frame))
             offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
             records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)

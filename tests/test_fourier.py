@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.fft
 import torch
-from conftest import assert_identity, feed_language_model, inputs_for
+from conftest import assert_identity, feed_language_model, inputs_for, make_image
 
 import vtoken
 from vtoken.images import example_clip
@@ -74,7 +74,38 @@ def test_video_llava_frames():
     assert logits.shape[1] == inputs["input_ids"].shape[1] - 4 * (256 - 64)
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2-vl", "tiny-onevision", "tiny-llava-next-video"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_qwen_reduced_grid_drives_positions_and_placeholders(name):
+    """After the merger: the 16 x 16 grid low-passed to 10 x 10 (ratio 2/3); the model sees the prompt it would
+    build for a 10 x 10 grid: that many placeholders, M-RoPE positions of the smaller grid."""
+    model, processor = TINY_MODELS[name]()
+    inputs = processor(images=[make_image(448, 448)], text=[build_prompt(processor, "what?")], return_tensors="pt")
+    assert_identity(model, vtoken.FourierDCT(ratio=1.0), inputs)
+    with torch.no_grad(), vtoken.patched(model, vtoken.FourierDCT(ratio=2 / 3)) as handle:
+        logits = model(**inputs).logits
+        generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert [(r.tokens_in, r.tokens_out) for r in handle.records] == [(256, 100)]
+    with torch.no_grad():
+        merged = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+        block = scipy.fft.dctn(merged.double().view(16, 16, -1).numpy(), axes=(0, 1), norm="ortho")[:10, :10]
+        image = torch.from_numpy(scipy.fft.idctn(block, axes=(0, 1), norm="ortho")).float().flatten(0, 1)
+        ids = inputs["input_ids"][0]
+        ph = (ids == model.config.image_token_id).nonzero().squeeze(1)
+        new_ids = torch.cat([ids[: ph[0]], ids[ph[:100]], ids[ph[-1] + 1 :]])[None]
+        types = (new_ids == model.config.image_token_id).int()
+        rope, _ = model.model.get_rope_index(
+            new_ids, mm_token_type_ids=types, image_grid_thw=torch.tensor([[1, 20, 20]])
+        )
+        embeds = model.get_input_embeddings()(new_ids)
+        embeds[new_ids == model.config.image_token_id] = image
+        text = torch.arange(new_ids.shape[1])[None, None]
+        out = model.model.language_model(inputs_embeds=embeds, position_ids=torch.cat([text, rope]))
+        ref = model.lm_head(out.last_hidden_state)
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-4
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-onevision", "tiny-llava-next-video"])
 def test_families_that_need_their_own_grid_positions_refuse_clearly(name):
     model, _ = TINY_MODELS[name]()
     with pytest.raises(vtoken.MissingSignalError, match="resized_grid"):

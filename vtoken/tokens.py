@@ -50,12 +50,15 @@ class Selection:
         (the rest is padding); None when every crop keeps k.
     anchors: for merging methods, [C, k] ascending index of the original token each merged token stands at
         (models that keep original positions, e.g. M-RoPE, give it that token's position).
+    grid: for methods that hand back a smaller grid (Fourier-VLM), its (rows, cols): the tokens are that grid in
+        raster order, and models with 2-D/3-D positions place them on it.
     """
 
     kept: torch.Tensor | None = None
     features: torch.Tensor | None = None
     counts: list[int] | None = None
     anchors: torch.Tensor | None = None
+    grid: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if (self.kept is None) == (self.features is None):

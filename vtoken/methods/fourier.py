@@ -106,4 +106,4 @@ class FourierDCT(Method):
             raise VTokenError("fourier needs complete token grids; this model's crops are cut by unpadding")
         h, w = self.output_grid(height, width)
         grid = tokens.features.view(tokens.num_crops, height, width, -1)
-        return Selection(features=dct_lowpass(grid, h, w).flatten(1, 2))
+        return Selection(features=dct_lowpass(grid, h, w).flatten(1, 2), grid=(h, w))
