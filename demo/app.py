@@ -34,10 +34,13 @@ def compare(model, processor, image, question: str, method: str, budget: float, 
                 records = list(handle.records) if handle else []
             text = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
             results[name] = {"answer": text.strip(), "seconds": seconds, "records": records}
-    view = model_view(
-        inputs["pixel_values"][0], processor.image_processor.image_mean, processor.image_processor.image_std
-    )
-    record = results["patched"]["records"][0]
+    record = results["patched"]["records"][0]  # the first crop: LLaVA's image, or the anyres base view
+    pixels = next((inputs[k] for k in ("pixel_values", "pixel_values_images") if k in inputs), None)
+    if pixels is not None and pixels.dim() in (4, 5):  # image-shaped: show exactly what the model saw
+        crop = pixels[0] if pixels.dim() == 4 else pixels[0, 0]
+        view = model_view(crop, processor.image_processor.image_mean, processor.image_processor.image_std)
+    else:  # patch rows (Qwen): the kept grid drawn on the uploaded image
+        view = image.convert("RGB")
     results["overlay"] = kept_overlay(view, record.kept, record.grid)
     results["summary"] = summarize(results["patched"]["records"])
     return results

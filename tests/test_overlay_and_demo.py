@@ -39,3 +39,15 @@ def test_demo_compare_reports_answers_and_kept_tokens(llava, photos):
     assert result["overlay"].size == (336, 336)
     assert "576 -> 144" in result["summary"]
     assert isinstance(result["unpatched"]["answer"], str)
+
+
+def test_demo_compare_on_other_families():
+    from app import compare
+
+    from vtoken.zoo import TINY_MODELS
+
+    for name in ("tiny-qwen2-vl", "tiny-llava-next"):
+        model, processor = TINY_MODELS[name]()
+        image = __import__("vtoken.images", fromlist=["example_image"]).example_image(300)
+        result = compare(model, processor, image, "what?", "random", 0.25, max_new_tokens=2)
+        assert result["overlay"].size[0] > 0 and "kept" in result["summary"]
