@@ -9,15 +9,16 @@ from vtoken.tokens import VisualTokens
 
 
 def test_image_scope_is_one_topk_over_all_crops_of_an_image():
-    scores = torch.tensor([[9.0, 1, 8, 2], [7.0, 6, 0, 5], [3.0, 4, 1, 2]])  # crops 0, 1 of image 0; crop 2 image 1
+    scores = torch.tensor([[9.0, 8, 7, 6], [1.0, 2, 3, 0], [3.0, 4, 1, 2]])  # crops 0, 1 of image 0; crop 2 image 1
     valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
     tokens = VisualTokens(torch.zeros(3, 4, 2), (2, 2), {"cls_attention": scores}, torch.tensor([0, 0, 1]), valid)
-    selection = vtoken.FasterVLM(budget=0.5, scope="image").select(tokens)
-    # image 0: 7 valid tokens -> 4 kept: 9, 8 (crop 0), 7, 6 (crop 1); image 1: 4 -> 2 kept: 4, 3
-    assert selection.counts == [2, 2, 2]
-    assert [selection.kept_of(c).tolist() for c in range(3)] == [[0, 2], [0, 1], [0, 1]]
+    image_scope = vtoken.FasterVLM(budget=0.5, scope="image").select(tokens)
+    # image 0: 7 valid tokens -> 4 kept, all from crop 0 (9, 8, 7, 6); image 1: 4 -> 2 kept (4, 3)
+    assert image_scope.counts == [4, 0, 2]
+    assert [image_scope.kept_of(c).tolist() for c in range(3)] == [[0, 1, 2, 3], [], [0, 1]]
+    # per crop instead: 2 of 4, 2 of the 3 valid, 2 of 4
     crop_scope = vtoken.FasterVLM(budget=0.5).select(tokens)
-    assert [crop_scope.kept_of(c).tolist() for c in range(3)] == [[0, 2], [0, 1], [0, 1]][:1] + [[0, 1], [0, 1]]
+    assert [crop_scope.kept_of(c).tolist() for c in range(3)] == [[0, 1], [1, 2], [0, 1]]
 
 
 def test_pool_refuses_image_scope():
