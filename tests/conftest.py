@@ -87,3 +87,12 @@ def assert_identity(model, method, inputs, max_new_tokens=4, **patch_kwargs):
             tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     assert (logits - ref).abs().max() <= 1e-5
     assert torch.equal(tokens, ref_tokens)
+
+
+def assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=5):
+    """Invariant 5: every row of a padded batch generates exactly what its sample generates alone."""
+    out = model.generate(**batched, max_new_tokens=max_new_tokens, do_sample=False)
+    width = batched["input_ids"].shape[1]
+    for row, single in enumerate(singles):
+        one = model.generate(**single, max_new_tokens=max_new_tokens, do_sample=False)
+        assert torch.equal(out[row, width:], one[0, single["input_ids"].shape[1] :])

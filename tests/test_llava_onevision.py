@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_identity, feed_language_model, make_image
+from conftest import assert_batch_equals_one_by_one, assert_identity, feed_language_model, make_image
 
 import vtoken
 from vtoken.images import example_clip
@@ -97,12 +97,8 @@ def test_batch_beams_restore_and_no_cls(ov):
         batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
         ref = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
         with vtoken.patched(model, "pool", budget=0.25):
-            out = model.generate(**batched, max_new_tokens=4, do_sample=False)
-            width = batched["input_ids"].shape[1]
-            for i in range(2):
-                single = processor(images=[images[i]], text=[texts[i]], return_tensors="pt")
-                one = model.generate(**single, max_new_tokens=4, do_sample=False)
-                assert torch.equal(out[i, width:], one[0, single["input_ids"].shape[1] :])
+            singles = [processor(images=[images[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
+            assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=4)
             beams = model.generate(**batched, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
         after = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
     assert beams.shape[0] == 4 and torch.equal(after, ref)

@@ -2,7 +2,13 @@
 
 import pytest
 import torch
-from conftest import assert_identity, eager_cls_attention, feed_language_model, make_image
+from conftest import (
+    assert_batch_equals_one_by_one,
+    assert_identity,
+    eager_cls_attention,
+    feed_language_model,
+    make_image,
+)
 
 import vtoken
 from vtoken.images import example_clip
@@ -74,12 +80,8 @@ def test_batch_of_videos_beams_and_restore(vl):
         batched = processor(videos=clips, text=texts, return_tensors="pt", padding=True)
         ref = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
         with vtoken.patched(model, "fastervlm", budget=0.25):
-            out = model.generate(**batched, max_new_tokens=5, do_sample=False)
-            width = batched["input_ids"].shape[1]
-            for i in range(2):
-                single = processor(videos=[clips[i]], text=[texts[i]], return_tensors="pt")
-                one = model.generate(**single, max_new_tokens=5, do_sample=False)
-                assert torch.equal(out[i, width:], one[0, single["input_ids"].shape[1] :])
+            singles = [processor(videos=[clips[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
+            assert_batch_equals_one_by_one(model, batched, singles)
             beams = model.generate(**batched, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
         after = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
     assert beams.shape[0] == 4 and torch.equal(after, ref)
