@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -59,7 +59,8 @@ class LlavaAdapter(Adapter):
         layer = self._attention_layer(self._feature_layers()[-1])
         attention = getattr(self.tower.encoder.layers[layer], "self_attn", None) if layer is not None else None
         if has_cls and attention is not None and hasattr(attention, "q_proj") and hasattr(attention, "k_proj"):
-            signals.add("cls_attention")
+            # at the feature layer, and "cls_attention@L" at any encoder layer L
+            signals |= {"cls_attention"} | {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
         return signals
 
     def _check_crops(self, crops: torch.Tensor, what: str) -> None:
@@ -94,17 +95,22 @@ class LlavaAdapter(Adapter):
                 "expected 'default' (patch tokens without [CLS])"
             )
         layers = self._feature_layers(vision_feature_layer)
-        needs_cls = "cls_attention" in self.encoder_method.requires
-        probe = (
-            ClsAttentionProbe(tower.encoder.layers[self._attention_layer(layers[-1])].self_attn)
-            if needs_cls
-            else nullcontext()
-        )
-        with probe:
+        probes = {}  # signal name -> probe of the layer it reads
+        for name in self.encoder_method.requires:
+            if name == "cls_attention":
+                layer = self._attention_layer(layers[-1])
+            elif name.startswith("cls_attention@"):
+                layer = int(name.removeprefix("cls_attention@"))
+            else:
+                continue
+            probes[name] = ClsAttentionProbe(tower.encoder.layers[layer].self_attn)
+        with ExitStack() as stack:
+            for probe in probes.values():
+                stack.enter_context(probe)
             out = tower(crops, output_hidden_states=layers, return_dict=True)
         features = torch.cat([out.hidden_states[i][:, 0 if with_cls else 1 :] for i in layers], dim=-1)
-        # a callable: the [CLS] row is computed inside the selection timer of `select`
-        signals = {"cls_attention": lambda: probe.scores} if needs_cls else {}
+        # callables: the [CLS] rows are computed inside the selection timer of `select`
+        signals = {name: (lambda probe=probe: probe.scores) for name, probe in probes.items()}
         return features, signals
 
     def encode(

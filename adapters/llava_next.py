@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, VTokenError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
@@ -56,6 +56,17 @@ class LlavaNextAdapter(LlavaAdapter):
     )  # fmt: skip
 
     layouts = ("native", "official")
+    official_layout_methods = ("fastervlm", "random", "pool")  # the official layout implemented is FasterVLM's
+
+    def validate(self) -> None:
+        super().validate()
+        unsupported = [m.name for m in self.methods if m.name not in self.official_layout_methods]
+        if self.layout == "official" and unsupported:
+            raise VTokenError(
+                f"layout='official' on {self.family} reproduces FasterVLM's packing; {unsupported} have their own "
+                f"official layouts, not implemented yet; use layout='native' (methods with it: "
+                f"{', '.join(self.official_layout_methods)})"
+            )
 
     def available_signals(self) -> set[str]:
         # native sub-image crops are grids with a rectangular valid part; a resized grid would need its own
@@ -143,7 +154,9 @@ class LlavaNextAdapter(LlavaAdapter):
                 image_index.append(i)
                 crop_index.append(c)
         valid = torch.stack(valid).to(device) if self.layout == "native" else None  # official: no unpadding
-        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), valid)
+        crop_grid = {i: (layout.rows, layout.cols) for i, layout in enumerate(layouts)}
+        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), valid,
+                              torch.tensor(crop_index), crop_grid)  # fmt: skip
         selection, timer = self.select(tokens)
 
         kept = [selection.offsets_of(c) for c in range(tokens.num_crops)]

@@ -19,7 +19,7 @@ from .errors import (
     UnsupportedModelError,
     VTokenError,
 )
-from .methods import FasterVLM, FourierDCT, Method, Pool, Random, ScoreMethod
+from .methods import FasterVLM, FourierDCT, HiRED, Method, Pool, Random, ScoreMethod
 from .records import Record
 from .registry import available_methods, make_method, supported_models
 from .tokens import Selection, VisualTokens
@@ -38,6 +38,7 @@ __all__ = [
     "tokens_to_keep",
     "FasterVLM",
     "FourierDCT",
+    "HiRED",
     "Random",
     "Pool",
     "Method",

@@ -23,6 +23,8 @@ class VisualTokens:
     valid: [C, N] bool, False for tokens that never reach the LLM whatever a method picks (e.g. LLaVA-NeXT
         sub-image tokens in the padded border that unpadding removes); None = all valid. Budgets count valid
         tokens only.
+    crop_index: [C] index of each crop within its image (anyres: 0 = base view, then sub-images in raster order).
+    crop_grid: anyres only: image index -> (rows, cols) of its sub-image grid.
     """
 
     features: torch.Tensor
@@ -30,6 +32,8 @@ class VisualTokens:
     signals: dict[str, torch.Tensor] = field(default_factory=dict)
     image_index: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    crop_index: torch.Tensor | None = None
+    crop_grid: dict[int, tuple[int, int]] | None = None
 
     @property
     def num_crops(self) -> int:

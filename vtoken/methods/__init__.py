@@ -3,7 +3,8 @@
 from .base import Method, ScoreMethod
 from .fastervlm import FasterVLM
 from .fourier import FourierDCT
+from .hired import HiRED
 from .pool import Pool
 from .random import Random
 
-__all__ = ["Method", "ScoreMethod", "FasterVLM", "FourierDCT", "Pool", "Random"]
+__all__ = ["Method", "ScoreMethod", "FasterVLM", "FourierDCT", "HiRED", "Pool", "Random"]
