@@ -123,7 +123,7 @@ class Adapter:
         """One record per crop; `crop_index[c]` is crop c's index within its image (or frame within its video)."""
         num_crops = tokens.num_crops
         valid = tokens.valid.sum(1).tolist() if tokens.valid is not None else [tokens.num_tokens] * num_crops
-        kept_counts = selection.counts or [selection.num_kept] * num_crops
+        kept_counts = selection.counts_per_crop()
         images = tokens.image_index.tolist()
         return [
             Record(
@@ -158,6 +158,11 @@ class Adapter:
         if positions is None:
             return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
         return positions - lost.to(positions.device)[:, None] if self.positions == "renumber" else positions
+
+    @property
+    def inner(self) -> nn.Module:
+        """The model under the LM head: vision tower(s), projector and language model."""
+        return self.model.model if hasattr(self.model, "lm_head") else self.model
 
     def placeholder_id(self, modality: Modality) -> int:
         return getattr(self.model.config, modality.placeholder_attr)

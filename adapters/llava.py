@@ -28,11 +28,6 @@ class LlavaAdapter(Adapter):
     )  # fmt: skip
 
     @property
-    def inner(self):
-        """The inner model holding the vision tower, the projector and the language model."""
-        return self.model.model if hasattr(self.model, "lm_head") else self.model
-
-    @property
     def tower(self):
         return self.inner.vision_tower
 

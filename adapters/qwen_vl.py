@@ -40,10 +40,6 @@ class QwenVLAdapter(Adapter):
     token_columns = {"mm_token_type_ids": 0}
 
     @property
-    def inner(self):
-        return self.model.model if hasattr(self.model, "lm_head") else self.model
-
-    @property
     def merge(self) -> int:
         return self.model.config.vision_config.spatial_merge_size
 

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling  # noqa: F401  (used by prepared kwargs)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402

@@ -95,8 +95,10 @@ class Selection:
         return torch.cat([features[c, self.kept_of(c)] for c in range(features.shape[0])])
 
     def counts_per_crop(self) -> list[int]:
-        return self.counts if self.counts is not None else [self.num_kept] * (
-            (self.kept if self.kept is not None else self.features).shape[0])  # fmt: skip
+        """Output tokens of every crop."""
+        if self.counts is not None:
+            return self.counts
+        return [self.num_kept] * (self.kept if self.kept is not None else self.features).shape[0]
 
     def gather(self, features: torch.Tensor) -> torch.Tensor:
         """Kept features [C, k, D] from the crops' features [C, N, D] (every crop keeping k)."""

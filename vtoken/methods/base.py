@@ -55,6 +55,17 @@ class Method:
         raise NotImplementedError
 
 
+def topk_per_crop(scores: torch.Tensor, counts: list[int]) -> Selection:
+    """Crop c keeps its top `counts[c]` tokens by `scores` [C, N] (invalid tokens at -inf), ascending; rows are
+    padded with N past each crop's count."""
+    width = max(max(counts), 1)
+    top = scores.topk(width, dim=-1).indices
+    rank = torch.arange(width, device=top.device)
+    limit = torch.tensor(counts, device=top.device)[:, None]
+    kept = torch.where(rank < limit, top, scores.shape[-1]).sort(dim=-1).values
+    return Selection(kept=kept, counts=counts)
+
+
 @dataclass
 class ScoreMethod(Method):
     """Keep the top-k tokens of each crop by `score`, in ascending (original) order."""
@@ -70,13 +81,9 @@ class ScoreMethod(Method):
         if tokens.valid is None:
             k = self.keep_count(tokens.num_tokens)
             return Selection(kept=scores.topk(k, dim=-1).indices.sort(dim=-1).values)
-        # crops with invalid tokens: budget over the valid ones; rows padded with N after the kept indices
+        # crops with invalid tokens: budget over the valid ones
         counts = [self.keep_count(int(v)) if v else 0 for v in tokens.valid.sum(dim=1).tolist()]
-        top = scores.float().masked_fill(~tokens.valid, float("-inf")).topk(max(counts), dim=-1).indices
-        rank = torch.arange(top.shape[1], device=top.device)
-        limit = torch.tensor(counts, device=top.device)[:, None]
-        kept = torch.where(rank < limit, top, tokens.num_tokens).sort(dim=-1).values
-        return Selection(kept=kept, counts=counts)
+        return topk_per_crop(scores.float().masked_fill(~tokens.valid, float("-inf")), counts)
 
     def _select_per_image(self, tokens: VisualTokens, scores: torch.Tensor) -> Selection:
         """One top-k over all crops of each image; crops keep different numbers (padded rows + counts)."""

@@ -24,7 +24,7 @@ from ..budget import Budget
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
-from .base import Method
+from .base import Method, topk_per_crop
 
 PARTITIONS = ("bands", "tiles")
 
@@ -102,9 +102,4 @@ class HiRED(Method):
                 budgets = self.crop_budgets(early[crops[0]], rows, cols, *tokens.grid)
                 for crop, budget in zip(crops, budgets, strict=True):
                     counts[crop] = min(budget, int(valid[crop].sum()))
-        width = max(max(counts), 1)
-        top = final.topk(width, dim=-1).indices
-        rank = torch.arange(width, device=top.device)
-        limit = torch.tensor(counts, device=top.device)[:, None]
-        kept = torch.where(rank < limit, top, n).sort(dim=-1).values
-        return Selection(kept=kept, counts=counts)
+        return topk_per_crop(final, counts)
