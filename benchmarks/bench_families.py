@@ -50,15 +50,14 @@ def _build(builder, overrides: dict, device, dtype):
     return model, processor
 
 
+def qwen_7b_lm(layers: int | None) -> dict:
+    """Qwen2/Qwen2.5-7B language-model shape (both 7B VLMs below use it)."""
+    return dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers or 28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064)  # fmt: skip
+
+
 def qwen25_vl_7b(layers: int | None, device, dtype):
-    text = dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=layers or 28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-    )
+    text = qwen_7b_lm(layers)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
     vision = dict(
         depth=layers or 32,
@@ -77,14 +76,7 @@ def qwen25_vl_7b(layers: int | None, device, dtype):
 
 
 def onevision_7b(layers: int | None, device, dtype, frames: int = 32):
-    text = dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=layers or 28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-    )
+    text = qwen_7b_lm(layers)
     vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=layers or 26, num_attention_heads=16)
     model, processor = _build(tiny_onevision, {"text_config": text, "vision_config": vision}, device, dtype)
     prompt = build_prompt(processor, "What happens in the video?", num_images=0, num_videos=1)

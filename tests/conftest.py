@@ -96,3 +96,17 @@ def assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=5):
     for row, single in enumerate(singles):
         one = model.generate(**single, max_new_tokens=max_new_tokens, do_sample=False)
         assert torch.equal(out[row, width:], one[0, single["input_ids"].shape[1] :])
+
+
+def mask_outside_unpadded(scores, crop, layout, side=24):
+    """LLaVA-NeXT: a copy of one crop's scores [side*side] with the tokens that unpadding removes set to -inf
+    (computed from the stitched grid, independently of the adapter's own masks)."""
+    scores = scores.clone()
+    if crop == 0:  # the base view is never unpadded
+        return scores
+    valid = set(layout.unpadded.flatten().tolist())
+    row, col = divmod(crop - 1, layout.cols)
+    for t in range(side * side):
+        if ((row * side + t // side) * layout.cols * side + col * side + t % side) not in valid:
+            scores[t] = float("-inf")
+    return scores

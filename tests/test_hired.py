@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import eager_cls_attention, inputs_for, make_image
+from conftest import eager_cls_attention, inputs_for, make_image, mask_outside_unpadded
 
 import vtoken
 from vtoken.tokens import VisualTokens
@@ -72,14 +72,8 @@ def test_llava_next_counts_and_kept_sets_follow_the_spec(partition, size):
     early = eager_cls_attention(tower, crops, layer=0)[0]  # base view, layer 0
     final = eager_cls_attention(tower, crops)  # layer of the feature (hidden_states[-2])
     budgets = method.crop_budgets(early, layout.rows, layout.cols, 24, 24)
-    valid_stitched = set(layout.unpadded.flatten().tolist())
     for record, budget in zip(handle.records, budgets, strict=True):
-        scores = final[record.crop].clone()
-        if record.crop > 0:
-            row, col = divmod(record.crop - 1, layout.cols)
-            for t in range(576):
-                if ((row * 24 + t // 24) * layout.cols * 24 + col * 24 + t % 24) not in valid_stitched:
-                    scores[t] = float("-inf")
+        scores = mask_outside_unpadded(final[record.crop], record.crop, layout)
         count = min(budget, int(torch.isfinite(scores).sum()))
         assert record.tokens_out == count
         assert torch.equal(record.kept, scores.topk(count).indices.sort().values)

@@ -9,6 +9,7 @@ from conftest import (
     eager_cls_attention,
     feed_language_model,
     make_image,
+    mask_outside_unpadded,
 )
 
 import vtoken
@@ -153,14 +154,8 @@ def test_fastervlm_keeps_topk_of_eager_cls_attention_among_valid_tokens(next_mod
     crops = inputs["pixel_values"][0, : len(handle.records)]
     scores = eager_cls_attention(model.model.vision_tower, crops)
     layout = handle.adapter.crop_layout(inputs["image_sizes"][0])
-    valid_stitched = set(layout.unpadded.flatten().tolist())
     for r in handle.records:
-        s = scores[r.crop].clone()
-        if r.crop > 0:
-            row, col = divmod(r.crop - 1, layout.cols)
-            for t in range(576):
-                if ((row * 24 + t // 24) * layout.cols * 24 + col * 24 + t % 24) not in valid_stitched:
-                    s[t] = float("-inf")
+        s = mask_outside_unpadded(scores[r.crop], r.crop, layout)
         assert torch.equal(r.kept, s.topk(r.tokens_out).indices.sort().values)
 
 
