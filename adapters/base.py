@@ -22,11 +22,16 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.methods.base import Method
+from vtoken.question import prompt_questions, tokenizer_for
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
-from vtoken.tokens import Selection, VisualTokens
+from vtoken.tokens import Selection, TextQuery, VisualTokens
 
-from .prompt import compress_prompt, gather_columns
+from .prompt import compress_prompt, gather_columns, run_rows
+
+# signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
+# features for token-to-token similarity (default: the features methods select from)
+COMMON_SIGNALS = frozenset({"question", "projected", "vision_features"})
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,12 @@ class Adapter:
         return model_type in cls.model_types and type(model).__name__ in cls.model_classes
 
     def available_signals(self) -> set[str]:
-        """Score signals this model can provide to methods."""
+        """Score signals this model can provide to methods, besides COMMON_SIGNALS."""
         return set()
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """[C, N, Dv] features of `VisualTokens` -> [C, N, D] in the LLM's embedding space (default: already)."""
+        return features
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
         """Placeholder count of every image (or video) before reduction; validates the input shapes."""
@@ -107,6 +116,13 @@ class Adapter:
         """Score and select with the encoder method. Callable signals are resolved here, so the stopwatch covers
         computing the scores as well as selecting."""
         timer = Stopwatch(tokens.features.device).start()
+        requires = self.encoder_method.requires
+        if "projected" in requires and "projected" not in tokens.signals:
+            tokens.signals["projected"] = lambda features=tokens.features: self.project(features)
+        if "vision_features" in requires and "vision_features" not in tokens.signals:
+            tokens.signals["vision_features"] = tokens.features
+        if "question" in requires:
+            tokens.question = TextQuery(self._questions, self.family, self.embed_text)
         tokens.signals = {k: v() if callable(v) else v for k, v in tokens.signals.items()}
         selection = self.encoder_method.select(tokens)
         timer.stop()
@@ -200,12 +216,41 @@ class Adapter:
                     f"method {method.name!r} acts at stage {method.stage!r}, which the {self.family} adapter does "
                     "not support; supported stages: encoder"
                 )
-            missing = sorted(set(method.requires) - self.available_signals())
+            missing = sorted(set(method.requires) - self.available_signals() - COMMON_SIGNALS)
             if missing:
                 raise MissingSignalError(
                     f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
-                    f"({self.family}) cannot provide; it provides {sorted(self.available_signals())}"
+                    f"({self.family}) cannot provide; it provides {sorted(self.available_signals() | COMMON_SIGNALS)}"
                 )
+            if "question" in method.requires:
+                self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate
+
+    # ----------------------------------------------------------------- the prompt's text
+    _questions: list[str] = []
+    _tokenizer = None
+
+    def item_questions(self, kwargs: dict[str, Any], modality: Modality, run_lengths: list[int]) -> list[str]:
+        """The question of every image (or video) of `modality`: the text of its prompt row, or the method's
+        explicit `question=` (one string, or one per row)."""
+        ids = kwargs["input_ids"]
+        given = getattr(self.encoder_method, "question", None)
+        if given is None:
+            per_row = prompt_questions(ids, kwargs.get("attention_mask"), self._tokenizer)
+        elif isinstance(given, str):
+            per_row = [given] * ids.shape[0]
+        elif len(given) == ids.shape[0]:
+            per_row = list(given)
+        else:
+            raise InputError(f"{self.encoder_method.name}: {len(given)} questions given for {ids.shape[0]} prompts")
+        return [per_row[row] for row in run_rows(ids, self.placeholder_id(modality), run_lengths)]
+
+    def embed_text(self, text: str) -> torch.Tensor:
+        """[T, D] LLM input embeddings of `text`, tokenized without special tokens."""
+        embeddings = self.model.get_input_embeddings()
+        if self._tokenizer is None:
+            self._tokenizer = tokenizer_for(self.model, self.encoder_method.name)
+        ids = self._tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        return embeddings(ids.to(embeddings.weight.device))
 
     # ----------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -245,6 +290,8 @@ class Adapter:
             pixel_values = kwargs.pop(modality.pixel_key)
             encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
             run_lengths = self.plan(modality, pixel_values, **encoder_kwargs)
+            if "question" in self.encoder_method.requires:
+                self._questions = self.item_questions(kwargs, modality, run_lengths)
             shrink = functools.partial(
                 compress_prompt,
                 kwargs["input_ids"],

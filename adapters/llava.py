@@ -58,6 +58,9 @@ class LlavaAdapter(Adapter):
             signals |= {"cls_attention"} | {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
         return signals
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return self.inner.multi_modal_projector(features)
+
     def _check_crops(self, crops: torch.Tensor, what: str) -> None:
         size = self.tower.config.image_size
         if crops.dim() != 4 or crops.shape[1] != 3 or tuple(crops.shape[2:]) != (size, size):
@@ -118,10 +121,40 @@ class LlavaAdapter(Adapter):
     ) -> EncodedImages:
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         num_images = features.shape[0]
-        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images))
+        valid = None
+        if getattr(self.encoder_method, "excludes_pad_border", False):
+            valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(features.device)
+        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid)
         selection, timer = self.select(tokens)
-        embeds = self.inner.multi_modal_projector(selection.gather(features))  # [B, k, D]
-        k = selection.num_kept
-        keep_offsets = list(selection.kept) if selection.kept is not None else [torch.arange(k)] * num_images
+        if selection.counts is None:
+            embeds = list(self.inner.multi_modal_projector(selection.gather(features)))  # B x [k, D]
+        else:
+            embeds = list(self.inner.multi_modal_projector(selection.gather_flat(features)).split(selection.counts))
+        keep_offsets = [selection.offsets_of(i) for i in range(num_images)]
         records = self.crop_records(tokens, selection, timer, [0] * num_images)
-        return EncodedImages(list(embeds), keep_offsets, records)
+        return EncodedImages(embeds, keep_offsets, records)
+
+
+def outside_pad_border(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
+    """[C, N] bool: False for patches lying wholly in a pad-to-square border of crops [C, 3, H, W].
+
+    The border is what `LlavaImageProcessor(do_pad=True)` (the original LLaVA-1.5 preprocessing) adds: whole
+    pixel rows (or columns) at the edges, all of the corner pixel's colour. It is read from the pixels, since
+    the model never sees the image size: the resize after padding blends the innermost pad row with the photo,
+    so a patch straddling that row is kept as content. A crop without a border (e.g. center cropped, or an
+    image of a single colour) has every patch valid.
+    """
+    same = (pixel_values == pixel_values[:, :, :1, :1]).all(1)  # [C, H, W] pixels of the corner's colour
+    rows, cols = same.all(-1), same.all(-2)  # [C, H], [C, W] uniform pixel rows / columns
+
+    def edge_run(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return flags.long().cumprod(-1).sum(-1), flags.flip(-1).long().cumprod(-1).sum(-1)
+
+    (top, bottom), (left, right) = edge_run(rows), edge_run(cols)
+    height, width = pixel_values.shape[-2:]
+    start_y = torch.arange(0, height, patch, device=pixel_values.device)
+    start_x = torch.arange(0, width, patch, device=pixel_values.device)
+    pad_y = (start_y + patch <= top[:, None]) | (start_y >= height - bottom[:, None])  # [C, H/p]
+    pad_x = (start_x + patch <= left[:, None]) | (start_x >= width - right[:, None])  # [C, W/p]
+    pad = (pad_y[:, :, None] | pad_x[:, None, :]).flatten(1)
+    return ~pad | pad.all(1, keepdim=True)

@@ -43,6 +43,9 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     def available_signals(self) -> set[str]:
         return {"patch_features", "grid"}  # SigLIP has no [CLS]
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return features  # selection runs after the projector (and the model's own pooling/stitching)
+
     def _crop_counts(self, image_sizes: Any, batch_num_images: Any) -> list[int]:
         """Crops per image, as the model decides them (anyres only for single-image prompts)."""
         if image_sizes is None:

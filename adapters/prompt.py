@@ -142,3 +142,15 @@ def compress_prompt(
             new_positions = (start + rank).masked_fill(new_mask == 0, 0)
     new_mask = new_mask if attention_mask is not None or bool((new_mask == 0).any()) else None
     return CompressedPrompt(new_ids, new_mask, new_positions, new_labels, index)
+
+
+def run_rows(input_ids: torch.Tensor, placeholder_id: int, run_lengths: list[int]) -> list[int]:
+    """The batch row of every placeholder run (runs in row-major order, run i holding `run_lengths[i]`)."""
+    left = (input_ids == placeholder_id).sum(1).tolist()
+    rows, row = [], 0
+    for length in run_lengths:
+        while row < len(left) - 1 and left[row] <= 0:
+            row += 1
+        rows.append(row)
+        left[row] -= length
+    return rows

@@ -150,7 +150,7 @@ class QwenVLAdapter(Adapter):
         out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
         merged = out.pooler_output
         sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
-        wants_groups = "merge_features" in self.encoder_method.requires
+        wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
             groups = self.raster_order(groups, grid_thw).split(sizes)
@@ -160,7 +160,10 @@ class QwenVLAdapter(Adapter):
         ):
             grid = (height // self.merge, width // self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
-            signals = {"merge_features": groups[index].view(frames, grid[0] * grid[1], -1)} if wants_groups else {}
+            signals = {}
+            if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
+                pooled = groups[index].view(frames, grid[0] * grid[1], -1)
+                signals = {"merge_features": pooled, "vision_features": pooled}
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
             selection, timer = self.select(crops)
             out_grid = selection.grid or grid

@@ -19,10 +19,11 @@ from .errors import (
     UnsupportedModelError,
     VTokenError,
 )
-from .methods import FasterVLM, FourierDCT, HiRED, Method, Pool, Random, ScoreMethod
+from .methods import FasterVLM, FourierDCT, HiRED, Method, MMTok, Pool, Random, ScoreMethod
+from .question import remember_tokenizer
 from .records import Record
 from .registry import available_methods, make_method, supported_models
-from .tokens import Selection, VisualTokens
+from .tokens import Selection, TextQuery, VisualTokens
 
 __version__ = "0.1.0"
 
@@ -36,15 +37,18 @@ __all__ = [
     "make_method",
     "supported_models",
     "tokens_to_keep",
+    "remember_tokenizer",
     "FasterVLM",
     "FourierDCT",
     "HiRED",
+    "MMTok",
     "Random",
     "Pool",
     "Method",
     "ScoreMethod",
     "Selection",
     "VisualTokens",
+    "TextQuery",
     "Record",
     "VTokenError",
     "BudgetError",

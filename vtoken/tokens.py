@@ -6,9 +6,24 @@ Methods never touch models, adapters never decide which tokens matter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class TextQuery:
+    """The text side of a call, for text-guided methods.
+
+    questions: per image (indexed like `VisualTokens.image_index`), the question its prompt asks.
+    family: the model family (methods whose official text handling differs per family read it).
+    embed: text -> [T, D] input embeddings of the LLM (tokenized without BOS or other special tokens).
+    """
+
+    questions: list[str]
+    family: str
+    embed: Callable[[str], torch.Tensor]
 
 
 @dataclass
@@ -18,13 +33,16 @@ class VisualTokens:
     features: [C, N, D] vision features in raster order (pre-projector for LLaVA families).
     grid: (H, W) token grid of every crop.
     signals: named score signals, each [C, N] unless stated, e.g. "cls_attention" = head-mean post-softmax
-        attention of the [CLS] query to each patch key in the feature layer.
+        attention of the [CLS] query to each patch key in the feature layer; "projected" = [C, N, D] the tokens
+        in the LLM's embedding space; "vision_features" = [C, N, Dv] vision-side features for token-to-token
+        similarity (pre-projector where the model has them).
     image_index: [C] index of the image each crop belongs to.
     valid: [C, N] bool, False for tokens that never reach the LLM whatever a method picks (e.g. LLaVA-NeXT
         sub-image tokens in the padded border that unpadding removes); None = all valid. Budgets count valid
         tokens only.
     crop_index: [C] index of each crop within its image (anyres: 0 = base view, then sub-images in raster order).
     crop_grid: anyres only: image index -> (rows, cols) of its sub-image grid.
+    question: the prompt's text, for methods that require "question".
     """
 
     features: torch.Tensor
@@ -34,6 +52,7 @@ class VisualTokens:
     valid: torch.Tensor | None = None
     crop_index: torch.Tensor | None = None
     crop_grid: dict[int, tuple[int, int]] | None = None
+    question: TextQuery | None = None
 
     @property
     def num_crops(self) -> int:

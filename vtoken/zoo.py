@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import VTokenError
+from .question import remember_tokenizer
 
 _CORPUS = (
     "USER: ASSISTANT: what is in the image? describe the image in detail. what colour is the object? "
@@ -20,6 +21,20 @@ _CORPUS = (
     "stands in front of a flag. a rocket on a launch pad. red green blue yellow circle square triangle star one "
     "two three four five yes no left right top bottom centre small large"
 )
+
+
+def _with_tokenizer(build: Callable) -> Callable:
+    """A tiny-model builder whose model remembers its tokenizer (for methods that read the prompt's text)."""
+
+    def built(*args, **kwargs):
+        model, processor = build(*args, **kwargs)
+        remember_tokenizer(model, processor)
+        return model, processor
+
+    built.__name__, built.__doc__ = build.__name__, build.__doc__
+    return built
+
+
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
     "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n"
@@ -99,6 +114,7 @@ def llava_config(tokenizer, vision: dict, text: dict, image_size: int = 336, pat
     )
 
 
+@_with_tokenizer
 def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
     """A tiny random-weight LLaVA-1.5: CLIP ViT (3 layers, [CLS], 24x24 grid) + MLP projector + Llama (2 layers)."""
     from transformers import LlavaForConditionalGeneration
@@ -129,6 +145,7 @@ TINY_TEXT = dict(
 ANYRES_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 
 
+@_with_tokenizer
 def tiny_llava_next(seed: int = 0, video: bool = False):
     """A tiny random-weight LLaVA-NeXT: anyres crops (LLaVA-NeXT's 5 grid pinpoints), CLIP with [CLS], newline.
     With `video`, LLaVA-NeXT-Video: the same plus per-frame video tokens through a stride-2 resampler."""
@@ -175,6 +192,7 @@ def tiny_llava_next(seed: int = 0, video: bool = False):
     return model, processor
 
 
+@_with_tokenizer
 def tiny_llava_next_video(seed: int = 0):
     """A tiny random-weight LLaVA-NeXT-Video (see `tiny_llava_next`)."""
     return tiny_llava_next(seed, video=True)
@@ -229,6 +247,7 @@ def _tiny_qwen(config_cls, model_cls, processor_cls, vision: dict, seed: int):
     return model, processor
 
 
+@_with_tokenizer
 def tiny_qwen2_vl(seed: int = 0):
     """A tiny random-weight Qwen2-VL: dynamic-resolution ViT + 2x2 patch merger, M-RoPE Qwen2 LM, image + video."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
@@ -237,6 +256,7 @@ def tiny_qwen2_vl(seed: int = 0):
     return _tiny_qwen(Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, vision, seed)
 
 
+@_with_tokenizer
 def tiny_qwen2_5_vl(seed: int = 0):
     """A tiny random-weight Qwen2.5-VL: windowed-attention ViT (one full-attention block) + merger, M-RoPE LM."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
@@ -253,6 +273,7 @@ def tiny_qwen2_5_vl(seed: int = 0):
     return _tiny_qwen(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, vision, seed)
 
 
+@_with_tokenizer
 def tiny_video_llava(seed: int = 0):
     """A tiny random-weight Video-LLaVA: CLIP image and video towers (224 px, 16 x 16 patches), shared projector."""
     from transformers import (
@@ -292,6 +313,7 @@ ONEVISION_PINPOINTS = [[384, 384], [384, 768], [768, 384], [768, 768], [384, 115
                        [1536, 1536]]  # fmt: skip
 
 
+@_with_tokenizer
 def tiny_onevision(seed: int = 0):
     """A tiny random-weight LLaVA-OneVision: SigLIP (no [CLS], 27 x 27 tokens), anyres_max_9 packing with a 4 x 4
     pinpoint that triggers its downsampling, image newline, 2 x 2 bilinear video pooling."""
@@ -363,6 +385,7 @@ def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str 
             )
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype or "auto", **kwargs).eval()
         processor = AutoProcessor.from_pretrained(name_or_path)
+        remember_tokenizer(model, processor)
     if dtype is not None and name_or_path in TINY_MODELS:
         model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     if device is not None:
