@@ -10,10 +10,14 @@ tokens. Newlines are not visual tokens: budgets and records never count them.
 Every crop keeps its budget of its *valid* tokens: sub-image tokens in the padded border that unpadding removes
 never reach the LLM, so they are never picked (the records say how many valid tokens each crop had).
 
-`layout="official"` packs as the official FasterVLM code does for LLaVA-NeXT: no unpadding and no newlines;
-every crop keeps its budget of all its tokens, and the sequence is the base view's kept tokens, then the kept
-sub-image tokens in raster order of the full stitched grid. The LLM then sees a sequence the checkpoint was not
-trained on, so use it to reproduce published numbers, not for best accuracy.
+`layout="official"` packs as the official FasterVLM code does for LLaVA-NeXT (also used for MMTok and the
+baselines): no unpadding and no newlines; every crop keeps its budget of all its tokens, and the sequence is the
+base view's kept tokens, then the kept sub-image tokens in raster order of the full stitched grid. For HiRED it
+packs as HiRED's official code does: the same, except that the kept sub-image tokens are then unpadded, so picks
+in the padded border are dropped and a crop can end below its budget (records report the realised count in
+`tokens_out` and the picks in `selected`). HiRED's official packing swaps rows and columns for non-square crop
+grids; tiles here sit at their true positions. The LLM then sees a sequence the checkpoint was not trained on,
+so use these layouts to reproduce published numbers, not for best accuracy.
 """
 
 from __future__ import annotations
@@ -56,16 +60,17 @@ class LlavaNextAdapter(LlavaAdapter):
     )  # fmt: skip
 
     layouts = ("native", "official")
-    official_layout_methods = ("fastervlm", "random", "pool")  # the official layout implemented is FasterVLM's
+    # official layouts: FasterVLM's (also MMTok's and the baselines'), and HiRED's, which unpads after selecting
+    official_layout_methods = ("fastervlm", "mmtok", "random", "pool", "hired")
+    unpads_after_selection = ("hired",)
 
     def validate(self) -> None:
         super().validate()
         unsupported = [m.name for m in self.methods if m.name not in self.official_layout_methods]
         if self.layout == "official" and unsupported:
             raise VTokenError(
-                f"layout='official' on {self.family} reproduces FasterVLM's packing; {unsupported} have their own "
-                f"official layouts, not implemented yet; use layout='native' (methods with it: "
-                f"{', '.join(self.official_layout_methods)})"
+                f"layout='official' on {self.family} is implemented for {', '.join(self.official_layout_methods)}; "
+                f"{unsupported} have no official LLaVA-NeXT layout here; use layout='native'"
             )
 
     def available_signals(self) -> set[str]:
@@ -153,19 +158,28 @@ class LlavaNextAdapter(LlavaAdapter):
                 stitched_index.append(positions)
                 image_index.append(i)
                 crop_index.append(c)
-        valid = torch.stack(valid).to(device) if self.layout == "native" else None  # official: no unpadding
+        unpadded = torch.stack(valid).to(device)
+        official = self.layout == "official"
         crop_grid = {i: (layout.rows, layout.cols) for i, layout in enumerate(layouts)}
-        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), valid,
-                              torch.tensor(crop_index), crop_grid)  # fmt: skip
+        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index),
+                              None if official else unpadded, torch.tensor(crop_index), crop_grid)  # fmt: skip
         selection, timer = self.select(tokens)
+        records = self.crop_records(tokens, selection, timer, crop_index)
 
         kept = [selection.offsets_of(c) for c in range(tokens.num_crops)]
-        if selection.counts is None:  # every crop keeps k: one batched gather
+        if official and self.encoder_method.name in self.unpads_after_selection:
+            # HiRED's official packing selects over the padded crops, then unpads: border picks are dropped
+            kept = [k[unpadded[c, k]] for c, k in enumerate(kept)]
+            embeds = self.inner.multi_modal_projector(torch.cat([features[c, k] for c, k in enumerate(kept)]))
+            embeds = embeds.split([len(k) for k in kept])
+            for record, k in zip(records, kept, strict=True):
+                if len(k) != record.tokens_out:
+                    record.selected, record.tokens_out, record.kept = record.tokens_out, len(k), k
+        elif selection.counts is None:  # every crop keeps k: one batched gather
             embeds = self.inner.multi_modal_projector(selection.gather(features)).unbind(0)
         else:
             embeds = self.inner.multi_modal_projector(selection.gather_flat(features)).split(selection.counts)
         newline = self.inner.image_newline
-        official = self.layout == "official"
 
         per_image, first = [], 0
         for layout in layouts:
@@ -182,7 +196,6 @@ class LlavaNextAdapter(LlavaAdapter):
             else:
                 sub = _raster_with_newlines(keys, sub, layout.cols * width, newline)
             per_image.append(torch.cat([base, sub]))
-        records = self.crop_records(tokens, selection, timer, crop_index)
         return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)
 
 

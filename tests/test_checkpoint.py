@@ -64,3 +64,21 @@ def test_every_family_round_trips_through_from_pretrained(name, tmp_path, monkey
         with vtoken.patched(loaded, "random", budget=0.25) as handle:
             got = loaded.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, expected) and handle.records
+
+
+def test_mmtok_finds_the_tokenizer_of_a_checkpoint_loaded_without_vtoken(llava, photos, tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, processor = llava
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()  # vtoken never saw its processor
+    inputs = inputs_for(processor, [photos["coffee"]], ["what colour is the object?"])
+    with torch.no_grad():
+        with vtoken.patched(model, "mmtok", budget=40) as handle:
+            model(**inputs)
+            expected = handle.records[0].kept
+        with vtoken.patched(loaded, "mmtok", budget=40) as handle:
+            loaded(**inputs)
+    assert torch.equal(handle.records[0].kept, expected)

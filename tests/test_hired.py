@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import eager_cls_attention, inputs_for, make_image, mask_outside_unpadded
+from conftest import eager_cls_attention, feed_language_model, inputs_for, make_image, mask_outside_unpadded
 
 import vtoken
 from vtoken.tokens import VisualTokens
@@ -85,10 +85,44 @@ def test_hired_errors():
         vtoken.HiRED(budget=100)
     with pytest.raises(vtoken.VTokenError, match="partition='rows'.*bands, tiles"):
         vtoken.HiRED(partition="rows")
-    model, _ = TINY_MODELS["tiny-llava-next"]()
-    with pytest.raises(vtoken.VTokenError, match="official layouts, not implemented"):
-        vtoken.patch(model, "hired", layout="official")
     qwen, _ = TINY_MODELS["tiny-qwen2-vl"]()
     with pytest.raises(vtoken.MissingSignalError, match="cls_attention@0"):
         vtoken.patch(qwen, "hired")
-    assert vtoken.handle_of(model) is None and vtoken.handle_of(qwen) is None
+    assert vtoken.handle_of(qwen) is None
+
+
+@pytest.mark.parametrize("size", [(800, 300), (300, 800)])
+def test_llava_next_official_layout_unpads_after_selecting(size):
+    """HiRED's own packing: budgets over the padded crops, border picks dropped, base view then the sub-image
+    tokens in raster order of the unpadded grid, no newlines; fed to the bare LLM as the reference."""
+    model, processor = TINY_MODELS["tiny-llava-next"]()
+    inputs = processor(images=[make_image(*size)], text=[build_prompt(processor, "what?")], return_tensors="pt")
+    method = vtoken.HiRED(rate=0.9)  # border tokens score low: a high rate makes sub-images pick some
+    with torch.no_grad(), vtoken.patched(model, method, layout="official") as handle:
+        logits = model(**inputs).logits
+        layout = handle.adapter.crop_layout(inputs["image_sizes"][0])
+    crops = inputs["pixel_values"][0, : layout.num_crops]
+    tower = model.model.vision_tower
+    early, final = eager_cls_attention(tower, crops, layer=0)[0], eager_cls_attention(tower, crops)
+    budgets = method.crop_budgets(early, layout.rows, layout.cols, 24, 24)
+    with torch.no_grad():
+        features = tower(crops, output_hidden_states=True).hidden_states[-2][:, 1:]
+    base, sub, dropped = None, [], 0
+    for crop, budget in enumerate(budgets):
+        picks = final[crop].topk(budget).indices.sort().values
+        survivors = mask_outside_unpadded(torch.zeros(576), crop, layout)[picks].isfinite()
+        dropped += int((~survivors).sum())
+        record = handle.records[crop]
+        assert record.kept.tolist() == picks[survivors].tolist() and record.tokens_out == int(survivors.sum())
+        assert record.selected == (budget if not survivors.all() else None)
+        if crop == 0:
+            base = features[0, picks]
+            continue
+        row, col = divmod(crop - 1, layout.cols)
+        stitched = (row * 24 + picks // 24) * layout.cols * 24 + col * 24 + picks % 24
+        sub += list(zip(stitched[survivors].tolist(), features[crop, picks[survivors]], strict=True))
+    assert dropped > 0  # this aspect ratio puts picks in the padded border
+    ordered = torch.stack([f for _, f in sorted(sub, key=lambda item: item[0])])
+    visual = model.model.multi_modal_projector(torch.cat([base, ordered]))
+    ref = feed_language_model(model, inputs["input_ids"], model.config.image_token_id, visual)
+    assert (logits - ref).abs().max() <= 1e-5

@@ -240,3 +240,11 @@ def test_a_model_without_a_known_tokenizer_fails_at_patch_time(llava):
     assert vtoken.handle_of(bare) is None
     with pytest.raises(vtoken.VTokenError, match="text='words'"):
         vtoken.MMTok(text="words")
+
+
+def test_llava_next_official_layout_keeps_k_of_every_whole_crop():
+    model, processor = TINY_MODELS["tiny-llava-next"]()
+    inputs = processor(images=[make_image(800, 300)], text=[build_prompt(processor, "what?")], return_tensors="pt")
+    with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.2, layout="official") as handle:
+        model(**inputs)
+    assert len(handle.records) == 4 and all(r.tokens_in == 576 and r.tokens_out == 115 for r in handle.records)

@@ -20,6 +20,8 @@ class Record:
     kept: sorted LongTensor [tokens_out] of kept indices into the crop's token sequence as the vision tower
         emits it (without [CLS]), on the model's device; None for merging methods.
     grid: (rows, cols) of the crop's token grid that `kept` indexes in raster order.
+    selected: tokens the method picked when the layout then dropped some (HiRED's official LLaVA-NeXT layout
+        unpads after selecting); None when every pick reached the LLM (selected == tokens_out).
     seconds: time spent computing scores and selecting, this crop's share of its batch (read lazily: on CUDA the
         first read waits for the timed work, never the forward itself).
     """
@@ -35,6 +37,7 @@ class Record:
     timer: Stopwatch = field(repr=False)
     share: float = 1.0
     modality: str = "image"
+    selected: int | None = None
 
     @property
     def seconds(self) -> float:
