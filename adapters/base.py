@@ -96,6 +96,15 @@ class Adapter:
         """Score signals this model can provide to methods, besides COMMON_SIGNALS."""
         return set()
 
+    def refuse_resized_grids(self, what: str) -> None:
+        """For families where only some inputs can take the smaller grid a method hands back (Fourier-VLM)."""
+        if "resized_grid" in self.encoder_method.requires:
+            raise InputError(
+                f"{self.encoder_method.name} hands back smaller token grids, which {self.family} {what} cannot "
+                "take (their crops are stitched and unpadded at full size); on this model it applies to videos, "
+                "frame by frame"
+            )
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """[C, N, Dv] features of `VisualTokens` -> [C, N, D] in the LLM's embedding space (default: already)."""
         return features

@@ -33,6 +33,9 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         Modality("video", "pixel_values_videos", "video_token_id", FEATURE_KWARGS),
     )
 
+    def available_signals(self) -> set[str]:
+        return super().available_signals() | {"resized_grid"}  # video frames: plain grids, no newlines
+
     @property
     def stride(self) -> int:
         return self.model.config.spatial_pool_stride
@@ -64,6 +67,7 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         vision_feature_select_strategy: str | None = None,
     ) -> EncodedImages:
         if modality.name == "image":
+            self.refuse_resized_grids("anyres images")
             return super().encode(modality, pixel_values, image_sizes, vision_feature_layer,
                                   vision_feature_select_strategy)  # fmt: skip
         videos, frames = pixel_values.shape[:2]

@@ -41,7 +41,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     stacked_features = frozenset({"video"})
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "grid"}  # SigLIP has no [CLS]
+        # SigLIP has no [CLS]; video frames are plain grids, so they can be resized
+        return {"patch_features", "grid", "resized_grid"}
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return features  # selection runs after the projector (and the model's own pooling/stitching)
@@ -138,6 +139,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
             return EncodedImages(per_video, [torch.arange(len(v)) for v in per_video], records)
 
+        self.refuse_resized_grids("anyres images")
         counts = self._crop_counts(image_sizes, batch_num_images)
         if pixel_values.dim() == 5:
             pixel_values = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])

@@ -105,9 +105,45 @@ def test_qwen_reduced_grid_drives_positions_and_placeholders(name):
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-onevision", "tiny-llava-next-video"])
-def test_families_that_need_their_own_grid_positions_refuse_clearly(name):
-    model, _ = TINY_MODELS[name]()
+def test_llava_next_images_refuse_clearly():
+    model, _ = TINY_MODELS["tiny-llava-next"]()
     with pytest.raises(vtoken.MissingSignalError, match="resized_grid"):
         vtoken.patch(model, "fourier", reserve=8)
     assert vtoken.handle_of(model) is None
+
+
+def _video_inputs(processor, frames=4):
+    prompt = build_prompt(processor, "what moves?", num_images=0, num_videos=1)
+    return processor(videos=[example_clip(frames)], text=[prompt], return_tensors="pt")
+
+
+def test_llava_next_video_frames_equal_the_scipy_low_pass_fed_to_the_llm():
+    model, processor = TINY_MODELS["tiny-llava-next-video"]()
+    inputs = _video_inputs(processor)
+    assert_identity(model, vtoken.FourierDCT(reserve=12), inputs)  # the full 12 x 12 frame grid
+    with torch.no_grad(), vtoken.patched(model, "fourier", reserve=5) as handle:
+        logits = model(**inputs).logits
+    assert [(r.tokens_in, r.tokens_out) for r in handle.records] == [(144, 25)] * 4
+    with torch.no_grad():
+        frames = inputs["pixel_values_videos"][0]
+        patches = model.model.vision_tower(frames, output_hidden_states=True).hidden_states[-2][:, 1:]
+        pooled = model.model.vision_resampler(patches).double().view(4, 12, 12, -1).numpy()
+        block = scipy.fft.dctn(pooled, axes=(1, 2), norm="ortho")[:, :5, :5]
+        low = torch.from_numpy(scipy.fft.idctn(block, axes=(1, 2), norm="ortho")).float().flatten(0, 2)
+        visual = model.model.multi_modal_projector(low)
+    ref = feed_language_model(model, inputs["input_ids"], model.config.video_token_id, visual)
+    assert (logits - ref).abs().max() <= 1e-4
+
+
+def test_onevision_video_frames_and_anyres_images():
+    model, processor = TINY_MODELS["tiny-onevision"]()
+    inputs = _video_inputs(processor)
+    with torch.no_grad(), vtoken.patched(model, "fourier", reserve=3) as handle:
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    side = handle.records[0].grid[0]
+    assert [(r.tokens_in, r.tokens_out) for r in handle.records] == [(side * side, 9)] * 4
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+    assert_identity(model, vtoken.FourierDCT(reserve=side), inputs)
+    image = processor(images=[make_image(400, 300)], text=[build_prompt(processor, "what?")], return_tensors="pt")
+    with vtoken.patched(model, "fourier", reserve=3), pytest.raises(vtoken.InputError, match="anyres images"):
+        model(**image)
