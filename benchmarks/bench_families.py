@@ -47,6 +47,7 @@ def _build(builder, overrides: dict, device, dtype):
     finally:
         torch.set_default_dtype(default)
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    vtoken.remember_tokenizer(model, processor)  # for methods that read the prompt's question (MMTok)
     return model, processor
 
 
@@ -98,7 +99,12 @@ def first_k(budget):
     return FirstK(budget=budget)
 
 
-def measure(name, model, inputs, budgets, repeats, device, dtype, encoder):
+BASELINES = {"random": lambda b: vtoken.Random(budget=b), "pool": lambda b: vtoken.Pool(budget=b)}
+
+
+def measure(name, model, inputs, budgets, repeats, device, dtype, encoder, methods=BASELINES):
+    """TTFT, selection time and peak memory: unpatched, then at every budget each of `methods` (label -> budget ->
+    method) and the oracle keeping the same number of tokens."""
     inputs = inputs.to(device)
     for key, value in inputs.items():
         if value.is_floating_point():
@@ -117,12 +123,12 @@ def measure(name, model, inputs, budgets, repeats, device, dtype, encoder):
         total = sum(r.tokens_in for r in handle.records)
     tokens_kept["unpatched"] = total
     for budget in budgets:
-        for method in ("random", "pool"):
-            key = f"{method}@{budget:g}"
+        for label, make in methods.items():
+            key, method = f"{label}@{budget:g}", make(budget)
 
             @contextmanager
-            def patched(method=method, budget=budget, key=key):
-                with vtoken.patched(model, method, budget=budget) as handle:
+            def patched(method=method, key=key):
+                with vtoken.patched(model, method) as handle:
                     yield
                     selection.setdefault(key, []).append(sum(r.seconds for r in handle.records))
                     tokens_kept[key] = sum(r.tokens_out for r in handle.records)
@@ -133,8 +139,8 @@ def measure(name, model, inputs, budgets, repeats, device, dtype, encoder):
             tokens_kept[f"oracle@{budget:g}"] = sum(r.tokens_out for r in handle.records)
 
         @torch.inference_mode()
-        def oracle(prepared=prepared):
-            encoder(model, inputs)  # the stock vision encoder's cost, its output unused
+        def oracle(prepared=prepared, budget=budget):
+            encoder(model, inputs, budget)  # the vision encoder's cost, its output unused
             model.generate(**prepared, **generate)
 
         configs[f"oracle@{budget:g}"] = oracle
@@ -157,11 +163,13 @@ def measure(name, model, inputs, budgets, repeats, device, dtype, encoder):
     return rows
 
 
-def image_encoder(model, inputs):
+def image_encoder(model, inputs, budget):
+    """Qwen: the stock vision encoder (methods select after its merger, so it runs in full for them too)."""
     model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
 
 
-def video_encoder(model, inputs):
+def video_encoder(model, inputs, budget):
+    """OneVision: the stock video encoder (methods select after its projector and pooling)."""
     model.model.get_video_features(inputs["pixel_values_videos"])
 
 

@@ -126,3 +126,16 @@ def test_llava_next_official_layout_unpads_after_selecting(size):
     visual = model.model.multi_modal_projector(torch.cat([base, ordered]))
     ref = feed_language_model(model, inputs["input_ids"], model.config.image_token_id, visual)
     assert (logits - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["tiny-video-llava", "tiny-llava-next-video"])
+def test_video_frames_use_the_single_crop_variant(name):
+    from vtoken.images import example_clip
+
+    model, processor = TINY_MODELS[name]()
+    prompt = build_prompt(processor, "what moves?", num_images=0, num_videos=1)
+    inputs = processor(videos=[example_clip(4)], text=[prompt], return_tensors="pt")
+    with torch.no_grad(), vtoken.patched(model, "hired", rate=0.2) as handle:
+        model(**inputs)
+    assert len(handle.records) == 4
+    assert all(r.tokens_out == min(r.tokens_in, int(r.tokens_in * 0.2)) for r in handle.records)

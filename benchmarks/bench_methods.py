@@ -1,0 +1,204 @@
+"""Every encoder-stage method at 50/25/10/5 % on LLaVA-1.5-7B-, LLaVA-NeXT-7B- and Qwen2.5-VL-7B-shaped models,
+next to random, pool and the oracle: time to first token, selection overhead, peak memory. Also MMTok's greedy
+coverage at N ~ 3,000 tokens against the prefill it saves.
+
+Real widths (random weights): CLIP ViT-L/14-336 + Vicuna-7B for both LLaVAs (LLaVA-NeXT on a 672 x 672 image: a
+2 x 2 crop grid + base view, 2,880 visual tokens), Qwen2.5-VL-7B on an 896 x 896 image (1,024). On a CPU the LLM
+and the towers are cut to `--cpu-layers` layers (towers to at least 2, so that [CLS] attention exists at the
+feature layer); the table says so. The oracle keeps the first k tokens of every crop with zero selection cost
+(bench_families.py); methods whose budgets are per image (HiRED) or per grid side (Fourier-VLM) keep slightly
+different counts, so the visual-token column is shown next to every speedup.
+
+    python benchmarks/bench_methods.py                  # CPU, cut depth
+    python benchmarks/bench_methods.py --device cuda    # GPU, full depth, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
+from bench_families import _build, image_encoder, measure, qwen25_vl_7b  # noqa: E402
+
+import vtoken  # noqa: E402
+from vtoken.images import example_image  # noqa: E402
+from vtoken.methods.mmtok import coverage_matrix, greedy_max_coverage  # noqa: E402
+from vtoken.zoo import build_prompt, tiny_llava, tiny_llava_next  # noqa: E402
+
+QUESTION = "What is in the image? Describe every object, its colour and its position."
+METHODS = {
+    "fastervlm": lambda b: vtoken.FasterVLM(budget=b),
+    "hired": lambda b: vtoken.HiRED(rate=b),
+    "mmtok": lambda b: vtoken.MMTok(budget=b),
+    "fourier": lambda b: vtoken.FourierDCT(budget=b),
+    "random": lambda b: vtoken.Random(budget=b),
+    "pool": lambda b: vtoken.Pool(budget=b),
+}
+APPLIES = {  # method -> families it runs on (README table: the others are n/a)
+    "llava-1.5-7b": ("fastervlm", "hired", "mmtok", "fourier", "random", "pool"),
+    "llava-next-7b": ("fastervlm", "hired", "mmtok", "random", "pool"),
+    "qwen2.5-vl-7b": ("mmtok", "fourier", "random", "pool"),
+}
+
+
+def _llava_shapes(layers: int | None) -> dict:
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=max(layers or 24, 2),
+                  num_attention_heads=16, projection_dim=768)  # fmt: skip
+    text = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers or 32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32064)  # fmt: skip
+    return {"vision_config": vision, "text_config": text}
+
+
+def llava15_7b(layers, device, dtype):
+    model, processor = _build(tiny_llava, _llava_shapes(layers), device, dtype)
+    inputs = processor(images=[example_image()], text=[build_prompt(processor, QUESTION)], return_tensors="pt")
+    return model, inputs
+
+
+def llava_next_7b(layers, device, dtype):
+    model, processor = _build(tiny_llava_next, _llava_shapes(layers), device, dtype)
+    inputs = processor(images=[example_image(672)], text=[build_prompt(processor, QUESTION)], return_tensors="pt")
+    return model, inputs
+
+
+def llava_encoder(model, inputs, budget):
+    """The oracle's vision cost on LLaVA families: the tower, then the projector on the k kept tokens of every
+    crop only. (The stock `get_image_features` projects all of them; methods here select before the projector,
+    which on a CPU saves ~0.2 s per 576-token crop at these widths, so the stock encoder would flatter them.)"""
+    crops = inputs["pixel_values"].flatten(0, -4)
+    hidden = model.model.vision_tower(crops, output_hidden_states=True).hidden_states[-2][:, 1:]
+    model.model.multi_modal_projector(hidden[:, : vtoken.tokens_to_keep(budget, hidden.shape[1])])
+
+
+llava_next_encoder = llava_encoder  # the crops of every image in one batch, as vtoken runs them
+
+
+def greedy_scaling(device, dtype, repeats: int) -> list[dict]:
+    """MMTok's coverage matrix + greedy at Qwen2.5-VL-7B widths for N up to 2,916 (a 1512 x 1512 image), next to
+    the prefill time of one Qwen2.5-7B decoder layer on that many tokens (x 28 = the full LLM)."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    config = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4)
+    torch.manual_seed(0)
+    with torch.device(device):
+        layer = Qwen2DecoderLayer(config, 0).to(dtype).eval()
+        rope = Qwen2RotaryEmbedding(config)
+    rows = []
+    for n in (576, 1024, 2916):
+        g = torch.Generator(device=device).manual_seed(0)
+        v = torch.randn(1, n, 3584, device=device, generator=g)
+        u = torch.randn(1, n, 1280, device=device, generator=g)
+        z = torch.randn(1, 12, 3584, device=device, generator=g)
+        mask = torch.ones(1, 12, dtype=torch.bool, device=device)
+        valid = torch.ones(1, n, dtype=torch.bool, device=device)
+        hidden = torch.randn(1, n + 40, 3584, device=device, dtype=dtype, generator=g)
+        positions = torch.arange(n + 40, device=device)[None]
+
+        @torch.inference_mode()
+        def prefill_layer(hidden=hidden, positions=positions):
+            layer(hidden, position_embeddings=rope(hidden, positions), position_ids=positions)
+
+        configs = {"prefill_layer": prefill_layer}
+        for fraction in (0.2, 0.1):
+            k = vtoken.tokens_to_keep(fraction, n)
+
+            @torch.inference_mode()
+            def select(k=k, v=v, u=u, z=z, mask=mask, valid=valid):
+                greedy_max_coverage(coverage_matrix(z, mask, v, u, valid, 0.01, 0.2, 0.5), k)
+
+            configs[f"mmtok@{fraction:g}"] = select
+        timed = common.interleaved(configs, repeats, device, warmup=1)
+        full = timed["prefill_layer"]["median_s"] * 28
+        for key in configs:
+            if key.startswith("mmtok"):
+                ms = timed[key]["median_s"] * 1e3
+                rows.append({"n": n, "config": key, "selection_ms": ms, "prefill_28_layers_ms": full * 1e3,
+                             "share": ms / (full * 1e3)})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 2 on cpu")
+    parser.add_argument("--cpu-layers", type=int, default=1, help="LLM depth on a CPU (towers: at least 2)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
+    parser.add_argument("--only", choices=list(APPLIES), default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    layers = None if cuda else args.cpu_layers
+    repeats = args.repeats or (10 if cuda else 2)
+
+    cases = {
+        "llava-1.5-7b": (llava15_7b, llava_encoder),
+        "llava-next-7b": (llava_next_7b, llava_next_encoder),
+        "qwen2.5-vl-7b": (qwen25_vl_7b, image_encoder),
+    }
+    results, lines = {}, []
+    for title, (build, encoder) in cases.items():
+        if args.only and args.only != title:
+            continue
+        model, inputs = build(layers, device, dtype)
+        methods = {name: METHODS[name] for name in APPLIES[title]}
+        started = time.perf_counter()
+        rows = measure(title, model, inputs, args.budgets, repeats, device, dtype, encoder, methods)
+        results[title] = rows
+        depth = "full depth" if layers is None else f"LLM cut to {layers} layer(s), tower to {max(layers, 2)}"
+        seconds = time.perf_counter() - started
+        lines += [
+            "",
+            f"{title} ({depth}, prompt {inputs['input_ids'].shape[1]} tokens, {seconds:.0f} s):",
+            "",
+            "| config | visual tokens | TTFT ms | speedup | speedup / oracle's | selection ms | selection / TTFT "
+            "| peak MB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, row in rows.items():
+            rel = f"{row['speedup_vs_oracle']:.3f}" if "speedup_vs_oracle" in row else ""
+            sel = f"{row['selection_ms']:.2f}" if "selection_ms" in row else ""
+            share = f"{row['selection_ms'] / row['ttft_ms']:.1%}" if "selection_ms" in row else ""
+            lines.append(
+                f"| {name} | {row['visual_tokens']} | {row['ttft_ms']:.1f} | {row['speedup']:.2f}x | {rel} | "
+                f"{sel} | {share} | {row['peak_mb']:.0f} |"
+            )
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+
+    greedy = greedy_scaling(device, dtype, repeats)
+    results["mmtok_greedy"] = greedy
+    lines += [
+        "",
+        "MMTok coverage + greedy at Qwen2.5-VL-7B widths vs the prefill of the full 28-layer LLM on N + 40 tokens "
+        "(one decoder layer measured, x 28):",
+        "",
+        "| N | config | selection ms | prefill ms (28 layers) | selection / prefill |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for row in greedy:
+        lines.append(
+            f"| {row['n']} | {row['config']} | {row['selection_ms']:.1f} | {row['prefill_28_layers_ms']:.0f} | "
+            f"{row['share']:.1%} |"
+        )
+    env = common.environment(device)
+    header = (
+        f"Random weights, real widths, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median of {repeats}."
+    )
+    table = "\n".join([header, *lines])
+    payload = {"environment": env, "repeats": repeats, "results": results}
+    json_path, md_path = common.write_results(f"methods_{device.type}", payload, table)
+    print(table)
+    print(f"\nwrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
