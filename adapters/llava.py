@@ -9,7 +9,7 @@ import torch
 
 from vtoken.errors import InputError
 from vtoken.registry import register_adapter
-from vtoken.tokens import VisualTokens
+from vtoken.tokens import Selection, VisualTokens
 
 from .base import Adapter, EncodedImages, Modality
 from .probes import ClsAttentionProbe
@@ -60,6 +60,16 @@ class LlavaAdapter(Adapter):
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return self.inner.multi_modal_projector(features)
+
+    def kept_embeddings(self, tokens: VisualTokens, selection: Selection) -> list[torch.Tensor]:
+        """Per crop, [k_c, D] projected kept tokens: gathered from the "projected" signal when a method already
+        projected every token (MMTok), else projected now (only the kept ones)."""
+        projected = tokens.signals.get("projected")
+        if projected is not None and selection.kept is not None:
+            return [projected[c, selection.kept_of(c)] for c in range(tokens.num_crops)]
+        if selection.counts is None:
+            return list(self.project(selection.gather(tokens.features)))
+        return list(self.project(selection.gather_flat(tokens.features)).split(selection.counts))
 
     def _check_crops(self, crops: torch.Tensor, what: str) -> None:
         size = self.tower.config.image_size
@@ -126,10 +136,7 @@ class LlavaAdapter(Adapter):
             valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(features.device)
         tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid)
         selection, timer = self.select(tokens)
-        if selection.counts is None:
-            embeds = list(self.inner.multi_modal_projector(selection.gather(features)))  # B x [k, D]
-        else:
-            embeds = list(self.inner.multi_modal_projector(selection.gather_flat(features)).split(selection.counts))
+        embeds = self.kept_embeddings(tokens, selection)
         keep_offsets = [selection.offsets_of(i) for i in range(num_images)]
         records = self.crop_records(tokens, selection, timer, [0] * num_images)
         return EncodedImages(embeds, keep_offsets, records)

@@ -175,10 +175,8 @@ class LlavaNextAdapter(LlavaAdapter):
             for record, k in zip(records, kept, strict=True):
                 if len(k) != record.tokens_out:
                     record.selected, record.tokens_out, record.kept = record.tokens_out, len(k), k
-        elif selection.counts is None:  # every crop keeps k: one batched gather
-            embeds = self.inner.multi_modal_projector(selection.gather(features)).unbind(0)
         else:
-            embeds = self.inner.multi_modal_projector(selection.gather_flat(features)).split(selection.counts)
+            embeds = self.kept_embeddings(tokens, selection)
         newline = self.inner.image_newline
 
         per_image, first = [], 0

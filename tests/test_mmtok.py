@@ -248,3 +248,11 @@ def test_llava_next_official_layout_keeps_k_of_every_whole_crop():
     with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.2, layout="official") as handle:
         model(**inputs)
     assert len(handle.records) == 4 and all(r.tokens_in == 576 and r.tokens_out == 115 for r in handle.records)
+
+
+def test_qwen_batch_with_different_questions_equals_one_by_one():
+    model, processor = TINY_MODELS["tiny-qwen2.5-vl"]()
+    images, questions = [make_image(300, 200), make_image(200, 260, 1)], ["what is it?", "how many shapes are there?"]
+    with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.3):
+        singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
+        assert_batch_equals_one_by_one(model, inputs_for(processor, images, questions), singles)
