@@ -217,15 +217,7 @@ def main() -> None:
         del model
         if cuda:
             torch.cuda.empty_cache()
-    env = common.environment(device)
-    header = (
-        f"Random weights, real shapes, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median of {repeats}."
-    )
-    table = "\n".join([header, *lines])
-    payload = {"environment": env, "repeats": repeats, "results": results}
-    json_path, md_path = common.write_results(f"families_{device.type}", payload, table)
-    print(table)
-    print(f"\nwrote {json_path} and {md_path}")
+    common.report("families", device, dtype, repeats, results, lines)
 
 
 if __name__ == "__main__":

@@ -189,15 +189,7 @@ def main() -> None:
             f"| {row['n']} | {row['config']} | {row['selection_ms']:.1f} | {row['prefill_28_layers_ms']:.0f} | "
             f"{row['share']:.1%} |"
         )
-    env = common.environment(device)
-    header = (
-        f"Random weights, real widths, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median of {repeats}."
-    )
-    table = "\n".join([header, *lines])
-    payload = {"environment": env, "repeats": repeats, "results": results}
-    json_path, md_path = common.write_results(f"methods_{device.type}", payload, table)
-    print(table)
-    print(f"\nwrote {json_path} and {md_path}")
+    common.report("methods", device, dtype, repeats, results, lines)
 
 
 if __name__ == "__main__":

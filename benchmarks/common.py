@@ -118,3 +118,16 @@ def write_results(name: str, payload: dict, table: str) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table + "\n")
     return json_path, md_path
+
+
+def report(name: str, device: torch.device, dtype: torch.dtype, repeats: int, results: dict, lines: list[str]):
+    """Write `results` and the table `lines` (under a header naming the machine) to results/<name>_<device>."""
+    env = environment(device)
+    header = (
+        f"Random weights, real shapes, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median of {repeats}."
+    )
+    table = "\n".join([header, *lines])
+    payload = {"environment": env, "repeats": repeats, "results": results}
+    json_path, md_path = write_results(f"{name}_{device.type}", payload, table)
+    print(table)
+    print(f"\nwrote {json_path} and {md_path}")

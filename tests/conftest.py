@@ -49,6 +49,14 @@ def inputs_for(processor, images, questions):
     return processor(images=images, text=prompts, return_tensors="pt", padding=True)
 
 
+def video_inputs(processor, frames=4):
+    """Processor inputs for one prompt with one clip of `frames` frames."""
+    from vtoken.images import example_clip
+
+    prompt = build_prompt(processor, "what moves?", num_images=0, num_videos=1)
+    return processor(videos=[example_clip(frames)], text=[prompt], return_tensors="pt")
+
+
 def feed_language_model(model, input_ids, token_id, visual):
     """Reference logits: the bare language model on `input_ids[0]` with its one run of `token_id` placeholders
     replaced by exactly the embeddings `visual` [n, D], contiguous positions."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.fft
 import torch
-from conftest import assert_identity, feed_language_model, inputs_for, make_image
+from conftest import assert_identity, feed_language_model, inputs_for, make_image, video_inputs
 
 import vtoken
 from vtoken.images import example_clip
@@ -112,14 +112,9 @@ def test_llava_next_images_refuse_clearly():
     assert vtoken.handle_of(model) is None
 
 
-def _video_inputs(processor, frames=4):
-    prompt = build_prompt(processor, "what moves?", num_images=0, num_videos=1)
-    return processor(videos=[example_clip(frames)], text=[prompt], return_tensors="pt")
-
-
 def test_llava_next_video_frames_equal_the_scipy_low_pass_fed_to_the_llm():
     model, processor = TINY_MODELS["tiny-llava-next-video"]()
-    inputs = _video_inputs(processor)
+    inputs = video_inputs(processor)
     assert_identity(model, vtoken.FourierDCT(reserve=12), inputs)  # the full 12 x 12 frame grid
     with torch.no_grad(), vtoken.patched(model, "fourier", reserve=5) as handle:
         logits = model(**inputs).logits
@@ -137,7 +132,7 @@ def test_llava_next_video_frames_equal_the_scipy_low_pass_fed_to_the_llm():
 
 def test_onevision_video_frames_and_anyres_images():
     model, processor = TINY_MODELS["tiny-onevision"]()
-    inputs = _video_inputs(processor)
+    inputs = video_inputs(processor)
     with torch.no_grad(), vtoken.patched(model, "fourier", reserve=3) as handle:
         out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     side = handle.records[0].grid[0]

@@ -130,11 +130,10 @@ def test_llava_next_official_layout_unpads_after_selecting(size):
 
 @pytest.mark.parametrize("name", ["tiny-video-llava", "tiny-llava-next-video"])
 def test_video_frames_use_the_single_crop_variant(name):
-    from vtoken.images import example_clip
+    from conftest import video_inputs
 
     model, processor = TINY_MODELS[name]()
-    prompt = build_prompt(processor, "what moves?", num_images=0, num_videos=1)
-    inputs = processor(videos=[example_clip(4)], text=[prompt], return_tensors="pt")
+    inputs = video_inputs(processor)
     with torch.no_grad(), vtoken.patched(model, "hired", rate=0.2) as handle:
         model(**inputs)
     assert len(handle.records) == 4

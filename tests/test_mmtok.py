@@ -220,11 +220,10 @@ def test_every_family_keeps_its_budget_per_crop_and_the_identity(name):
 
 @pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-llava-next-video", "tiny-onevision", "tiny-video-llava"])
 def test_video_keeps_the_budget_per_frame(name):
-    from vtoken.images import example_clip
+    from conftest import video_inputs
 
     model, processor = TINY_MODELS[name]()
-    prompt = build_prompt(processor, "what moves?", num_images=0, num_videos=1)
-    inputs = processor(videos=[example_clip(4)], text=[prompt], return_tensors="pt")
+    inputs = video_inputs(processor)
     with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.25) as handle:
         model(**inputs)
     frames = [r for r in handle.records if r.modality == "video"]
