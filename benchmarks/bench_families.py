@@ -14,7 +14,6 @@ timing: zero selection and bookkeeping cost), the best a method keeping k tokens
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from contextlib import contextmanager
@@ -174,19 +173,12 @@ def video_encoder(model, inputs, budget):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 2 on cpu")
-    parser.add_argument("--cpu-layers", type=int, default=1, help="LM/tower depth on a CPU")
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
+    parser = common.ttft_parser(__doc__, "LM/tower depth on a CPU")
     parser.add_argument("--only", choices=["qwen", "onevision"], default=None)
     parser.add_argument("--frames", type=int, default=32)
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device, dtype, layers, repeats = common.run_settings(args)
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    layers = None if cuda else args.cpu_layers
-    repeats = args.repeats or (10 if cuda else 2)
 
     results, lines = {}, []
     cases = [
@@ -200,20 +192,7 @@ def main() -> None:
         rows = measure(title, model, inputs, args.budgets, repeats, device, dtype, encoder)
         results[title] = rows
         depth = "full depth" if layers is None else f"LM and tower cut to {layers} layer(s)"
-        lines += [
-            "",
-            f"{title} ({depth}, prompt {inputs['input_ids'].shape[1]} tokens):",
-            "",
-            "| config | visual tokens | TTFT ms | speedup | speedup / oracle's | selection ms | peak MB |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for name, row in rows.items():
-            rel = f"{row['speedup_vs_oracle']:.3f}" if "speedup_vs_oracle" in row else ""
-            sel = f"{row['selection_ms']:.2f}" if "selection_ms" in row else ""
-            lines.append(
-                f"| {name} | {row['visual_tokens']} | {row['ttft_ms']:.1f} | {row['speedup']:.2f}x | {rel} | "
-                f"{sel} | {row['peak_mb']:.0f} |"
-            )
+        lines += common.ttft_table(f"{title} ({depth}, prompt {inputs['input_ids'].shape[1]} tokens):", rows)
         del model
         if cuda:
             torch.cuda.empty_cache()

@@ -15,7 +15,6 @@ different counts, so the visual-token column is shown next to every speedup.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -125,18 +124,11 @@ def greedy_scaling(device, dtype, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 2 on cpu")
-    parser.add_argument("--cpu-layers", type=int, default=1, help="LLM depth on a CPU (towers: at least 2)")
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
+    parser = common.ttft_parser(__doc__, "LLM depth on a CPU (towers: at least 2)")
     parser.add_argument("--only", choices=list(APPLIES), default=None)
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device, dtype, layers, repeats = common.run_settings(args)
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    layers = None if cuda else args.cpu_layers
-    repeats = args.repeats or (10 if cuda else 2)
 
     cases = {
         "llava-1.5-7b": (llava15_7b, llava_encoder),
@@ -154,22 +146,8 @@ def main() -> None:
         results[title] = rows
         depth = "full depth" if layers is None else f"LLM cut to {layers} layer(s), tower to {max(layers, 2)}"
         seconds = time.perf_counter() - started
-        lines += [
-            "",
-            f"{title} ({depth}, prompt {inputs['input_ids'].shape[1]} tokens, {seconds:.0f} s):",
-            "",
-            "| config | visual tokens | TTFT ms | speedup | speedup / oracle's | selection ms | selection / TTFT "
-            "| peak MB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for name, row in rows.items():
-            rel = f"{row['speedup_vs_oracle']:.3f}" if "speedup_vs_oracle" in row else ""
-            sel = f"{row['selection_ms']:.2f}" if "selection_ms" in row else ""
-            share = f"{row['selection_ms'] / row['ttft_ms']:.1%}" if "selection_ms" in row else ""
-            lines.append(
-                f"| {name} | {row['visual_tokens']} | {row['ttft_ms']:.1f} | {row['speedup']:.2f}x | {rel} | "
-                f"{sel} | {share} | {row['peak_mb']:.0f} |"
-            )
+        prompt = inputs["input_ids"].shape[1]
+        lines += common.ttft_table(f"{title} ({depth}, prompt {prompt} tokens, {seconds:.0f} s):", rows)
         del model
         if cuda:
             torch.cuda.empty_cache()

@@ -120,6 +120,52 @@ def write_results(name: str, payload: dict, table: str) -> tuple[Path, Path]:
     return json_path, md_path
 
 
+def ttft_parser(doc: str, cpu_layers_help: str):
+    """The options every TTFT benchmark takes: device, repeats, CPU depth, budgets."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 2 on cpu")
+    parser.add_argument("--cpu-layers", type=int, default=1, help=cpu_layers_help)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
+    return parser
+
+
+def run_settings(args) -> tuple[torch.device, torch.dtype, int | None, int]:
+    """(device, dtype, depth, repeats) from `ttft_parser` options: bf16 at full depth on a GPU, fp32 at
+    `--cpu-layers` on a CPU."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    return (
+        device,
+        torch.bfloat16 if cuda else torch.float32,
+        None if cuda else args.cpu_layers,
+        args.repeats or (10 if cuda else 2),
+    )
+
+
+def ttft_table(title: str, rows: dict[str, dict]) -> list[str]:
+    """Markdown lines for one model's rows of `bench_families.measure` (config -> measurements)."""
+    lines = [
+        "",
+        title,
+        "",
+        "| config | visual tokens | TTFT ms | speedup | speedup / oracle's | selection ms | selection / TTFT "
+        "| peak MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in rows.items():
+        rel = f"{row['speedup_vs_oracle']:.3f}" if "speedup_vs_oracle" in row else ""
+        sel = f"{row['selection_ms']:.2f}" if "selection_ms" in row else ""
+        share = f"{row['selection_ms'] / row['ttft_ms']:.1%}" if "selection_ms" in row else ""
+        lines.append(
+            f"| {name} | {row['visual_tokens']} | {row['ttft_ms']:.1f} | {row['speedup']:.2f}x | {rel} | {sel} | "
+            f"{share} | {row['peak_mb']:.0f} |"
+        )
+    return lines
+
+
 def report(name: str, device: torch.device, dtype: torch.dtype, repeats: int, results: dict, lines: list[str]):
     """Write `results` and the table `lines` (under a header naming the machine) to results/<name>_<device>."""
     env = environment(device)
