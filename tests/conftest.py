@@ -4,7 +4,10 @@ import torch
 from PIL import Image
 
 import vtoken
-from vtoken.zoo import build_prompt, tiny_llava
+from vtoken.zoo import TINY_MODELS, build_prompt, tiny_llava
+
+# every built-in family beside LLaVA-1.5 (which the `llava` fixture covers)
+OTHER_TINY_MODELS = [name for name in TINY_MODELS if name != "tiny-llava"]
 
 torch.set_num_threads(1)
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import inputs_for
+from conftest import OTHER_TINY_MODELS, inputs_for
 
 import vtoken
 from vtoken.zoo import load
@@ -33,17 +33,7 @@ def test_unknown_model_name_is_named():
         load("not-a-model")
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "tiny-llava-next",
-        "tiny-qwen2-vl",
-        "tiny-qwen2.5-vl",
-        "tiny-onevision",
-        "tiny-llava-next-video",
-        "tiny-video-llava",
-    ],
-)
+@pytest.mark.parametrize("name", OTHER_TINY_MODELS)
 def test_every_family_round_trips_through_from_pretrained(name, tmp_path, monkeypatch):
     from conftest import make_image
 

@@ -1,7 +1,13 @@
 import pytest
+from conftest import OTHER_TINY_MODELS
 
 from vtoken.cli import main
 from vtoken.images import example_image
+
+
+def quick_run(*args: str) -> int:
+    """`vtoken run` with one timing repeat and one new token."""
+    return main(["run", *args, "--repeats", "1", "--max-new-tokens", "1"])
 
 
 def test_run_on_builtin_tiny_model_with_an_image_file(tmp_path, capsys):
@@ -33,52 +39,25 @@ def test_run_on_builtin_tiny_model_with_an_image_file(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["run", "--budget", "1.5"], "outside (0, 1]"),
-        (["run", "--method", "nope"], "unknown method 'nope'"),
-        (["run", "--model", "nope"], "neither a built-in tiny model"),
-        (["run", "--image", "/no/such/file.png"], "cannot read image"),
+        (["--budget", "1.5"], "outside (0, 1]"),
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--model", "nope"], "neither a built-in tiny model"),
+        (["--image", "/no/such/file.png"], "cannot read image"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
-    assert main(argv + ["--repeats", "1", "--max-new-tokens", "1"]) == 2
+    assert quick_run(*argv) == 2
     assert message in capsys.readouterr().err
 
 
 def test_count_budget_is_parsed_as_a_count(capsys):
-    assert main(["run", "--method", "pool", "--budget", "29", "--repeats", "1", "--max-new-tokens", "1"]) == 0
+    assert quick_run("--method", "pool", "--budget", "29") == 0
     assert "576 -> 29 (5.0% kept)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(
-    "model",
-    [
-        "tiny-llava-next",
-        "tiny-qwen2-vl",
-        "tiny-qwen2.5-vl",
-        "tiny-onevision",
-        "tiny-llava-next-video",
-        "tiny-video-llava",
-    ],
-)
+@pytest.mark.parametrize("model", OTHER_TINY_MODELS)
 def test_every_builtin_family_runs(model, capsys):
-    assert (
-        main(
-            [
-                "run",
-                "--model",
-                model,
-                "--method",
-                "random",
-                "--budget",
-                "0.25",
-                "--repeats",
-                "1",
-                "--max-new-tokens",
-                "1",
-            ]
-        )
-        == 0
-    )
+    assert quick_run("--model", model, "--method", "random", "--budget", "0.25") == 0
     assert "25.0% kept" in capsys.readouterr().out
 
 
@@ -97,27 +76,7 @@ def test_video_from_a_gif(tmp_path, capsys, model, expected):
     clip = example_clip(6)
     path = tmp_path / "clip.gif"
     clip[0].save(path, save_all=True, append_images=clip[1:], duration=100, loop=0)
-    assert (
-        main(
-            [
-                "run",
-                "--model",
-                "tiny-qwen2-vl",
-                "--video",
-                str(path),
-                "--frames",
-                "4",
-                "--method",
-                "pool",
-                "--budget",
-                "0.25",
-                "--repeats",
-                "1",
-                "--max-new-tokens",
-                "1",
-            ]
-        )
-        == 0
-    )
+    video = ("--video", str(path), "--frames", "4")
+    assert quick_run("--model", model, *video, "--method", "pool", "--budget", "0.25") == 0
     out = capsys.readouterr().out
-    assert "clip.gif" in out and "128 -> 32 (25.0% kept)" in out
+    assert "clip.gif" in out and f"{expected} (25.0% kept)" in out

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import assert_batch_equals_one_by_one, assert_identity, inputs_for, make_image
+from conftest import OTHER_TINY_MODELS, assert_batch_equals_one_by_one, assert_identity, inputs_for, make_image
 
 import vtoken
 from vtoken.methods.mmtok import coverage_matrix, greedy_max_coverage, keywords
@@ -203,11 +203,7 @@ def test_explicit_question_overrides_the_prompt(llava, photos):
         model(**inputs)
 
 
-FAMILIES = ["tiny-llava-next", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-video",
-            "tiny-video-llava"]  # fmt: skip
-
-
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", OTHER_TINY_MODELS)
 def test_every_family_keeps_its_budget_per_crop_and_the_identity(name):
     model, processor = TINY_MODELS[name]()
     inputs = processor(images=[make_image(800, 300)], text=[build_prompt(processor, "what?")], return_tensors="pt")
