@@ -52,11 +52,11 @@ def inputs_for(processor, images, questions):
     return processor(images=images, text=prompts, return_tensors="pt", padding=True)
 
 
-def video_inputs(processor, frames=4):
+def video_inputs(processor, frames=4, question="what happens?"):
     """Processor inputs for one prompt with one clip of `frames` frames."""
     from vtoken.images import example_clip
 
-    prompt = build_prompt(processor, "what moves?", num_images=0, num_videos=1)
+    prompt = build_prompt(processor, question, num_images=0, num_videos=1)
     return processor(videos=[example_clip(frames)], text=[prompt], return_tensors="pt")
 
 
@@ -107,6 +107,22 @@ def assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=5):
     for row, single in enumerate(singles):
         one = model.generate(**single, max_new_tokens=max_new_tokens, do_sample=False)
         assert torch.equal(out[row, width:], one[0, single["input_ids"].shape[1] :])
+
+
+def assert_batch_beams_and_restore(model, method, batched, singles, batch_tokens=5):
+    """Invariants 4 and 5 plus beams, with `method` at budget 0.25: a padded batch equals one-by-one runs
+    (`batch_tokens` greedy tokens), 3 tokens of beams with num_return_sequences run, and after unpatching the
+    model generates as before with untouched parameters."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    generate = dict(max_new_tokens=3, num_beams=2, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(**batched, **generate)
+        with vtoken.patched(model, method, budget=0.25):
+            assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=batch_tokens)
+            beams = model.generate(**batched, **generate, num_return_sequences=2)
+        after = model.generate(**batched, **generate)
+    assert beams.shape[0] == 2 * batched["input_ids"].shape[0] and torch.equal(after, ref)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
 def mask_outside_unpadded(scores, crop, layout, side=24):

@@ -3,10 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_identity, eager_cls_attention, feed_language_model, make_image
+from conftest import assert_identity, eager_cls_attention, feed_language_model, make_image, video_inputs
 
 import vtoken
-from vtoken.images import example_clip
 from vtoken.zoo import build_prompt, tiny_llava_next_video
 
 
@@ -15,24 +14,18 @@ def nv():
     return tiny_llava_next_video()
 
 
-def _video(processor, frames):
-    return processor(
-        videos=[example_clip(frames)], text=[build_prompt(processor, "what happens?", 0, 1)], return_tensors="pt"
-    )
-
-
 @pytest.mark.parametrize("method", ["fastervlm", "random"])
 def test_identity_for_images_and_video(nv, method):
     model, processor = nv
     image = processor(images=[make_image(800, 300)], text=[build_prompt(processor, "what?")], return_tensors="pt")
-    for inputs in (image, _video(processor, 4)):
+    for inputs in (image, video_inputs(processor, 4)):
         assert_identity(model, method, inputs, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("frames", [1, 4, 32])
 def test_per_frame_budget_and_equivalence(nv, frames):
     model, processor = nv
-    inputs = _video(processor, frames)
+    inputs = video_inputs(processor, frames)
     with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
         logits = model(**inputs).logits
     assert [(r.modality, r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [
@@ -47,7 +40,7 @@ def test_per_frame_budget_and_equivalence(nv, frames):
 
 def test_fastervlm_score_is_the_pooled_eager_cls_attention(nv):
     model, processor = nv
-    inputs = _video(processor, 2)
+    inputs = video_inputs(processor, 2)
     with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=20) as handle:
         model(**inputs)
     scores = eager_cls_attention(model.model.vision_tower, inputs["pixel_values_videos"][0])

@@ -2,10 +2,15 @@
 
 import pytest
 import torch
-from conftest import assert_batch_equals_one_by_one, assert_identity, feed_language_model, make_image
+from conftest import (
+    assert_batch_beams_and_restore,
+    assert_identity,
+    feed_language_model,
+    make_image,
+    video_inputs,
+)
 
 import vtoken
-from vtoken.images import example_clip
 from vtoken.zoo import build_prompt, tiny_onevision
 
 SIZES = [(384, 384), (800, 300), (1600, 1500), (200, 900), (1000, 700)]
@@ -31,9 +36,7 @@ def test_identity_for_single_multi_image_and_video(ov, method):
             return_tensors="pt",
         )
     )
-    cases.append(
-        processor(videos=[example_clip(4)], text=[build_prompt(processor, "what?", 0, 1)], return_tensors="pt")
-    )
+    cases.append(video_inputs(processor, 4, "what?"))
     for inputs in cases:
         assert_identity(model, method, inputs, max_new_tokens=3)
 
@@ -71,9 +74,7 @@ def test_exact_budget_per_crop_and_equivalence_with_stock_packing(ov, budget):
 @pytest.mark.parametrize("frames", [1, 4, 32])
 def test_video_per_frame_budget_with_one_trailing_newline(ov, frames):
     model, processor = ov
-    inputs = processor(
-        videos=[example_clip(frames)], text=[build_prompt(processor, "what?", 0, 1)], return_tensors="pt"
-    )
+    inputs = video_inputs(processor, frames, "what?")
     with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
         logits = model(**inputs).logits
         out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
@@ -92,16 +93,8 @@ def test_batch_beams_restore_and_no_cls(ov):
     model, processor = ov
     texts = [build_prompt(processor, "what?"), build_prompt(processor, "describe the image in detail.")]
     images = [make_image(800, 300), make_image(200, 900, 1)]
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
-        ref = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
-        with vtoken.patched(model, "pool", budget=0.25):
-            singles = [processor(images=[images[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
-            assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=4)
-            beams = model.generate(**batched, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
-        after = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
-    assert beams.shape[0] == 4 and torch.equal(after, ref)
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    singles = [processor(images=[images[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
+    assert_batch_beams_and_restore(model, "pool", batched, singles, batch_tokens=4)
     with pytest.raises(vtoken.MissingSignalError, match="cls_attention"):
         vtoken.patch(model, "fastervlm", budget=0.25)

@@ -3,11 +3,12 @@
 import pytest
 import torch
 from conftest import (
-    assert_batch_equals_one_by_one,
+    assert_batch_beams_and_restore,
     assert_identity,
     eager_cls_attention,
     feed_language_model,
     make_image,
+    video_inputs,
 )
 
 import vtoken
@@ -22,15 +23,11 @@ def vl():
     return tiny_video_llava()
 
 
-def _video(processor, frames, question="what happens?"):
-    return processor(videos=[example_clip(frames)], text=[build_prompt(processor, question, 0, 1)], return_tensors="pt")
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_identity_for_images_and_video(vl, method):
     model, processor = vl
     image = processor(images=[make_image(300, 200)], text=[build_prompt(processor, "what?")], return_tensors="pt")
-    for inputs in (image, _video(processor, 4)):
+    for inputs in (image, video_inputs(processor, 4)):
         assert_identity(model, method, inputs, max_new_tokens=4)
 
 
@@ -38,7 +35,7 @@ def test_identity_for_images_and_video(vl, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_per_frame_budget_and_equivalence(vl, frames, method):
     model, processor = vl
-    inputs = _video(processor, frames)
+    inputs = video_inputs(processor, frames)
     k = 64
     with torch.no_grad(), vtoken.patched(model, method, budget=k) as handle:
         logits = model(**inputs).logits
@@ -60,7 +57,7 @@ def test_per_frame_budget_and_equivalence(vl, frames, method):
 
 def test_fastervlm_per_frame_matches_eager_video_tower_attention(vl):
     model, processor = vl
-    inputs = _video(processor, 4)
+    inputs = video_inputs(processor, 4)
     with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=0.1) as handle:
         model(**inputs)
     scores = eager_cls_attention(model.model.video_tower, inputs["pixel_values_videos"][0])
@@ -75,14 +72,6 @@ def test_batch_of_videos_beams_and_restore(vl):
         build_prompt(processor, "describe the video in detail.", 0, 1),
     ]
     clips = [example_clip(4), example_clip(4, size=160)]
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        batched = processor(videos=clips, text=texts, return_tensors="pt", padding=True)
-        ref = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
-        with vtoken.patched(model, "fastervlm", budget=0.25):
-            singles = [processor(videos=[clips[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
-            assert_batch_equals_one_by_one(model, batched, singles)
-            beams = model.generate(**batched, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
-        after = model.generate(**batched, max_new_tokens=3, num_beams=2, do_sample=False)
-    assert beams.shape[0] == 4 and torch.equal(after, ref)
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    batched = processor(videos=clips, text=texts, return_tensors="pt", padding=True)
+    singles = [processor(videos=[clips[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
+    assert_batch_beams_and_restore(model, "fastervlm", batched, singles)
