@@ -254,10 +254,9 @@ class Adapter:
         return [per_row[row] for row in run_rows(ids, self.placeholder_id(modality), run_lengths)]
 
     def embed_text(self, text: str) -> torch.Tensor:
-        """[T, D] LLM input embeddings of `text`, tokenized without special tokens."""
+        """[T, D] LLM input embeddings of `text`, tokenized without special tokens (by the tokenizer `validate`
+        resolved for methods that require "question")."""
         embeddings = self.model.get_input_embeddings()
-        if self._tokenizer is None:
-            self._tokenizer = tokenizer_for(self.model, self.encoder_method.name)
         ids = self._tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
         return embeddings(ids.to(embeddings.weight.device))
 

@@ -170,7 +170,7 @@ class LlavaNextAdapter(LlavaAdapter):
         if official and self.encoder_method.name in self.unpads_after_selection:
             # HiRED's official packing selects over the padded crops, then unpads: border picks are dropped
             kept = [k[unpadded[c, k]] for c, k in enumerate(kept)]
-            embeds = self.inner.multi_modal_projector(torch.cat([features[c, k] for c, k in enumerate(kept)]))
+            embeds = self.project(torch.cat([features[c, k] for c, k in enumerate(kept)]))
             embeds = embeds.split([len(k) for k in kept])
             for record, k in zip(records, kept, strict=True):
                 if len(k) != record.tokens_out:

@@ -35,6 +35,14 @@ def _with_tokenizer(build: Callable) -> Callable:
     return built
 
 
+def _instantiate(model_cls: type, config, tokenizer, seed: int) -> torch.nn.Module:
+    """`model_cls(config)` with random weights drawn from `seed`, in eval mode, padding with the tokenizer's pad."""
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
     "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n"
@@ -132,10 +140,7 @@ def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
         image_size=image_size,
         patch_size=patch_size,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, processor
+    return _instantiate(LlavaForConditionalGeneration, config, tokenizer, seed), processor
 
 
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, projection_dim=32)
@@ -186,13 +191,10 @@ def tiny_llava_next(seed: int = 0, video: bool = False):
         pad_token_id=tokenizer.pad_token_id,
         **extra,
     )
-    torch.manual_seed(seed)
-    model = getattr(transformers, prefix + "ForConditionalGeneration")(config).eval()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, processor
+    model_cls = getattr(transformers, prefix + "ForConditionalGeneration")
+    return _instantiate(model_cls, config, tokenizer, seed), processor
 
 
-@_with_tokenizer
 def tiny_llava_next_video(seed: int = 0):
     """A tiny random-weight LLaVA-NeXT-Video (see `tiny_llava_next`)."""
     return tiny_llava_next(seed, video=True)
@@ -239,9 +241,7 @@ def _tiny_qwen(config_cls, model_cls, processor_cls, vision: dict, seed: int):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = _instantiate(model_cls, config, tokenizer, seed)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, processor
@@ -303,10 +303,7 @@ def tiny_video_llava(seed: int = 0):
         vision_feature_select_strategy="default",
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = VideoLlavaForConditionalGeneration(config).eval()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, processor
+    return _instantiate(VideoLlavaForConditionalGeneration, config, tokenizer, seed), processor
 
 
 ONEVISION_PINPOINTS = [[384, 384], [384, 768], [768, 384], [768, 768], [384, 1152], [1152, 384], [1152, 1152],
@@ -351,10 +348,7 @@ def tiny_onevision(seed: int = 0):
         vision_aspect_ratio="anyres_max_9",
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = LlavaOnevisionForConditionalGeneration(config).eval()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, processor
+    return _instantiate(LlavaOnevisionForConditionalGeneration, config, tokenizer, seed), processor
 
 
 TINY_MODELS: dict[str, Callable] = {
