@@ -1,0 +1,22 @@
+"""vtoken-mini: a small trained LLaVA-1.5-architecture model and the procedural visual-QA task it was trained on.
+
+`vqa` generates the task (images, questions, one-word answers) from seeds; `model` builds and loads the shipped
+checkpoint (`weights/`); `train` reproduces it; `evaluate` scores a (patched) model on it.
+"""
+
+from __future__ import annotations
+
+from PIL import Image
+
+from . import vqa
+
+# the CLI's and demo's default example: a test scene whose question is about one small object
+EXAMPLE = ("test", 4, "colour")
+
+
+def example() -> tuple[Image.Image, str, str]:
+    """(image, question, answer) of the default example: a generated scene, no files needed."""
+    split, index, kind = EXAMPLE
+    image, questions = vqa.sample(split, index)
+    question = questions[vqa.QUESTION_TYPES.index(kind)]
+    return image, question.text, question.answer
