@@ -27,6 +27,7 @@ from vtoken.records import Record
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
+from .llm import LanguageModelStages
 from .prompt import compress_prompt, gather_columns, run_rows
 
 # signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
@@ -55,11 +56,13 @@ class EncodedImages:
 
     features: per image, [k_i, D] embeddings in the LLM's space, in the order the LLM receives them.
     keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain.
+    protected: per image, [k_i] bool over its remaining tokens: tokens no later stage may drop; None if none.
     """
 
     features: list[torch.Tensor]
     keep_offsets: list[torch.Tensor]
     records: list[Record]
+    protected: list[torch.Tensor] | None = None
 
 
 class Adapter:
@@ -77,6 +80,9 @@ class Adapter:
     stacked_features: ClassVar[frozenset[str]] = frozenset()
 
     layouts: ClassVar[tuple[str, ...]] = ("native",)
+    # stages this family supports; "prefill"/"decode" need a 1-D RoPE decoder unless positions stay "original"
+    stages: ClassVar[tuple[str, ...]] = ("encoder", "prefill", "decode")
+    multi_axis_positions: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
@@ -84,6 +90,9 @@ class Adapter:
         self.layout = layout
         self.records: list[Record] = []
         self._hook = None
+        self._llm_stages: LanguageModelStages | None = None
+        self._visual: torch.Tensor | None = None  # [B, L] visual tokens of the LLM's current input
+        self._protected: torch.Tensor | None = None  # [B, L] of the shrunk prompt: tokens no LLM stage may drop
         self.validate()
 
     # ----------------------------------------------------------------- family-specific
@@ -206,8 +215,18 @@ class Adapter:
     # ----------------------------------------------------------------- validation
     @property
     def encoder_method(self) -> Method | None:
-        found = [m for m in self.methods if m.stage == "encoder"]
+        found = [m for m in self.methods if "encoder" in m.stages]
         return found[0] if found else None
+
+    @property
+    def prefill_method(self) -> Method | None:
+        found = [m for m in self.methods if "prefill" in m.stages]
+        return found[0] if found else None
+
+    @property
+    def language_model(self) -> nn.Module:
+        """The decoder stack (`.layers`, `.rotary_emb`) the LLM stages hook."""
+        return self.inner.language_model
 
     def validate(self) -> None:
         if self.layout not in self.layouts:
@@ -215,15 +234,19 @@ class Adapter:
                 f"layout={self.layout!r} is not available for {type(self.model).__name__} ({self.family}); "
                 f"it has: {', '.join(self.layouts)}"
             )
-        encoder_methods = [m for m in self.methods if m.stage == "encoder"]
-        if len(encoder_methods) > 1:
-            names = ", ".join(m.name for m in encoder_methods)
-            raise VTokenError(f"at most one encoder-stage method can be applied at once; got {names}")
-        for method in self.methods:
-            if method.stage != "encoder":
+        for stage in ("encoder", "prefill", "decode"):
+            acting = [m.name for m in self.methods if stage in m.stages]
+            if len(acting) > 1:
                 raise VTokenError(
-                    f"method {method.name!r} acts at stage {method.stage!r}, which the {self.family} adapter does "
-                    "not support; supported stages: encoder"
+                    f"methods {', '.join(acting)} all act at the {stage} stage; combine at most one method per stage "
+                    "(e.g. an encoder-stage method such as hired with a prefill-stage one such as fastv)"
+                )
+        for method in self.methods:
+            unsupported = [s for s in method.stages if s not in self.stages]
+            if unsupported:
+                raise VTokenError(
+                    f"method {method.name!r} acts at stage(s) {unsupported}, which the {self.family} adapter does "
+                    f"not support; supported stages: {', '.join(self.stages)}"
                 )
             missing = sorted(set(method.requires) - self.available_signals() - COMMON_SIGNALS)
             if missing:
@@ -233,6 +256,17 @@ class Adapter:
                 )
             if "question" in method.requires:
                 self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate
+        prefill = self.prefill_method
+        if prefill is not None:
+            if self.multi_axis_positions and prefill.positions == "renumber":
+                raise VTokenError(
+                    f"{prefill.name}: positions='renumber' is not defined for {self.family}'s multi-axis (M-RoPE) "
+                    "positions; use positions='original' (kept tokens keep their (t, h, w) positions)"
+                )
+            layers = getattr(self.language_model, "layers", None)
+            if layers is None or not hasattr(self.language_model, "rotary_emb"):
+                raise VTokenError(f"{prefill.name}: {type(self.language_model).__name__} has no decoder layers to hook")
+            prefill.drop_layers(len(layers))  # raises if the drop points do not fit this depth
 
     # ----------------------------------------------------------------- the prompt's text
     _questions: list[str] = []
@@ -264,6 +298,9 @@ class Adapter:
     def install(self) -> None:
         model = self.model
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        if self.prefill_method is not None:
+            self._llm_stages = LanguageModelStages(self, self.prefill_method)
+            self._llm_stages.install()
         if hasattr(model, "generate"):
             stock = model.generate
             self._generate_signature = inspect.signature(stock)
@@ -279,6 +316,9 @@ class Adapter:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._llm_stages is not None:
+            self._llm_stages.remove()
+            self._llm_stages = None
         self.model.__dict__.pop("generate", None)
 
     # ----------------------------------------------------------------- the shared encode + shrink step
@@ -293,7 +333,7 @@ class Adapter:
             )
         kwargs = self.before_shrinking(kwargs)
         mm = dict(kwargs.get("mm_encoder_outputs") or {})
-        records, changed = [], False
+        records, changed, protected_parts = [], False, {}
         for modality in self.present(kwargs):
             pixel_values = kwargs.pop(modality.pixel_key)
             encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
@@ -325,6 +365,8 @@ class Adapter:
             else:
                 compressed = shrink(encoded.keep_offsets)
             records += encoded.records
+            if encoded.protected is not None:
+                protected_parts[modality] = torch.cat(encoded.protected)
             stack = modality.name in self.stacked_features
             features = torch.stack(encoded.features) if stack else encoded.features
             mm[modality.name] = BaseModelOutputWithPooling(pooler_output=features)
@@ -339,25 +381,61 @@ class Adapter:
                     if kwargs.get(key) is not None:
                         kwargs[key] = gather_columns(kwargs[key], compressed.index, fill)
         self.records = records
+        self._protected = None
+        if protected_parts:
+            ids = kwargs["input_ids"]
+            self._protected = torch.zeros_like(ids, dtype=torch.bool)
+            for modality, flags in protected_parts.items():
+                self._protected[ids == self.placeholder_id(modality)] = flags.to(ids.device)
         kwargs["mm_encoder_outputs"] = mm
         return self.after_shrinking(kwargs), changed
+
+    # ----------------------------------------------------------------- what the LLM stages read
+    def _note_visual(self, kwargs: dict[str, Any]) -> None:
+        """Remember which tokens of this forward's `input_ids` are visual, for the LLM stages."""
+        ids = kwargs.get("input_ids")
+        if self._llm_stages is None or ids is None:
+            self._visual = None
+            return
+        visual = torch.zeros_like(ids, dtype=torch.bool)
+        for modality in self.modalities:
+            visual |= ids == self.placeholder_id(modality)
+        self._visual = visual
+
+    def visual_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        """[B, L] visual tokens of the LLM input of this shape (None if the forward's input_ids were not seen)."""
+        return self._visual if self._visual is not None and tuple(self._visual.shape) == shape else None
+
+    def protected_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        """[B, L] tokens an encoder stage protected (rows repeated for beams / return sequences), or None."""
+        protected = self._protected
+        if protected is None or protected.shape[1] != shape[1] or shape[0] % protected.shape[0]:
+            return None
+        return protected.repeat_interleave(shape[0] // protected.shape[0], dim=0)
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if args:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
             kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
         if self._in_generate:  # generate already works on the shrunk prompt
+            self._note_visual(kwargs)
             return None
         if not self.present(kwargs):
             continued = self._continue_decoding(kwargs)
             if continued is None:
                 self.records, self._last_prompt = [], None
+            self._note_visual(kwargs)
             return (), continued or kwargs
+        if self.encoder_method is None:  # LLM stages only: the stock encoder runs
+            self.records, self._last_prompt, self._protected = [], None, None
+            self._note_visual(kwargs)
+            return (), kwargs
         original_len = kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else None
         caller_mask = kwargs.get("attention_mask")
         kwargs, changed = self.prepare(kwargs)
         shrunk = (kwargs["input_ids"].shape[1], kwargs.get("attention_mask"))
         self._last_prompt = (original_len, caller_mask, *shrunk) if changed else None
+        self._note_visual(kwargs)
         return (), kwargs
 
     def _continue_decoding(self, kwargs: dict) -> dict | None:
@@ -396,9 +474,13 @@ class Adapter:
         kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
         if isinstance(kwargs.get("inputs"), torch.Tensor) and kwargs.get("input_ids") is None:
             kwargs["input_ids"] = kwargs.pop("inputs")
-        if not self.present(kwargs):
-            self.records = []
-            return self._stock_generate(**kwargs)
+        if not self.present(kwargs) or self.encoder_method is None:
+            self.records, self._protected = [], None
+            self._in_generate = True
+            try:
+                return self._stock_generate(**kwargs)
+            finally:
+                self._in_generate = False
         original_ids = kwargs.get("input_ids")
         kwargs, changed = self.prepare(kwargs)
         if changed and kwargs.get("max_length") is not None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from vtoken.errors import InputError
+from vtoken.records import Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
@@ -55,7 +57,9 @@ class LlavaAdapter(Adapter):
         attention = getattr(self.tower.encoder.layers[layer], "self_attn", None) if layer is not None else None
         if has_cls and attention is not None and hasattr(attention, "q_proj") and hasattr(attention, "k_proj"):
             # at the feature layer, and "cls_attention@L" at any encoder layer L
-            signals |= {"cls_attention"} | {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
+            signals |= {"cls_attention", "cls_attention@-1"}
+            signals |= {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
+            signals.add("tower_merge")  # a merge inside the tower (MustDrop), with [CLS] kept apart
         return signals
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
@@ -92,9 +96,20 @@ class LlavaAdapter(Adapter):
         vision_feature_select_strategy: str | None = None,
         tower: Any = None,
         with_cls: bool = False,
+        groups: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
-        [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need."""
+        [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need.
+
+        A method that merges inside the tower (MustDrop) decides how many tokens merge per image, so images are
+        run one by one (`groups`: crops per image, default one each) and the features padded to the longest:
+        `self.merged_valid` [C, N'] then marks the real ones."""
+        if "tower_merge" in self.encoder_method.requires:
+            return self._merged_vision_tokens(crops, vision_feature_layer, vision_feature_select_strategy, groups)
+        return self._plain_vision_tokens(crops, vision_feature_layer, vision_feature_select_strategy, tower, with_cls)
+
+    def _plain_vision_tokens(self, crops, vision_feature_layer, vision_feature_select_strategy, tower=None,
+                             with_cls=False):  # fmt: skip
         tower = tower or self.tower
         strategy = vision_feature_select_strategy or self.model.config.vision_feature_select_strategy
         if strategy != "default":
@@ -121,6 +136,39 @@ class LlavaAdapter(Adapter):
         signals = {name: (lambda probe=probe: probe.scores) for name, probe in probes.items()}
         return features, signals
 
+    merged_valid: torch.Tensor | None = None
+
+    def _merged_vision_tokens(self, crops, vision_feature_layer, vision_feature_select_strategy, groups):
+        method = self.encoder_method
+        merge_layer = self.tower.encoder.layers[method.merge_after_layer]
+
+        def merge(module, args, output: torch.Tensor) -> torch.Tensor:  # [c, 1 + N, D], [CLS] first
+            plan = method.plan_merge(output[:, 1:], self.grid)
+            return torch.cat([output[:, :1], plan.apply(output[:, 1:])], dim=1)
+
+        parts, scores = [], {}
+        hook = merge_layer.register_forward_hook(merge)
+        try:
+            for image_crops in crops.split(groups or [1] * crops.shape[0]):
+                features, signals = self._plain_vision_tokens(
+                    image_crops, vision_feature_layer, vision_feature_select_strategy
+                )
+                parts.append(features)
+                for name, compute in signals.items():
+                    scores.setdefault(name, []).append(compute())
+        finally:
+            hook.remove()
+        lengths = [p.shape[1] for p in parts for _ in range(p.shape[0])]
+        width = max(lengths)
+
+        def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
+                              for t in tensors])  # fmt: skip
+
+        lengths = torch.tensor(lengths, device=crops.device)
+        self.merged_valid = torch.arange(width, device=crops.device)[None] < lengths[:, None]
+        return padded(parts), {name: padded(values) for name, values in scores.items()}
+
     def encode(
         self,
         modality: Modality,
@@ -131,15 +179,32 @@ class LlavaAdapter(Adapter):
     ) -> EncodedImages:
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         num_images = features.shape[0]
-        valid = None
+        valid, grid = None, self.grid
         if getattr(self.encoder_method, "excludes_pad_border", False):
             valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(features.device)
-        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid)
+        if "tower_merge" in self.encoder_method.requires:  # merged tokens: a sequence, no longer a grid
+            valid, grid = self.merged_valid, (1, features.shape[1])
+        tokens = VisualTokens(features, grid, signals, torch.arange(num_images), valid)
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
         keep_offsets = [selection.offsets_of(i) for i in range(num_images)]
         records = self.crop_records(tokens, selection, timer, [0] * num_images)
-        return EncodedImages(embeds, keep_offsets, records)
+        protected = None
+        if selection.protected is not None:
+            protected = [selection.protected[i, : len(k)] for i, k in enumerate(keep_offsets)]
+            records = self.merge_records(records, selection)
+        return EncodedImages(embeds, keep_offsets, records, protected)
+
+    def merge_records(self, records: list[Record], selection: Selection) -> list[Record]:
+        """A merging method's crop records as two stages: "encoder.merge" (N -> N') and "encoder.keyset" (the
+        tokens it protects from later stages)."""
+        height, width = self.grid
+        out = []
+        for c, record in enumerate(records):
+            merged = replace(record, stage="encoder.merge", tokens_in=height * width, kept=None, grid=(height, width))
+            keys = selection.protected[c, : record.tokens_out].nonzero().squeeze(1)
+            out += [merged, replace(record, stage="encoder.keyset", tokens_out=len(keys), kept=keys, share=0.0)]
+        return out
 
 
 def outside_pad_border(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:

@@ -77,7 +77,7 @@ def test_params_next_to_method_object_are_rejected(llava):
 
 
 def test_two_encoder_methods_cannot_compose(llava):
-    with pytest.raises(VTokenError, match="at most one encoder-stage"):
+    with pytest.raises(VTokenError, match="all act at the encoder stage"):
         vtoken.patch(llava[0], [vtoken.FasterVLM(), vtoken.Pool()])
     _assert_untouched(llava[0])
 

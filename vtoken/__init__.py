@@ -19,11 +19,24 @@ from .errors import (
     UnsupportedModelError,
     VTokenError,
 )
-from .methods import FasterVLM, FourierDCT, HiRED, Method, MMTok, Pool, Random, ScoreMethod
+from .methods import (
+    EncoderMethod,
+    FasterVLM,
+    FastV,
+    FourierDCT,
+    HiRED,
+    Method,
+    MMTok,
+    MustDrop,
+    Pool,
+    PrefillMethod,
+    Random,
+    ScoreMethod,
+)
 from .question import remember_tokenizer
 from .records import Record
 from .registry import available_methods, make_method, supported_models
-from .tokens import Selection, TextQuery, VisualTokens
+from .tokens import LayerTokens, Selection, TextQuery, VisualTokens
 
 __version__ = "0.1.0"
 
@@ -39,15 +52,20 @@ __all__ = [
     "tokens_to_keep",
     "remember_tokenizer",
     "FasterVLM",
+    "FastV",
     "FourierDCT",
     "HiRED",
     "MMTok",
+    "MustDrop",
     "Random",
     "Pool",
     "Method",
+    "EncoderMethod",
+    "PrefillMethod",
     "ScoreMethod",
     "Selection",
     "VisualTokens",
+    "LayerTokens",
     "TextQuery",
     "Record",
     "VTokenError",

@@ -22,6 +22,9 @@ class Record:
     grid: (rows, cols) of the crop's token grid that `kept` indexes in raster order.
     selected: tokens the method picked when the layout then dropped some (HiRED's official LLaVA-NeXT layout
         unpads after selecting); None when every pick reached the LLM (selected == tokens_out).
+    extra: stage-specific numbers, e.g. "layer_average" (visual tokens averaged over all LLM layers, on prefill
+        records) and "cache_lengths" (tokens each LLM layer's KV cache holds, on "decode.kv" records).
+    LLM stages ("prefill.layerK", "decode.kv") record one entry per batch row: `image` is the row, `crop` is 0.
     seconds: time spent computing scores and selecting, this crop's share of its batch (read lazily: on CUDA the
         first read waits for the timed work, never the forward itself).
     """
@@ -38,6 +41,7 @@ class Record:
     share: float = 1.0
     modality: str = "image"
     selected: int | None = None
+    extra: dict = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -48,12 +52,14 @@ def summarize(records: list[Record]) -> str:
     """A short human-readable table of records."""
     if not records:
         return "no visual tokens processed in the last call"
-    lines = [f"{'stage':<10} {'method':<10} {'image':>5} {'crop':>4} {'in':>6} {'out':>6} {'ms':>8}"]
+    lines = [f"{'stage':<16} {'method':<10} {'image':>5} {'crop':>4} {'in':>6} {'out':>6} {'ms':>8}"]
     for r in records:
         lines.append(
-            f"{r.stage:<10} {r.method:<10} {r.image:>5} {r.crop:>4} {r.tokens_in:>6} {r.tokens_out:>6} "
+            f"{r.stage:<16} {r.method:<10} {r.image:>5} {r.crop:>4} {r.tokens_in:>6} {r.tokens_out:>6} "
             f"{r.seconds * 1e3:>8.2f}"
         )
-    tin, tout = sum(r.tokens_in for r in records), sum(r.tokens_out for r in records)
-    lines.append(f"total: {tin} -> {tout} visual tokens ({tout / max(tin, 1):.1%} kept)")
+    for stage in dict.fromkeys(r.stage for r in records):  # one total per stage, in the order they ran
+        tin = sum(r.tokens_in for r in records if r.stage == stage)
+        tout = sum(r.tokens_out for r in records if r.stage == stage)
+        lines.append(f"{stage}: {tin} -> {tout} visual tokens ({tout / max(tin, 1):.1%} kept)")
     return "\n".join(lines)

@@ -75,6 +75,7 @@ class Selection:
         (models that keep original positions, e.g. M-RoPE, give it that token's position).
     grid: for methods that hand back a smaller grid (Fourier-VLM), its (rows, cols): the tokens are that grid in
         raster order, and models with 2-D/3-D positions place them on it.
+    protected: [C, k] bool aligned with `kept`: tokens no later stage may drop (MustDrop's key set), or None.
     """
 
     kept: torch.Tensor | None = None
@@ -82,6 +83,7 @@ class Selection:
     counts: list[int] | None = None
     anchors: torch.Tensor | None = None
     grid: tuple[int, int] | None = None
+    protected: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.kept is None) == (self.features is None):
@@ -124,3 +126,25 @@ class Selection:
         if self.features is not None:
             return self.features
         return features.gather(1, self.kept.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+
+
+@dataclass
+class LayerTokens:
+    """The visual tokens of a batch inside the LLM, at a drop point after decoder layer `layer`.
+
+    attention: [B, R, V] post-softmax attention of R query rows (the method's `query_rows`, padded) to each row's
+        V visual tokens (padded), mean over heads, normalised over all keys the rows see.
+    row_valid: [B, R] bool, real query rows. valid: [B, V] bool, real visual tokens.
+    protected: [B, V] bool, tokens an earlier stage marked as never dropped (MustDrop's key set), or None.
+    """
+
+    layer: int
+    attention: torch.Tensor
+    row_valid: torch.Tensor
+    valid: torch.Tensor
+    protected: torch.Tensor | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        """Visual tokens of every row."""
+        return self.valid.sum(1).tolist()

@@ -123,8 +123,9 @@ def llava_config(tokenizer, vision: dict, text: dict, image_size: int = 336, pat
 
 
 @_with_tokenizer
-def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
-    """A tiny random-weight LLaVA-1.5: CLIP ViT (3 layers, [CLS], 24x24 grid) + MLP projector + Llama (2 layers)."""
+def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14, text_layers: int = 2):
+    """A tiny random-weight LLaVA-1.5: CLIP ViT (3 layers, [CLS], 24x24 grid) + MLP projector + Llama
+    (`text_layers` layers, default 2)."""
     from transformers import LlavaForConditionalGeneration
 
     tokenizer = tiny_tokenizer()
@@ -135,7 +136,11 @@ def tiny_llava(seed: int = 0, image_size: int = 336, patch_size: int = 14):
             hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, projection_dim=32
         ),
         text=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=text_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
         ),
         image_size=image_size,
         patch_size=patch_size,

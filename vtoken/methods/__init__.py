@@ -1,11 +1,26 @@
 """Methods, one file each; importing this package registers them."""
 
-from .base import Method, ScoreMethod
+from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
 from .fastervlm import FasterVLM
+from .fastv import FastV
 from .fourier import FourierDCT
 from .hired import HiRED
 from .mmtok import MMTok
+from .mustdrop import MustDrop
 from .pool import Pool
 from .random import Random
 
-__all__ = ["Method", "ScoreMethod", "FasterVLM", "FourierDCT", "HiRED", "MMTok", "Pool", "Random"]
+__all__ = [
+    "Method",
+    "EncoderMethod",
+    "PrefillMethod",
+    "ScoreMethod",
+    "FasterVLM",
+    "FastV",
+    "FourierDCT",
+    "HiRED",
+    "MMTok",
+    "MustDrop",
+    "Pool",
+    "Random",
+]

@@ -12,25 +12,32 @@ import torch
 
 from ..budget import Budget, check_budget, tokens_to_keep
 from ..errors import VTokenError
-from ..tokens import Selection, VisualTokens
+from ..tokens import LayerTokens, Selection, VisualTokens
+
+
+class Method:
+    """A visual-token reduction method (base of every stage).
+
+    name: registered name. stages: where it acts: "encoder" (on the vision features, before the LLM), "prefill"
+    (drops visual tokens between LLM layers) and/or "decode" (cuts per-layer KV caches); one method may act at
+    several. requires: score signals the adapter must provide (see `VisualTokens.signals`).
+    """
+
+    name: ClassVar[str] = ""
+    stages: ClassVar[tuple[str, ...]] = ("encoder",)
+    requires: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass
-class Method:
-    """A visual-token reduction method.
+class EncoderMethod(Method):
+    """A method acting on the vision features, before the LLM.
 
     budget: fraction kept or token count. scope: what the budget counts over: "crop" (every crop or video frame
     keeps its budget) or "image" (an image or video keeps its budget over all its crops or frames together).
-    name: registered name. stage: where it acts ("encoder" = on the vision features, before the LLM).
-    requires: score signals the adapter must provide (see `VisualTokens.signals`).
     """
 
     budget: Budget = 0.25
     scope: str = "crop"
-
-    name: ClassVar[str] = ""
-    stage: ClassVar[str] = "encoder"
-    requires: ClassVar[tuple[str, ...]] = ()
 
     scopes: ClassVar[tuple[str, ...]] = ("crop", "image")
 
@@ -67,7 +74,7 @@ def topk_per_crop(scores: torch.Tensor, counts: list[int]) -> Selection:
 
 
 @dataclass
-class ScoreMethod(Method):
+class ScoreMethod(EncoderMethod):
     """Keep the top-k tokens of each crop by `score`, in ascending (original) order."""
 
     def score(self, tokens: VisualTokens) -> torch.Tensor:
@@ -105,3 +112,31 @@ class ScoreMethod(Method):
         for crop, k in enumerate(per_crop):
             kept[crop, : len(k)] = k
         return Selection(kept=kept, counts=counts)
+
+
+class PrefillMethod(Method):
+    """A method that drops visual tokens inside the LLM, after decoder layers (the prefill stage).
+
+    After each layer in `drop_layers(num_layers)` the adapter computes that layer's post-softmax attention (head
+    mean) from the method's query rows to the visual tokens, for those rows only while the layer itself keeps
+    SDPA/flash, and calls `keep_mask`; later layers run on [prefix, kept visual, text]. `positions`: "renumber"
+    (contiguous positions after each drop) or "original" (kept tokens keep theirs).
+    query_rows: "last" = the last prompt token; "text" = every text token after the row's first visual token.
+    """
+
+    stages: ClassVar[tuple[str, ...]] = ("prefill",)
+    query_rows: ClassVar[str] = "last"
+    positions: str = "renumber"
+
+    def drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Indices of the decoder layers after which `keep` is called (0-based, ascending)."""
+        raise NotImplementedError
+
+    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+        """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored)."""
+        raise NotImplementedError
+
+    def cut_layers(self, drop_layers: tuple[int, ...]) -> range:
+        """Decode stage: layers whose KV cache is cut, after prefill, to the visual tokens that survived every
+        drop (none by default)."""
+        return range(0)

@@ -19,7 +19,7 @@ import torch
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
-from .base import Method
+from .base import EncoderMethod
 
 
 def _scales(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def dct_lowpass(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 @register_method
 @dataclass
-class FourierDCT(Method):
+class FourierDCT(EncoderMethod):
     """DCT low-pass of every crop's grid to h x w tokens.
 
     The per-axis size is, in order of precedence: `reserve` (same side on both axes; LLaVA-1.5 official values

@@ -24,14 +24,14 @@ from ..budget import Budget
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
-from .base import Method, topk_per_crop
+from .base import EncoderMethod, topk_per_crop
 
 PARTITIONS = ("bands", "tiles")
 
 
 @register_method
 @dataclass
-class HiRED(Method):
+class HiRED(EncoderMethod):
     """`budget` (alias `rate`): fraction of the image's tokens kept, default 0.2. `alpha`: share of the base view."""
 
     budget: Budget = 0.2

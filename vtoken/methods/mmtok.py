@@ -30,7 +30,7 @@ from ..budget import Budget
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
-from .base import Method, topk_per_crop
+from .base import EncoderMethod, topk_per_crop
 
 LMMS_EVAL_SUFFIXES = (
     "Answer the question using a single word or phrase.",
@@ -101,7 +101,7 @@ def greedy_max_coverage(coverage: torch.Tensor, k: int, excluded: torch.Tensor |
 
 @register_method
 @dataclass
-class MMTok(Method):
+class MMTok(EncoderMethod):
     """`budget`: tokens kept per crop (video frame, Qwen image), a fraction or a count. `alpha`: weight of the
     vision-coverage rows. `tau_tv` (None: 0.02 LLaVA, 0.01 Qwen) and `tau_vv`: softmax temperatures.
     `question`: overrides the question read from the prompt (one string, or one per batch row). `text`: "auto"

@@ -15,7 +15,7 @@ import torch
 
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
-from .base import Method
+from .base import EncoderMethod
 
 
 def _bounds(size: int, parts: int, i: int) -> tuple[int, int]:
@@ -55,7 +55,7 @@ def pool_anchors(height: int, width: int, k: int) -> torch.Tensor:
 
 @register_method
 @dataclass
-class Pool(Method):
+class Pool(EncoderMethod):
     """Average-pool the H x W grid of every crop to k tokens (merging: no kept indices)."""
 
     name = "pool"

@@ -1,0 +1,453 @@
+"""The LLM-side stages: dropping visual tokens between decoder layers (prefill) and per-layer KV caches (decode).
+
+Works on the decoder stack every supported family shares in transformers 5.x (`language_model.layers`, each layer
+called with `attention_mask`, `position_embeddings` and `position_ids` as keywords, a `DynamicCache` with one
+layer cache each), through hooks on one model instance:
+- after a drop layer K, a forward hook computes layer K's attention from the method's query rows only (from the
+  q/k projections it hooked, rotary applied, while the layer itself ran SDPA/flash), asks the method which visual
+  tokens go on, and hands the next layer the shorter hidden states;
+- a forward pre-hook on every later layer swaps in the matching mask, positions and rotary embeddings;
+- after the prefill, the method's decode policy may cut layer caches to the tokens that survived every drop;
+- during decoding, each layer whose cache differs from the prompt gets its own mask and positions.
+Every layer's cache is described by a `LayerView`: which prompt columns it holds, in which positions.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+
+from vtoken.errors import InputError
+from vtoken.methods.base import PrefillMethod
+from vtoken.records import Record
+from vtoken.timing import Stopwatch
+from vtoken.tokens import LayerTokens
+
+
+@dataclass
+class LayerView:
+    """The sequence one group of decoder layers holds, relative to the L-column prompt the LLM received.
+
+    column: [B, C] prompt column of each slot (-1 = padding slot); mask: [B, C] 1 for real tokens;
+    positions: [B, C] position of each slot (prefill numbering); visual: [B, C] bool, visual tokens;
+    protected: [B, C] bool, visual tokens no drop may remove, or None; lost: [B] tokens dropped before this view
+    (new tokens of a renumbered view sit `lost` positions earlier than in the prompt's own numbering).
+    """
+
+    column: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    visual: torch.Tensor
+    protected: torch.Tensor | None
+    lost: torch.Tensor
+
+    def gather(self, slots: torch.Tensor, renumber: bool) -> LayerView:
+        """The view of slots [B, C'] of this one (-1 = padding)."""
+
+        def take(x: torch.Tensor | None, fill) -> torch.Tensor | None:
+            if x is None:
+                return None
+            return x.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, fill)
+
+        mask = take(self.mask, 0)
+        positions = take(self.positions, 0)
+        if renumber:  # contiguous from each row's first real position
+            start = self.positions.gather(1, (self.mask != 0).long().argmax(1, keepdim=True))
+            positions = (start + mask.long().cumsum(1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
+        lost = self.lost + self.mask.long().sum(1) - mask.long().sum(1)
+        return LayerView(take(self.column, -1), mask, positions, take(self.visual, False),
+                         take(self.protected, False), lost)  # fmt: skip
+
+    def slots_of(self, other: LayerView) -> torch.Tensor:
+        """[B, C'] slots of this view holding the columns of `other` (a subset of this view's columns)."""
+        width = int(max(self.column.max(), other.column.max())) + 2
+        lookup = torch.full((self.column.shape[0], width), -1, dtype=torch.long, device=self.column.device)
+        slots = torch.arange(self.column.shape[1], device=self.column.device).expand_as(self.column)
+        lookup.scatter_(1, self.column.clamp(min=-1) + 1, slots)
+        found = lookup.gather(1, other.column + 1)
+        return found.masked_fill(other.column < 0, -1)
+
+
+def _left_packed(keep: torch.Tensor) -> torch.Tensor:
+    """[B, C] bool -> [B, C'] indices of the kept slots of each row, left-padded with -1 (C' = most kept)."""
+    counts = keep.sum(1)
+    width = int(counts.max())
+    order = torch.sort((~keep).long(), dim=1, stable=True).indices[:, :width]  # kept slots first, in order
+    rank = torch.arange(width, device=keep.device)
+    shift = (width - counts)[:, None]
+    slots = torch.full_like(order, -1)
+    valid = rank < counts[:, None]
+    rows = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(order)
+    slots[rows[valid], (rank + shift).expand_as(order)[valid]] = order[valid]
+    return slots
+
+
+def rows_attention(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Post-softmax attention of chosen query rows only.
+
+    query: [B, H, R, d] (rotary applied); keys: [B, Hkv, S, d] (rotary applied; H a multiple of Hkv, grouped
+    heads as `repeat_kv` groups them); allowed: [B, R, S] bool, the keys each row sees. Returns [B, H, R, S] float32.
+    """
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return scores.softmax(dim=-1).nan_to_num(0.0)
+
+
+class QueryKeyProbe:
+    """Captures one attention layer's q/k projections and rotary tables, to compute chosen rows afterwards."""
+
+    def __init__(self, attention: nn.Module):
+        self.attention = attention
+        module = sys.modules[type(attention).__module__]
+        self._rotary = getattr(module, "apply_rotary_pos_emb", None)
+        self.active = False
+        self._store: dict[str, Any] = {}
+        self._hooks = [
+            attention.register_forward_pre_hook(self._on_input, with_kwargs=True),
+            attention.q_proj.register_forward_hook(lambda m, a, out: self._keep("q", out)),
+            attention.k_proj.register_forward_hook(lambda m, a, out: self._keep("k", out)),
+        ]
+
+    def _keep(self, name: str, value: Any) -> None:
+        if self.active:
+            self._store[name] = value
+
+    def _on_input(self, module, args, kwargs) -> None:
+        self._keep("rotary", kwargs.get("position_embeddings"))
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def attention_rows(self, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """[B, H, R, S] attention of query rows `rows` [B, R] (sequence indices) over all S keys."""
+        q, k, rotary = self._store.pop("q"), self._store.pop("k"), self._store.pop("rotary", None)
+        head_dim = self.attention.head_dim
+        batch, seq = k.shape[:2]
+        q = q.view(batch, seq, -1, head_dim)
+        q = q.gather(1, rows[:, :, None, None].expand(-1, -1, *q.shape[2:])).transpose(1, 2)  # [B, H, R, d]
+        k = k.view(batch, seq, -1, head_dim).transpose(1, 2)  # [B, Hkv, S, d]
+        if rotary is not None:
+            cos, sin = (t.expand(batch, *t.shape[1:]) for t in rotary)
+            row_cos, row_sin = (t.gather(1, rows[:, :, None].expand(-1, -1, t.shape[-1])) for t in (cos, sin))
+            q = self._rotary(q, q, row_cos, row_sin)[0]
+            k = self._rotary(k, k, cos, sin)[1]
+        return rows_attention(q, k, allowed, self.attention.scaling)
+
+
+@dataclass
+class _Overrides:
+    """Keyword arguments a group of layers gets instead of the LLM's own (None: keep the LLM's)."""
+
+    attention_mask: Any
+    position_ids: Any
+    position_embeddings: Any
+
+
+@dataclass
+class _Prefill:
+    """State of one prefill: the current view, the prompt's own rotary tables and positions, what each layer ran on."""
+
+    view: LayerView
+    cache: Any
+    rotary: Any = None
+    position_ids: Any = None
+    views: list[LayerView] = field(default_factory=list)
+    overrides: _Overrides | None = None
+    records: list[Record] = field(default_factory=list)
+
+
+def _take_columns(x: torch.Tensor, column: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with its sequence axis `dim` (batch axis just before it, maybe broadcast) gathered by column [B, C]."""
+    x = x.expand(*x.shape[: dim - 1], column.shape[0], *x.shape[dim:])
+    index = column.clamp(min=0).view(*[1] * (dim - 1), *column.shape, *[1] * (x.dim() - dim - 1))
+    return x.gather(dim, index.expand(*x.shape[: dim - 1], *column.shape, *x.shape[dim + 1 :]))
+
+
+class LanguageModelStages:
+    """Prefill drops and the decode-stage cache policy of one method, on one model's language model."""
+
+    def __init__(self, adapter, method: PrefillMethod):
+        self.adapter = adapter
+        self.method = method
+        self.lm = adapter.language_model
+        self.layers = self.lm.layers
+        self.drop_layers = method.drop_layers(len(self.layers))
+        self.cut_layers = method.cut_layers(self.drop_layers)
+        self.renumber = method.positions == "renumber"
+        self._hooks: list = []
+        self._probes: dict[int, QueryKeyProbe] = {}
+        self._prefill: _Prefill | None = None
+        self._views: list[LayerView | None] | None = None  # per layer, what its cache holds (None: the prompt)
+        self._prompt_length = 0
+        self._decode: dict[int, _Overrides] = {}
+
+    # ----------------------------------------------------------------- install / remove
+    def install(self) -> None:
+        self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
+        self._hooks.append(self.lm.register_forward_hook(self._after_lm))
+        for index, layer in enumerate(self.layers):
+            self._hooks.append(layer.register_forward_pre_hook(self._layer_input(index), with_kwargs=True))
+        for index in self.drop_layers:
+            self._probes[index] = QueryKeyProbe(self.layers[index].self_attn)
+            self._hooks.append(self.layers[index].register_forward_hook(self._layer_output(index)))
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for probe in self._probes.values():
+            probe.remove()
+        self._hooks, self._probes, self._prefill, self._views = [], {}, None, None
+
+    # ----------------------------------------------------------------- the LLM call
+    def _before_lm(self, module, args, kwargs) -> None:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None and kwargs.get("input_ids") is not None:
+            embeds = kwargs["input_ids"][..., None]  # only its shape and device are read
+        cache = kwargs.get("past_key_values")
+        past = cache.get_seq_length() if cache is not None else 0
+        self._prefill, self._decode = None, {}
+        if embeds is None:
+            self._views = None
+        elif past == 0:
+            self._views = None
+            visual = self.adapter.visual_mask_for(tuple(embeds.shape[:2]))
+            if visual is not None and bool(visual.any()):
+                self._start_prefill(embeds, kwargs, visual, cache)
+        elif self._views is not None:
+            self._start_decode(embeds, kwargs, cache, past)
+
+    def _start_prefill(self, embeds, kwargs, visual, cache) -> None:
+        if cache is not None and not all(hasattr(layer, "keys") for layer in getattr(cache, "layers", [None])):
+            raise InputError(f"{self.method.name} needs a DynamicCache (per-layer lengths); got {type(cache).__name__}")
+        batch, length = visual.shape
+        device = embeds.device
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask.long()
+        if mask.dim() != 2:
+            raise InputError(f"{self.method.name} needs the usual 2-D [batch, seq] attention_mask; got {mask.dim()}-D")
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # each row's own numbering, for renumbered views
+        column = torch.arange(length, device=device).expand(batch, length)
+        protected = self.adapter.protected_mask_for((batch, length))
+        view = LayerView(column, mask, positions, visual.to(device) & (mask != 0),
+                         None if protected is None else protected.to(device),
+                         torch.zeros(batch, dtype=torch.long, device=device))  # fmt: skip
+        self._prompt_length = length
+        self._prefill = _Prefill(view, cache)
+        for probe in self._probes.values():
+            probe.active = True
+
+    def _start_decode(self, embeds, kwargs, cache, past) -> None:
+        batch, steps = embeds.shape[:2]
+        mask = kwargs.get("attention_mask")
+        full = past + steps
+        if mask is None:
+            mask = torch.ones(batch, full, dtype=torch.long, device=embeds.device)
+        if mask.dim() != 2 or mask.shape[1] != full or past < self._prompt_length:
+            self._views = None  # not a continuation of the pruned prompt: the stock path
+            return
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(past, full, device=embeds.device).expand(batch, -1)
+        new_columns = mask[:, self._prompt_length :].long()
+        done: dict[int, _Overrides] = {}
+        for index, view in enumerate(self._views):
+            if view is None:
+                continue
+            if id(view) not in done:
+                view_mask = torch.cat([view.mask, new_columns], dim=1)
+                shifted = positions - view.lost.view(*[1] * (positions.dim() - 2), -1, 1)
+                view_positions = shifted if self.renumber else positions
+                done[id(view)] = _Overrides(
+                    self._mask(embeds, view_mask, view_positions, cache, index),
+                    view_positions,
+                    self.lm.rotary_emb(embeds, position_ids=view_positions) if self.renumber else None,
+                )
+            self._decode[index] = done[id(view)]
+
+    def _mask(self, hidden, mask, positions, cache, layer) -> Any:
+        """The causal + padding mask of `layer`, in its attention implementation's format."""
+        return create_causal_mask(
+            config=self.lm.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            past_key_values=cache,
+            position_ids=positions if positions.dim() == 2 else positions[0],
+            layer_idx=layer,
+        )
+
+    def _layer_input(self, index: int):
+        def hook(module, args, kwargs):
+            state = self._prefill
+            if state is not None:
+                if state.rotary is None:  # the first layer sees the prompt's own tables
+                    state.rotary, state.position_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
+                state.views.append(state.view)
+                overrides = state.overrides
+            else:
+                overrides = self._decode.get(index)
+            if overrides is None:
+                return None
+            kwargs = dict(kwargs, attention_mask=overrides.attention_mask)
+            if kwargs.get("position_ids") is not None:
+                kwargs["position_ids"] = overrides.position_ids
+            if overrides.position_embeddings is not None:
+                kwargs["position_embeddings"] = overrides.position_embeddings
+            return args, kwargs
+
+        return hook
+
+    def _layer_output(self, index: int):
+        def hook(module, args, output):
+            if self._prefill is None:
+                return None
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = self._drop(index, hidden)
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+        return hook
+
+    # ----------------------------------------------------------------- one drop point
+    def _query_rows(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] sequence indices of the method's query rows and [B, R] which are real."""
+        batch, length = view.mask.shape
+        if self.method.query_rows == "last":
+            return torch.full((batch, 1), length - 1, device=view.mask.device), view.mask[:, -1:] != 0
+        after_first = view.visual.long().cumsum(1) > 0
+        text = (view.mask != 0) & ~view.visual & after_first
+        if not bool(text.any()):
+            return torch.zeros(batch, 1, dtype=torch.long, device=text.device), torch.zeros_like(text[:, :1])
+        slots = _left_packed(text)
+        return slots.clamp(min=0), slots >= 0
+
+    def _drop(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        state = self._prefill
+        view = state.view
+        timer = Stopwatch(hidden.device).start()
+        rows, row_valid = self._query_rows(view)
+        seq = torch.arange(view.mask.shape[1], device=hidden.device)
+        allowed = (seq[None, None, :] <= rows[:, :, None]) & (view.mask[:, None, :] != 0)
+        probs = self._probes[layer].attention_rows(rows, allowed).mean(dim=1)  # [B, R, S]
+        slots = _left_packed(view.visual)  # [B, V] each row's visual slots
+        valid = slots >= 0
+        slots = slots.clamp(min=0)
+        attention = probs.gather(2, slots[:, None, :].expand(-1, probs.shape[1], -1))
+        attention = attention * row_valid[:, :, None] * valid[:, None, :]
+        protected = view.protected.gather(1, slots) & valid if view.protected is not None else None
+        tokens = LayerTokens(layer, attention, row_valid, valid, protected)
+        keep_visual = self.method.keep_mask(tokens).bool() & valid
+        if protected is not None:
+            keep_visual |= protected
+        keep = (view.mask != 0) & ~view.visual
+        keep.scatter_(1, slots, keep.gather(1, slots) | keep_visual)
+        new_slots = _left_packed(keep)
+        new_view = view.gather(new_slots, self.renumber)
+        timer.stop()
+        state.records += self._records(layer, tokens, keep_visual, timer)
+        state.view = new_view
+        hidden = _take_columns(hidden, new_slots, 1).masked_fill((new_slots < 0)[:, :, None], 0.0)
+        state.overrides = self._overrides_for(hidden, new_view, state, layer + 1)
+        return hidden
+
+    def _overrides_for(self, hidden: torch.Tensor, view: LayerView, state: _Prefill, layer: int) -> _Overrides:
+        """Mask, positions and rotary tables of the layers running on `view` from `layer` on, in the prefill."""
+        if self.renumber:
+            positions = view.positions
+            rotary = self.lm.rotary_emb(hidden, position_ids=positions)
+        else:  # the prompt's own positions and tables, sliced
+            positions = state.position_ids
+            if positions is None:
+                positions = self._prefill_positions(view)
+            positions = _take_columns(positions, view.column, positions.dim() - 1)
+            rotary = tuple(_take_columns(t, view.column, 1) for t in state.rotary)
+        mask = self._mask(hidden, view.mask, positions, state.cache, layer)
+        return _Overrides(mask, positions, rotary)
+
+    @staticmethod
+    def _prefill_positions(view: LayerView) -> torch.Tensor:
+        return view.positions  # unreachable for LLMs that pass position_ids; kept simple
+
+    def _records(self, layer: int, tokens: LayerTokens, keep: torch.Tensor, timer: Stopwatch) -> list[Record]:
+        counts, kept = tokens.counts, keep.sum(1).tolist()
+        return [
+            Record(
+                f"prefill.layer{layer}",
+                self.method.name,
+                image=row,
+                crop=0,
+                tokens_in=counts[row],
+                tokens_out=kept[row],
+                kept=keep[row, : counts[row]].nonzero().squeeze(1),
+                grid=(1, counts[row]),
+                timer=timer,
+                share=1 / len(counts),
+            )
+            for row in range(len(counts))
+        ]
+
+    # ----------------------------------------------------------------- after the prefill: the decode stage
+    def _after_lm(self, module, args, output) -> None:
+        state = self._prefill
+        if state is None:
+            return
+        self._prefill = None
+        for probe in self._probes.values():
+            probe.active = False
+        first = state.views[0]
+        views: list[LayerView | None] = [None if v is first else v for v in state.views]
+        visual_per_layer = torch.stack([v.visual.sum(1) for v in state.views], dim=1)  # [B, layers]
+        records = state.records
+        if self.cut_layers and state.cache is not None:
+            records += self._cut(state, views)
+        if records:
+            average = (visual_per_layer.float().mean(1)).tolist()
+            for record in records:
+                if record.stage.startswith("prefill"):
+                    record.extra["layer_average"] = average[record.image]
+        self.adapter.records = self.adapter.records + records
+        self._views = views if state.cache is not None else None
+
+    def _cut(self, state: _Prefill, views: list[LayerView | None]) -> list[Record]:
+        """Cut the caches of `cut_layers` to the visual tokens in the final view (output-aware KV cut)."""
+        final = state.view
+        before = sum(state.views[i].visual.sum(1) for i in self.cut_layers)
+        cut_views: dict[int, LayerView] = {}
+        for index in self.cut_layers:
+            held = state.views[index]
+            if id(held) not in cut_views:
+                cut_views[id(held)] = LayerView(final.column, final.mask, final.positions, final.visual,
+                                                final.protected, held.lost)  # fmt: skip
+            slots = held.slots_of(final)
+            layer_cache = state.cache.layers[index]
+            for name in ("keys", "values"):
+                tensor = getattr(layer_cache, name)
+                index_ = slots.clamp(min=0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
+                setattr(layer_cache, name, tensor.gather(2, index_))
+            views[index] = cut_views[id(held)]
+        after = final.visual.sum(1) * len(self.cut_layers)
+        lengths = [v.mask.sum(1) if v is not None else state.views[0].mask.sum(1) for v in views]
+        lengths = torch.stack(lengths, dim=1).tolist()  # [B, layers] real tokens each layer's cache holds
+        timer = Stopwatch(final.mask.device).start().stop()
+        return [
+            Record(
+                "decode.kv",
+                self.method.name,
+                image=row,
+                crop=0,
+                tokens_in=int(before[row]),
+                tokens_out=int(after[row]),
+                kept=None,
+                grid=(1, 0),
+                timer=timer,
+                share=0.0,
+                extra={"cache_lengths": lengths[row]},
+            )
+            for row in range(final.mask.shape[0])
+        ]

@@ -1,0 +1,330 @@
+"""Prefill and decode stages (FastV, MustDrop) against an independent layer-by-layer reference.
+
+The reference runs the tiny LLaVA's language model one decoder layer at a time with eager attention, on explicit
+Python lists of prompt columns: it reads the full attention map, applies each method's rule with loops, drops
+hidden states, cuts caches and decodes greedily, so it shares no index arithmetic with `adapters/llm.py`.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import inputs_for
+from transformers import DynamicCache
+
+import vtoken
+from vtoken.methods.mustdrop import dual_attention_filter
+from vtoken.zoo import tiny_llava
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def deep_llava():
+    """The tiny LLaVA-1.5 with a 6-layer LLM (room for several drop points)."""
+    return tiny_llava(text_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def eager_lm(deep_llava):
+    """An eager-attention copy of the language model and its head (attention maps come back from each layer)."""
+    model = copy.deepcopy(deep_llava[0])
+    model.set_attn_implementation("eager")
+    return model.model.language_model, model.lm_head
+
+
+@pytest.fixture
+def single(deep_llava, photos):
+    return inputs_for(deep_llava[1], [photos["astronaut"]], ["what is in the image? answer with one word."])
+
+
+def captured_llm_input(model, inputs):
+    """The LLM's inputs_embeds [1, L, D] of a (patched or not) forward, and which columns are visual."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["embeds"] = kwargs["inputs_embeds"].detach().clone()
+
+    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        hook.remove()
+    return seen["embeds"]
+
+
+def fastv_rule(count):
+    def decide(attention, cols, visual):
+        """attention [n, n] head mean; keep the `count` visual columns the last row attends to most."""
+        slots = [s for s, c in enumerate(cols) if c in visual]
+        scores = {cols[s]: float(attention[-1, s]) for s in slots}
+        return set(sorted(scores, key=lambda c: -scores[c])[:count])
+
+    return decide
+
+
+def mustdrop_rule(global_thr, individual_thr, protected):
+    def decide(attention, cols, visual):
+        slots = [s for s, c in enumerate(cols) if c in visual]
+        rows = [s for s in range(len(cols)) if cols[s] not in visual and s > slots[0]]
+        total = sum(float(attention[t, s]) for t in rows for s in slots)
+        kept = set()
+        for s in slots:
+            column = [float(attention[t, s]) for t in rows]
+            dropped = sum(column) < global_thr * total and max(column) < individual_thr
+            if not dropped or cols[s] in protected:
+                kept.add(cols[s])
+        return kept
+
+    return decide
+
+
+def reference_generate(lm, head, embeds, visual, decide, drop_layers, renumber, cut_layers, steps):
+    """One prompt, no padding: per-step logits, the kept visual columns after each drop, each layer's cache length.
+
+    visual: set of prompt columns holding visual tokens; decide(attention [n, n], cols, visual) -> kept visual cols.
+    """
+    length = embeds.shape[1]
+    cols, positions = list(range(length)), list(range(length))
+    held, kept_after, cache, weights = [], [], DynamicCache(config=lm.config), {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: weights.__setitem__(i, out[1]))
+             for i, layer in enumerate(lm.layers)]  # fmt: skip
+    hidden = embeds
+    with torch.no_grad():
+        for i, layer in enumerate(lm.layers):
+            held.append((list(cols), list(positions)))
+            n = len(cols)
+            pos = torch.tensor([positions])
+            causal = torch.full((n, n), torch.finfo(hidden.dtype).min).triu(1)[None, None]
+            hidden = layer(hidden, attention_mask=causal, position_ids=pos, past_key_values=cache, use_cache=True,
+                           position_embeddings=lm.rotary_emb(hidden, pos))  # fmt: skip
+            if i in drop_layers:
+                keep_visual = decide(weights[i][0].mean(0), cols, visual)
+                kept_after.append(sorted(keep_visual))
+                slots = [s for s, c in enumerate(cols) if c not in visual or c in keep_visual]
+                hidden = hidden[:, slots]
+                cols = [cols[s] for s in slots]
+                positions = list(range(len(cols))) if renumber else [positions[s] for s in slots]
+        logits = [head(lm.norm(hidden[:, -1]))]
+        final = cols
+        for i in cut_layers:  # the output-aware cut: keep what survived every drop
+            layer_cache = cache.layers[i]
+            index = torch.tensor([held[i][0].index(c) for c in final])
+            layer_cache.keys, layer_cache.values = layer_cache.keys[:, :, index], layer_cache.values[:, :, index]
+        lengths = [cache.layers[i].keys.shape[2] for i in range(len(lm.layers))]
+        for step in range(steps - 1):
+            token = logits[-1].argmax(-1)
+            hidden = lm.embed_tokens(token)[:, None]
+            for i, layer in enumerate(lm.layers):
+                numbered = max(held[i][1]) + 1 if renumber else length  # right after its last prompt position
+                pos = torch.tensor([[numbered + step]])
+                hidden = layer(hidden, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True,
+                               position_embeddings=lm.rotary_emb(hidden, pos))  # fmt: skip
+            logits.append(head(lm.norm(hidden[:, -1])))
+    for hook in hooks:
+        hook.remove()
+    return torch.cat(logits), kept_after, lengths
+
+
+def patched_generate(model, inputs, method, steps):
+    with vtoken.patched(model, method) as handle, torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=steps, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+        return torch.cat(out.logits), handle.records, handle.adapter._protected
+
+
+CASES = {
+    "fastv-original": (lambda: vtoken.FastV(layer=1, keep=0.25), "original"),
+    "fastv-renumber": (lambda: vtoken.FastV(layer=2, keep=100, positions="renumber"), "renumber"),
+    "mustdrop": (lambda: vtoken.MustDrop(layers=(1, 3), global_thr=0.0025, individual_thr=0.02), "renumber"),
+    "mustdrop-original": (
+        lambda: vtoken.MustDrop(layers=(0, 2, 3), global_thr=0.0025, individual_thr=0.02, positions="original"),
+        "original",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_drop_and_decode_match_the_reference(deep_llava, eager_lm, single, case):
+    """Invariant 2 for the LLM stages: per-step logits of 6 greedy tokens, the kept tokens after every drop and
+    every layer's KV-cache length equal the layer-by-layer reference."""
+    model, _ = deep_llava
+    make, policy = CASES[case]
+    method = make()
+    logits, records, protected = patched_generate(model, single, method, steps=6)
+    with vtoken.patched(model, make()):
+        embeds = captured_llm_input(model, single)  # what the LLM received (MustDrop: merged tokens)
+    ids = single["input_ids"][0]
+    if method.name == "mustdrop":  # the prompt shrank to the merged run
+        placeholders = sum(r.tokens_out for r in records if r.stage == "encoder.merge")
+        start = int((ids == model.config.image_token_id).nonzero()[0])
+        visual = set(range(start, start + placeholders))
+        keys = set(protected[0].nonzero().squeeze(1).tolist())
+        assert len(keys) == math.ceil(0.08 * placeholders)
+        decide = mustdrop_rule(method.global_thr, method.individual_thr, keys)
+    else:
+        visual = set((ids == model.config.image_token_id).nonzero().squeeze(1).tolist())
+        decide = fastv_rule(vtoken.tokens_to_keep(method.keep, len(visual)))
+    drop_layers = method.drop_layers(LAYERS)
+    cut = list(method.cut_layers(drop_layers))
+    lm, head = eager_lm
+    ref_logits, kept_after, lengths = reference_generate(
+        lm, head, embeds, visual, decide, drop_layers, policy == "renumber", cut, steps=6
+    )
+    start = min(visual)
+    prefill = [r for r in records if r.stage.startswith("prefill")]
+    assert [r.stage for r in prefill] == [f"prefill.layer{k}" for k in drop_layers]
+    for record, ref_kept in zip(prefill, kept_after, strict=True):
+        assert record.tokens_out == len(ref_kept)
+    assert sum(len(k) for k in kept_after) < len(visual) * len(kept_after)  # something was dropped
+    # kept indices of the first drop are into the LLM's visual run
+    assert (prefill[0].kept + start).tolist() == kept_after[0]
+    assert (logits - ref_logits).abs().max() <= 1e-4
+    if method.name == "mustdrop":
+        (kv,) = [r for r in records if r.stage == "decode.kv"]
+        assert kv.extra["cache_lengths"] == lengths
+        assert prefill[-1].extra["layer_average"] == pytest.approx(
+            sum(len([c for c in held_visual(visual, kept_after, drop_layers, i)]) for i in range(LAYERS)) / LAYERS
+        )
+
+
+def held_visual(visual, kept_after, drop_layers, layer):
+    """Visual columns layer `layer` runs on in the reference's prefill."""
+    done = [k for k in drop_layers if k < layer]
+    return kept_after[len(done) - 1] if done else sorted(visual)
+
+
+def test_dual_attention_filter_matches_loops():
+    """Spec parity on hand-made attention maps with padded rows and tokens."""
+    torch.manual_seed(0)
+    attention = torch.rand(2, 4, 7) ** 4
+    row_valid = torch.tensor([[True] * 4, [True, True, False, False]])
+    valid = torch.tensor([[True] * 7, [True] * 5 + [False] * 2])
+    attention = attention * row_valid[:, :, None] * valid[:, None, :]
+    tokens = vtoken.LayerTokens(2, attention, row_valid, valid)
+    for global_thr, individual_thr in [(1.0, 0.0), (0.1, 0.5), (0.2, 0.3), (0.0, 1.0)]:
+        kept = dual_attention_filter(tokens, global_thr, individual_thr)
+        for b in range(2):
+            rows = [r for r in range(4) if row_valid[b, r]]
+            cols = [j for j in range(7) if valid[b, j]]
+            total = sum(float(attention[b, r, j]) for r in rows for j in cols)
+            for j in range(7):
+                column = [float(attention[b, r, j]) for r in rows]
+                expected = j in cols and not (sum(column) < global_thr * total and max(column) < individual_thr)
+                assert bool(kept[b, j]) == expected
+
+
+def test_fastv_keeps_the_last_rows_top_tokens():
+    attention = torch.zeros(2, 1, 6)
+    attention[0, 0] = torch.tensor([0.1, 0.5, 0.05, 0.3, 0.0, 0.05])
+    attention[1, 0, :4] = torch.tensor([0.4, 0.1, 0.3, 0.2])
+    valid = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    tokens = vtoken.LayerTokens(2, attention, torch.ones(2, 1, dtype=torch.bool), valid)
+    kept = vtoken.FastV(keep=0.5).keep_mask(tokens)
+    assert kept[0].nonzero().squeeze(1).tolist() == [0, 1, 3]
+    assert kept[1].nonzero().squeeze(1).tolist() == [0, 2]  # half of the row's 4 valid tokens
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        vtoken.FastV(layer=1, keep=1.0),
+        vtoken.FastV(layer=0, keep=1.0, positions="renumber"),
+        vtoken.MustDrop(merge_threshold=1.01, layers=(1, 3)),
+    ],  # fmt: skip
+    ids=["fastv", "fastv-renumber", "mustdrop"],
+)
+def test_keeping_everything_is_the_identity(deep_llava, photos, method):
+    """Invariant 1: keep-all FastV and MustDrop with no merge and its default thresholds give the unpatched
+    logits and greedy tokens, on a padded batch."""
+    from conftest import assert_identity
+
+    model, processor = deep_llava
+    inputs = inputs_for(processor, [photos["astronaut"], photos["coffee"]], ["what is this?", "describe it please."])
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        with vtoken.patched(model, method) as handle:
+            logits = model(**inputs).logits
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
+    assert all(r.tokens_out == r.tokens_in for r in handle.records if r.stage.startswith("prefill"))
+    assert_identity(model, method, inputs)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: vtoken.FastV(layer=1, keep=0.25),
+        lambda: vtoken.MustDrop(layers=(1, 3), global_thr=0.0025, individual_thr=0.02),
+    ],  # fmt: skip
+    ids=["fastv", "mustdrop"],
+)
+def test_padded_batch_and_beams_equal_one_by_one(deep_llava, photos, make):
+    """Invariant 5 with the LLM stages: 20 greedy tokens of a left-padded batch of 2, and beam search with
+    num_return_sequences, equal each sample run alone."""
+    model, processor = deep_llava
+    questions = ["what is this?", "describe the image in detail. how many shapes are there?"]
+    images = [photos["astronaut"], photos["coffee"]]
+    batched = inputs_for(processor, images, questions)
+    singles = [inputs_for(processor, [image], [q]) for image, q in zip(images, questions, strict=True)]
+    width = batched["input_ids"].shape[1]
+    beams = dict(max_new_tokens=4, min_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    greedy = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True)
+    greedy["return_dict_in_generate"] = True
+    with vtoken.patched(model, make()) as handle, torch.no_grad():
+        out = model.generate(**batched, **greedy)
+        kept = [r.tokens_out for r in handle.records if r.stage.startswith("prefill")]
+        beam_out = model.generate(**batched, **beams)
+        for row, one in enumerate(singles):
+            alone = model.generate(**one, **greedy)
+            assert torch.equal(out.sequences[row, width:], alone.sequences[0, one["input_ids"].shape[1] :])
+            step_logits = torch.stack([s[row] for s in out.logits])
+            assert (step_logits - torch.cat(alone.logits)).abs().max() <= 1e-4
+            assert kept[row::2] == [r.tokens_out for r in handle.records if r.stage.startswith("prefill")]
+            beam_alone = model.generate(**one, **beams)
+            assert torch.equal(beam_out[2 * row : 2 * row + 2, width:], beam_alone[:, one["input_ids"].shape[1] :])
+    assert min(kept) < 576  # tokens were dropped
+
+
+def test_prefill_drop_saves_cache_and_composes_with_an_encoder_method(deep_llava, eager_lm, single):
+    """HiRED (encoder) + FastV (prefill) together: the LLM receives HiRED's tokens, FastV drops among them as
+    the reference does, and later layers' caches really hold fewer tokens."""
+    model, _ = deep_llava
+    methods = [vtoken.HiRED(budget=0.5), vtoken.FastV(layer=2, keep=0.5)]
+    with vtoken.patched(model, methods) as handle, torch.no_grad():
+        out = model(**single, use_cache=True)
+        embeds = captured_llm_input(model, single)
+        stages = [r.stage for r in handle.records]
+        lengths = [layer.keys.shape[2] for layer in out.past_key_values.layers]
+    with vtoken.patched(model, vtoken.HiRED(budget=0.5)):
+        assert torch.equal(embeds, captured_llm_input(model, single))
+    assert stages == ["encoder", "prefill.layer2"]
+    prompt = embeds.shape[1]
+    assert lengths == [prompt] * 3 + [prompt - 144] * 3  # 288 HiRED tokens, FastV keeps 144 after layer 2
+    lm, head = eager_lm
+    start = int((single["input_ids"][0] == model.config.image_token_id).nonzero()[0])
+    visual = set(range(start, start + 288))
+    ref_logits, _, _ = reference_generate(lm, head, embeds, visual, fastv_rule(144), (2,), False, [], steps=1)
+    assert (out.logits[:, -1] - ref_logits).abs().max() <= 1e-4
+
+
+def test_stage_conflicts_and_bad_parameters_fail_at_patch_time(deep_llava):
+    model, _ = deep_llava
+    cases = [
+        ([vtoken.FastV(), vtoken.MustDrop()], "prefill stage"),
+        ([vtoken.HiRED(), vtoken.MustDrop()], "encoder stage"),
+        (vtoken.FastV(layer=5), "at most 4"),
+        (vtoken.MustDrop(layers=(2, 6, 10, 14)), "has 6 layers"),
+    ]
+    for method, message in cases:
+        with pytest.raises(vtoken.VTokenError, match=message):
+            vtoken.patch(model, method)
+        assert vtoken.handle_of(model) is None
+    for bad, message in [(dict(keep=0), "keep=0"), (dict(layer=-1), "layer=-1"), (dict(positions="x"), "accepted")]:
+        with pytest.raises(vtoken.VTokenError, match=message):
+            vtoken.FastV(**bad)
+    with pytest.raises(vtoken.VTokenError, match="ascending"):
+        vtoken.MustDrop(layers=(6, 2))
+    with pytest.raises(vtoken.VTokenError, match="unknown parameter"):
+        vtoken.patch(model, "mustdrop", budget=0.2)

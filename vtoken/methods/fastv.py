@@ -1,0 +1,59 @@
+"""FastV: after LLM layer K, keep the visual tokens the last prompt token attends to most (Chen et al., "An Image
+is Worth 1/2 Tokens After Layer 2"; official code pkunlp-icler/FastV).
+
+Score of visual token j = post-softmax attention of the last token's query to key j in layer K, mean over heads.
+Each batch row keeps its top `keep` visual tokens (a fraction of the row's visual tokens, or a count), in their
+original order; layers after K run on the shorter sequence. The official code keeps the kept tokens' original
+positions (`positions="original"`, the default); "renumber" gives contiguous ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..budget import Budget, check_budget, tokens_to_keep
+from ..errors import VTokenError
+from ..registry import register_method
+from ..tokens import LayerTokens
+from .base import PrefillMethod
+
+POSITIONS = ("original", "renumber")
+
+
+@register_method
+@dataclass
+class FastV(PrefillMethod):
+    """`layer`: the drop point K (0-based; the paper's K = 2). `keep`: fraction of visual tokens kept, or a count."""
+
+    layer: int = 2
+    keep: Budget = 0.5
+    positions: str = "original"
+
+    name = "fastv"
+    query_rows = "last"
+
+    def __post_init__(self) -> None:
+        self.keep = check_budget(self.keep, "keep")
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
+            raise VTokenError(f"fastv: layer={self.layer!r}; expected an LLM layer index >= 0")
+        if self.positions not in POSITIONS:
+            raise VTokenError(f"fastv: positions={self.positions!r}; accepted: {', '.join(POSITIONS)}")
+
+    def drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        if self.layer >= num_layers - 1:
+            raise VTokenError(
+                f"fastv: layer={self.layer} leaves no later layer to save; this LLM has {num_layers} layers "
+                f"(0..{num_layers - 1}), so layer must be at most {num_layers - 2}"
+            )
+        return (self.layer,)
+
+    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+        scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
+        counts = [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts]
+        width = max(max(counts), 1)
+        top = scores.topk(min(width, scores.shape[1]), dim=-1).indices
+        ranked = torch.arange(top.shape[1], device=top.device) < torch.tensor(counts, device=top.device)[:, None]
+        mask = torch.zeros_like(tokens.valid)
+        return mask.scatter(1, top, ranked)
