@@ -34,7 +34,8 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
     )
 
     def available_signals(self) -> set[str]:
-        return super().available_signals() | {"resized_grid"}  # video frames: plain grids, no newlines
+        # video frames: plain grids, no newlines; no merge inside the tower (frames are pooled on the grid after it)
+        return (super().available_signals() | {"resized_grid"}) - {"tower_merge"}
 
     @property
     def stride(self) -> int:

@@ -180,7 +180,9 @@ class LanguageModelStages:
         self.lm = adapter.language_model
         self.layers = self.lm.layers
         self.drop_layers = method.drop_layers(len(self.layers))
-        self.cut_layers = method.cut_layers(self.drop_layers)
+        # layer 0's cache is never cut: transformers reads the cache length (and so the next position and mask
+        # size) from it
+        self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > 0]
         self.renumber = method.positions == "renumber"
         self._hooks: list = []
         self._probes: dict[int, QueryKeyProbe] = {}
@@ -362,17 +364,11 @@ class LanguageModelStages:
             positions = view.positions
             rotary = self.lm.rotary_emb(hidden, position_ids=positions)
         else:  # the prompt's own positions and tables, sliced
-            positions = state.position_ids
-            if positions is None:
-                positions = self._prefill_positions(view)
+            positions = state.position_ids if state.position_ids is not None else state.views[0].positions
             positions = _take_columns(positions, view.column, positions.dim() - 1)
             rotary = tuple(_take_columns(t, view.column, 1) for t in state.rotary)
         mask = self._mask(hidden, view.mask, positions, state.cache, layer)
         return _Overrides(mask, positions, rotary)
-
-    @staticmethod
-    def _prefill_positions(view: LayerView) -> torch.Tensor:
-        return view.positions  # unreachable for LLMs that pass position_ids; kept simple
 
     def _records(self, layer: int, tokens: LayerTokens, keep: torch.Tensor, timer: Stopwatch) -> list[Record]:
         counts, kept = tokens.counts, keep.sum(1).tolist()

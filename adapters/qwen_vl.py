@@ -43,6 +43,8 @@ class QwenVLAdapter(Adapter):
     def merge(self) -> int:
         return self.model.config.vision_config.spatial_merge_size
 
+    multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
+
     def available_signals(self) -> set[str]:
         return {"patch_features", "grid", "merge_features", "resized_grid"}
 

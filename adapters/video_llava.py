@@ -33,6 +33,10 @@ class VideoLlavaAdapter(LlavaAdapter):
     )
     stacked_features = frozenset({"image", "video"})  # its forward masked-scatters `pooler_output` tensors
 
+    def available_signals(self) -> set[str]:
+        # no merge inside the towers: frames are packed as full grids (each frame keeps its [CLS] slot)
+        return super().available_signals() - {"tower_merge"}
+
     @property
     def tower(self):
         return self.inner.image_tower

@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
-from conftest import inputs_for
+from conftest import OTHER_TINY_MODELS, inputs_for
 from transformers import DynamicCache
 
 import vtoken
 from vtoken.methods.mustdrop import dual_attention_filter
-from vtoken.zoo import tiny_llava
+from vtoken.zoo import TINY_MODELS, tiny_llava
 
 LAYERS = 6
 
@@ -168,7 +168,7 @@ def test_prefill_drop_and_decode_match_the_reference(deep_llava, eager_lm, singl
         visual = set((ids == model.config.image_token_id).nonzero().squeeze(1).tolist())
         decide = fastv_rule(vtoken.tokens_to_keep(method.keep, len(visual)))
     drop_layers = method.drop_layers(LAYERS)
-    cut = list(method.cut_layers(drop_layers))
+    cut = [i for i in method.cut_layers(drop_layers) if i > 0]  # layer 0 keeps everything (the cache length)
     lm, head = eager_lm
     ref_logits, kept_after, lengths = reference_generate(
         lm, head, embeds, visual, decide, drop_layers, policy == "renumber", cut, steps=6
@@ -328,3 +328,137 @@ def test_stage_conflicts_and_bad_parameters_fail_at_patch_time(deep_llava):
         vtoken.MustDrop(layers=(6, 2))
     with pytest.raises(vtoken.VTokenError, match="unknown parameter"):
         vtoken.patch(model, "mustdrop", budget=0.2)
+
+
+def reference_merge(crops, side, threshold, window=3):
+    """Loop version of MustDrop's merge over one image's crops [C, N, D]: windows row-major, mean pairwise cosine
+    similarity over ordered pairs, r = the smallest count over the crops, [merged by score desc, rest ascending]."""
+    per_crop = []
+    for x in crops:
+        scores = {}
+        for wy in range(side // window):
+            for wx in range(side // window):
+                tokens = [(wy * window + dy) * side + wx * window + dx for dy in range(window) for dx in range(window)]
+                pairs = [(i, j) for i in tokens for j in tokens if i != j]
+                scores[tuple(tokens)] = sum(float(torch.cosine_similarity(x[i], x[j], dim=0)) for i, j in pairs) / len(
+                    pairs
+                )
+        per_crop.append(scores)
+    r = min(sum(s >= threshold for s in scores.values()) for scores in per_crop)
+    out = []
+    for x, scores in zip(crops, per_crop, strict=True):
+        merged = sorted(scores, key=lambda w: -scores[w])[:r]
+        rest = sorted(set(range(side * side)) - {t for w in merged for t in w})
+        out.append(torch.stack([x[list(w)].mean(0) for w in merged] + [x[t] for t in rest]))
+    return torch.stack(out)
+
+
+def test_window_merge_matches_loops_on_hand_made_features():
+    torch.manual_seed(0)
+    side, dim = 6, 8
+    crops = torch.randn(2, side * side, dim)
+    windows = [[(wy * 3 + dy) * side + wx * 3 + dx for dy in range(3) for dx in range(3)]
+               for wy in range(2) for wx in range(2)]  # fmt: skip
+    crops[0, windows[1]] = torch.randn(dim)  # identical tokens: score 1
+    crops[0, windows[3]] = torch.randn(dim) + 0.05 * torch.randn(9, dim)  # nearly identical
+    crops[1, windows[2]] = torch.randn(dim) + 0.1 * torch.randn(9, dim)
+    crops[1, windows[0]] = torch.randn(dim) + 0.02 * torch.randn(9, dim)
+    for threshold in (0.8, 0.999, 1.01):
+        plan = vtoken.MustDrop(merge_threshold=threshold).plan_merge(crops, (side, side))
+        expected = reference_merge(crops, side, threshold)
+        assert plan.apply(crops).shape == expected.shape
+        assert torch.allclose(plan.apply(crops), expected, atol=1e-6)
+    assert vtoken.MustDrop().plan_merge(crops, (side, side)).num_tokens == side * side - 2 * 8  # r = 2
+
+
+def test_tower_merge_and_key_set_match_an_eager_reference(deep_llava, single):
+    """The encoder stage on the real tower: an eager copy merged by the loop reference after layer 0 gives the
+    features the LLM receives, and the key set is the top ceil(0.08 N') of its last layer's [CLS] attention."""
+    from transformers import CLIPVisionModel
+
+    model, _ = deep_llava
+    method = vtoken.MustDrop(layers=(1,))
+    with vtoken.patched(model, method) as handle:
+        embeds = captured_llm_input(model, single)
+        protected = handle.adapter._protected[0]
+        records = handle.records
+    tower = model.model.vision_tower
+    config = tower.config.__class__.from_dict(tower.config.to_dict())
+    config._attn_implementation = "eager"
+    eager = CLIPVisionModel(config).eval()
+    eager.load_state_dict(tower.state_dict())
+
+    def merge(module, args, output):
+        return torch.cat([output[:, :1], reference_merge(output[:, 1:], 24, method.merge_threshold)], dim=1)
+
+    hook = eager.encoder.layers[0].register_forward_hook(merge)
+    with torch.no_grad():
+        out = eager(single["pixel_values"], output_attentions=True, output_hidden_states=True)
+        features = model.model.multi_modal_projector(out.hidden_states[-2][:, 1:])
+    hook.remove()
+    count = features.shape[1]
+    assert 0 < count < 576  # some windows merged
+    assert [(r.stage, r.tokens_in, r.tokens_out) for r in records[:2]] == [
+        ("encoder.merge", 576, count),
+        ("encoder.keyset", count, math.ceil(0.08 * count)),
+    ]
+    visual = single["input_ids"][0] == model.config.image_token_id
+    start = int(visual.nonzero()[0])
+    assert torch.allclose(embeds[0, start : start + count], features[0], atol=1e-5)
+    scores = out.attentions[-1][0, :, 0, 1:].mean(0)
+    keys = set(scores.topk(math.ceil(0.08 * count)).indices.tolist())
+    assert set((protected.nonzero().squeeze(1) - start).tolist()) == keys
+
+
+@pytest.mark.parametrize("name", OTHER_TINY_MODELS)
+def test_fastv_on_every_family(name, photos):
+    """FastV is family-agnostic: identity at keep-all, and a padded batch (or a clip) at 25 % equals one-by-one
+    runs with the records' counts (original positions; Qwen's M-RoPE positions are kept)."""
+    from conftest import video_inputs
+
+    model, processor = TINY_MODELS[name]()
+    video = name == "tiny-video-llava"  # its tiny processor feeds the video path in the tests elsewhere
+    if video:
+        batched, singles = video_inputs(processor), [video_inputs(processor)]
+    else:
+        images, questions = [photos["coffee"], photos["rocket"]], ["what is this?", "describe the image please."]
+        batched = inputs_for(processor, images, questions)
+        singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
+    from conftest import assert_batch_equals_one_by_one, assert_identity
+
+    assert_identity(model, vtoken.FastV(layer=0, keep=1.0), batched)
+    with vtoken.patched(model, vtoken.FastV(layer=0, keep=0.25)) as handle, torch.no_grad():
+        assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=5)
+        model(**batched)
+        for record in handle.records:
+            assert record.tokens_out == vtoken.tokens_to_keep(0.25, record.tokens_in)
+
+
+def test_mustdrop_on_llava_next_official_layout(photos):
+    """LLaVA-NeXT (official layout): every crop merged with one r per image, crops concatenated flat; the
+    placeholder run, key set and records agree, and a padded batch equals one-by-one runs."""
+    from conftest import assert_batch_equals_one_by_one
+
+    model, processor = TINY_MODELS["tiny-llava-next"]()
+    images, questions = [photos["coffee"], photos["rocket"]], ["what is this?", "describe the image please."]
+    batched = inputs_for(processor, images, questions)
+    singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
+    method = vtoken.MustDrop(layers=(0,), global_thr=0.003, individual_thr=0.05)
+    with pytest.raises(vtoken.VTokenError, match="layout='official'"):
+        vtoken.patch(model, method)
+    with vtoken.patched(model, method, layout="official") as handle, torch.no_grad():
+        assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=4)
+        model(**batched)
+        merged = [r for r in handle.records if r.stage == "encoder.merge"]
+        keyset = [r for r in handle.records if r.stage == "encoder.keyset"]
+        for image in (0, 1):
+            outs = {r.tokens_out for r in merged if r.image == image}
+            assert len(outs) == 1  # one r for all crops of an image
+            total = sum(r.tokens_out for r in merged if r.image == image)
+            assert sum(r.tokens_out for r in keyset if r.image == image) == sum(
+                math.ceil(0.08 * r.tokens_out) for r in merged if r.image == image
+            )
+            placeholders = int((handle.adapter._visual[image]).sum())  # the LLM's visual run
+            assert placeholders == total
+            assert int(handle.adapter._protected[image].sum()) == sum(r.tokens_out for r in keyset if r.image == image)
+        assert all(r.tokens_in == 576 for r in merged)
