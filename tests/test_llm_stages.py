@@ -462,3 +462,24 @@ def test_mustdrop_on_llava_next_official_layout(photos):
             assert placeholders == total
             assert int(handle.adapter._protected[image].sum()) == sum(r.tokens_out for r in keyset if r.image == image)
         assert all(r.tokens_in == 576 for r in merged)
+
+
+def test_unpatch_removes_every_llm_hook(deep_llava, single):
+    """Invariant 4 for the LLM stages: after unpatching MustDrop, no hook is left on any module and the model
+    computes exactly what it did before."""
+    model, _ = deep_llava
+
+    def hook_count():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    method = vtoken.MustDrop(layers=(1, 3), global_thr=0.0025, individual_thr=0.02)
+    with torch.no_grad():
+        with vtoken.patched(model, method):  # transformers adds its own output-recording hooks on first use
+            model(**single)
+        before, hooks = model(**single).logits, hook_count()
+        with vtoken.patched(model, method):
+            assert hook_count() > hooks
+            pruned = model(**single).logits
+        after = model(**single).logits
+    assert hook_count() == hooks
+    assert pruned.shape[1] < before.shape[1] and torch.equal(after, before)
