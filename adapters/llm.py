@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
+from vtoken.kernels import causal_rows_probs
 
 from vtoken.errors import InputError
 from vtoken.methods.base import PrefillMethod
@@ -87,19 +88,6 @@ def _left_packed(keep: torch.Tensor) -> torch.Tensor:
     return slots
 
 
-def rows_attention(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """Post-softmax attention of chosen query rows only.
-
-    query: [B, H, R, d] (rotary applied); keys: [B, Hkv, S, d] (rotary applied; H a multiple of Hkv, grouped
-    heads as `repeat_kv` groups them); allowed: [B, R, S] bool, the keys each row sees. Returns [B, H, R, S] float32.
-    """
-    heads, kv_heads = query.shape[1], keys.shape[1]
-    keys = keys.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return scores.softmax(dim=-1).nan_to_num(0.0)
-
-
 class QueryKeyProbe:
     """Captures one attention layer's q/k projections and rotary tables, to compute chosen rows afterwards."""
 
@@ -126,8 +114,9 @@ class QueryKeyProbe:
         for hook in self._hooks:
             hook.remove()
 
-    def attention_rows(self, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """[B, H, R, S] attention of query rows `rows` [B, R] (sequence indices) over all S keys."""
+    def attention_rows(self, rows: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+        """[B, H, R, S] causal attention of query rows `rows` [B, R] (sequence indices) over the S keys, padding
+        (`key_valid` [B, S] False) excluded."""
         q, k, rotary = self._store.pop("q"), self._store.pop("k"), self._store.pop("rotary", None)
         head_dim = self.attention.head_dim
         batch, seq = k.shape[:2]
@@ -139,7 +128,7 @@ class QueryKeyProbe:
             row_cos, row_sin = (t.gather(1, rows[:, :, None].expand(-1, -1, t.shape[-1])) for t in (cos, sin))
             q = self._rotary(q, q, row_cos, row_sin)[0]
             k = self._rotary(k, k, cos, sin)[1]
-        return rows_attention(q, k, allowed, self.attention.scaling)
+        return causal_rows_probs(q, k, rows, key_valid, self.attention.scaling)
 
 
 @dataclass
@@ -334,9 +323,7 @@ class LanguageModelStages:
         view = state.view
         timer = Stopwatch(hidden.device).start()
         rows, row_valid = self._query_rows(view)
-        seq = torch.arange(view.mask.shape[1], device=hidden.device)
-        allowed = (seq[None, None, :] <= rows[:, :, None]) & (view.mask[:, None, :] != 0)
-        probs = self._probes[layer].attention_rows(rows, allowed).mean(dim=1)  # [B, R, S]
+        probs = self._probes[layer].attention_rows(rows, view.mask != 0).mean(dim=1)  # [B, R, S]
         slots = _left_packed(view.visual)  # [B, V] each row's visual slots
         valid = slots >= 0
         slots = slots.clamp(min=0)
