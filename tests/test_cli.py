@@ -80,3 +80,24 @@ def test_video_from_a_gif(tmp_path, capsys, model, expected):
     assert quick_run("--model", model, *video, "--method", "pool", "--budget", "0.25") == 0
     out = capsys.readouterr().out
     assert "clip.gif" in out and f"{expected} (25.0% kept)" in out
+
+
+def test_budget_reaches_each_methods_own_knob():
+    from vtoken import Record
+    from vtoken.cli import llm_tokens, method_params
+
+    assert method_params("fastervlm", 0.25) == {"budget": 0.25}
+    assert method_params("fastv", 0.5) == {"keep": 0.5}
+    assert method_params("mustdrop", 0.5) == {}  # its thresholds are the knob
+    records = [
+        Record("encoder.merge", "mustdrop", 0, 0, 576, 400, None, (24, 24), None),
+        Record("encoder.keyset", "mustdrop", 0, 0, 400, 32, None, (1, 400), None),
+        Record("prefill.layer2", "mustdrop", 0, 0, 400, 250, None, (1, 400), None),
+        Record("decode.kv", "mustdrop", 0, 0, 2000, 1000, None, (1, 0), None),
+    ]
+    assert llm_tokens(records) == (576, 250)
+
+
+def test_a_prefill_method_too_deep_for_the_model_exits_2(capsys):
+    assert quick_run("--model", "tiny-llava", "--method", "fastv") == 2
+    assert "layer=2 leaves no later layer" in capsys.readouterr().err

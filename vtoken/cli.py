@@ -6,13 +6,14 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import fields
 
 import torch
 
 from . import api
 from .errors import VTokenError
 from .images import example_image, load_image, load_video
-from .registry import available_methods, supported_models
+from .registry import METHODS, available_methods, supported_models
 from .zoo import TINY_MODELS, build_prompt, load
 
 
@@ -47,6 +48,27 @@ def _answer(model, processor, inputs, max_new_tokens: int) -> str:
     return processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0].strip()
 
 
+def method_params(name: str, budget: float | int) -> dict:
+    """What `--budget` sets on a method: its `budget`, FastV's `keep`; MustDrop's knobs are its thresholds."""
+    method = METHODS.get(name.lower().replace("-", "").replace("_", ""))
+    if method is None:  # patch names the unknown method and the known ones
+        return {"budget": budget}
+    accepted = {f.name for f in fields(method)}
+    for field_name in ("budget", "keep"):
+        if field_name in accepted:
+            return {field_name: budget}
+    return {}
+
+
+def llm_tokens(records) -> tuple[int, int]:
+    """Visual tokens before the first stage and after the last that shortens the LLM's input."""
+    stages = [s for s in dict.fromkeys(r.stage for r in records) if s not in ("encoder.keyset", "decode.kv")]
+    if not stages:
+        return 0, 0
+    tokens_in = sum(r.tokens_in for r in records if r.stage == stages[0])
+    return tokens_in, sum(r.tokens_out for r in records if r.stage == stages[-1])
+
+
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model, processor = load(args.model, dtype=args.dtype, device=args.device)
@@ -60,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     for key, value in inputs.items():  # pixels in the model's dtype
         if value.is_floating_point():
             inputs[key] = value.to(model.dtype)
-    params = {"budget": args.budget}
+    params = method_params(args.method, args.budget)
 
     with torch.inference_mode():
         base_answer = _answer(model, processor, inputs, args.max_new_tokens)
@@ -70,12 +92,11 @@ def run(args: argparse.Namespace) -> int:
             records = list(handle.records)
             ttft = _time_to_first_token(model, inputs, args.repeats)
 
-    tokens_in = sum(r.tokens_in for r in records)
-    tokens_out = sum(r.tokens_out for r in records)
+    tokens_in, tokens_out = llm_tokens(records)
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
     print(f"input:   {args.video or args.image or 'generated example scene'}")
     print(f"prompt:  {args.prompt!r}")
-    print(f"method:  {args.method} (budget={args.budget})")
+    print(f"method:  {args.method} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'its defaults'})")
     print(f"visual tokens: {tokens_in} -> {tokens_out} ({tokens_out / max(tokens_in, 1):.1%} kept)")
     print(
         f"time to first token: unpatched {base_ttft * 1e3:.1f} ms, patched {ttft * 1e3:.1f} ms "
