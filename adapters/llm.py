@@ -201,7 +201,7 @@ class LanguageModelStages:
     def _before_lm(self, module, args, kwargs) -> None:
         embeds = kwargs.get("inputs_embeds")
         if embeds is None and kwargs.get("input_ids") is not None:
-            embeds = kwargs["input_ids"][..., None]  # only its shape and device are read
+            embeds = self.lm.embed_tokens(kwargs["input_ids"])  # its shape, dtype and device are read
         cache = kwargs.get("past_key_values")
         past = cache.get_seq_length() if cache is not None else 0
         self._prefill, self._decode = None, {}
@@ -242,8 +242,11 @@ class LanguageModelStages:
         if mask is None:
             mask = torch.ones(batch, full, dtype=torch.long, device=embeds.device)
         if mask.dim() != 2 or mask.shape[1] != full or past < self._prompt_length:
-            self._views = None  # not a continuation of the pruned prompt: the stock path
-            return
+            raise InputError(
+                f"a decoding step after {self.method.name}'s pruned prefill needs a 2-D attention_mask covering "
+                f"the prompt and every token since ({full} columns here, as generate() passes it); got "
+                f"{tuple(mask.shape)}"
+            )
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(past, full, device=embeds.device).expand(batch, -1)
@@ -387,6 +390,9 @@ class LanguageModelStages:
         views: list[LayerView | None] = [None if v is first else v for v in state.views]
         visual_per_layer = torch.stack([v.visual.sum(1) for v in state.views], dim=1)  # [B, layers]
         records = state.records
+        # the LLM makes its own cache when called with use_cache and none given: take the one it returns
+        cache = getattr(output, "past_key_values", None)
+        state.cache = cache if cache is not None else state.cache
         if self.cut_layers and state.cache is not None:
             records += self._cut(state, views)
         if records:

@@ -483,3 +483,24 @@ def test_unpatch_removes_every_llm_hook(deep_llava, single):
         after = model(**single).logits
     assert hook_count() == hooks
     assert pruned.shape[1] < before.shape[1] and torch.equal(after, before)
+
+
+def test_a_manual_decoding_loop_equals_generate(deep_llava, single):
+    """model(...) with the cache it returned, step by step, gives generate's logits after a pruned prefill
+    (MustDrop: the prompt shrinks before the LLM, by the merge, and again inside it); a step whose mask does not
+    cover the prompt fails clearly."""
+    model, _ = deep_llava
+    methods = [vtoken.MustDrop(layers=(1, 3), global_thr=0.0025, individual_thr=0.02)]
+    with vtoken.patched(model, methods), torch.no_grad():
+        want = model.generate(**single, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True).logits  # fmt: skip
+        out = model(**single, use_cache=True)
+        logits, cache, mask = [out.logits[:, -1]], out.past_key_values, single["attention_mask"]
+        for _ in range(3):
+            token = logits[-1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+        with pytest.raises(vtoken.InputError, match="attention_mask covering"):
+            model(input_ids=token, attention_mask=mask[:, :-3], past_key_values=cache, use_cache=True)
+    assert (torch.stack(logits) - torch.stack(want)).abs().max() <= 1e-4
