@@ -35,20 +35,6 @@ CHECK = textwrap.dedent(
 )
 
 
-def test_row_probs_kernel_matches_reference_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", CHECK.format(device="cpu")], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "kernel ok" in result.stdout
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_row_probs_kernel_matches_reference_on_cuda():
-    exec(CHECK.format(device="cuda"), {})
-
-
 CHECK_ROWS = textwrap.dedent(
     """
     import torch
@@ -74,16 +60,19 @@ CHECK_ROWS = textwrap.dedent(
     """
 )
 
+CHECKS = {"row_probs": CHECK, "causal_rows": CHECK_ROWS}
 
-def test_causal_rows_kernel_matches_reference_under_interpreter():
+
+@pytest.mark.parametrize("kernel", CHECKS)
+def test_kernel_matches_reference_under_interpreter(kernel):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", CHECK_ROWS.format(device="cpu")], env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, "-c", CHECKS[kernel].format(device="cpu")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kernel ok" in result.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_causal_rows_kernel_matches_reference_on_cuda():
-    exec(CHECK_ROWS.format(device="cuda"), {})
+@pytest.mark.parametrize("kernel", CHECKS)
+def test_kernel_matches_reference_on_cuda(kernel):
+    exec(CHECKS[kernel].format(device="cuda"), {})
