@@ -266,7 +266,7 @@ def question_set(split: str, count: int, start: int = 0) -> list[tuple[int, Ques
 
 def vocabulary() -> list[str]:
     """Every word a question, answer or caption uses (the tokenizer's vocabulary, special tokens aside)."""
-    words = {"USER", "ASSISTANT", ":", "?", ",", ".", "sign", "small", "large", "yes", "no"}
+    words = {"USER", "ASSISTANT", ":", "?", ",", ".", "sign", "small", "large", "yes", "no", "Describe", "image"}
     words |= set(COLOURS) | set(SHAPES) | {f"{k}s" for k in SHAPES} | set(NUMBERS) | set(CHARACTERS)
     for position in POSITIONS:
         words |= set(position.split())
