@@ -1,6 +1,9 @@
 """Gradio demo: ask a question about an image, with and without visual-token reduction, and see what was kept.
 
-pip install -e ".[demo]" && python demo/app.py [--model tiny-llava] [--port 7860]
+pip install -e ".[demo]" && python demo/app.py [--model vtoken-mini] [--port 7860]
+
+The default model, vtoken-mini, is trained on generated scenes: it opens on one of them with its question, so the
+answer is checkable and the kept patches show whether the object that answers it survived.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import vtoken
 from vtoken.images import example_image
 from vtoken.overlay import kept_overlay, model_view
 from vtoken.records import summarize
-from vtoken.zoo import build_prompt, load
+from vtoken.zoo import MINI, build_prompt, load
+
+DEFAULT_QUESTION = "What is in the image?"
 
 
 def compare(model, processor, image, question: str, method: str, budget: float, max_new_tokens: int = 24) -> dict:
@@ -46,8 +51,20 @@ def compare(model, processor, image, question: str, method: str, budget: float, 
     return results
 
 
-def build_demo(model, processor):
+def starting_example(model_name: str) -> tuple:
+    """(image, question) the demo opens on: vtoken-mini's generated example, else the generic scene."""
+    if model_name == MINI:
+        from vtoken.mini import example
+
+        image, question, _ = example()
+        return image, question
+    return example_image(), DEFAULT_QUESTION
+
+
+def build_demo(model, processor, start: tuple | None = None):
     import gradio as gr
+
+    start_image, start_question = start or (example_image(), DEFAULT_QUESTION)
 
     def run(image, question, method, budget):
         r = compare(model, processor, image, question, method, budget)
@@ -64,8 +81,8 @@ def build_demo(model, processor):
         gr.Markdown("# vtoken: visual-token reduction, side by side")
         with gr.Row():
             with gr.Column():
-                image = gr.Image(type="pil", value=example_image(), label="image")
-                question = gr.Textbox(value="What is in the image?", label="question")
+                image = gr.Image(type="pil", value=start_image, label="image")
+                question = gr.Textbox(value=start_question, label="question")
                 method = gr.Dropdown(vtoken.available_methods(), value="fastervlm", label="method")
                 budget = gr.Slider(0.01, 1.0, value=0.25, step=0.01, label="budget (fraction of visual tokens kept)")
                 button = gr.Button("Run")
@@ -80,11 +97,11 @@ def build_demo(model, processor):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="tiny-llava")
+    parser.add_argument("--model", default=MINI)
     parser.add_argument("--port", type=int, default=7860)
     args = parser.parse_args()
     model, processor = load(args.model)
-    build_demo(model, processor).launch(server_name="127.0.0.1", server_port=args.port)
+    build_demo(model, processor, starting_example(args.model)).launch(server_name="127.0.0.1", server_port=args.port)
 
 
 if __name__ == "__main__":

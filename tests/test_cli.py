@@ -16,6 +16,8 @@ def test_run_on_builtin_tiny_model_with_an_image_file(tmp_path, capsys):
     code = main(
         [
             "run",
+            "--model",
+            "tiny-llava",
             "--image",
             str(path),
             "--method",
@@ -36,6 +38,21 @@ def test_run_on_builtin_tiny_model_with_an_image_file(tmp_path, capsys):
     assert "time to first token: unpatched" in out and "answer (patched)" in out
 
 
+def test_default_is_vtoken_mini_on_its_generated_example(capsys):
+    """With no arguments: the shipped trained model, a generated scene and its question, the expected answer
+    (from the drawing parameters) beside the model's, and a map of the patches FasterVLM kept at 25 %."""
+    from vtoken.mini import example
+
+    _, question, answer = example()
+    assert main(["run", "--repeats", "1", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "vtoken-mini" in out and question in out and "visual tokens: 144 -> 36 (25.0% kept)" in out
+    assert f"expected answer:    {answer!r}" in out
+    assert f"answer (unpatched): {answer!r}" in out  # the example is one the shipped model answers right
+    grid = [line.strip() for line in out.split("'#' kept):")[1].strip().splitlines()[:12]]
+    assert all(len(row) == 12 and set(row) <= {"#", "."} for row in grid) and "".join(grid).count("#") == 36
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -51,7 +68,7 @@ def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
 
 
 def test_count_budget_is_parsed_as_a_count(capsys):
-    assert quick_run("--method", "pool", "--budget", "29") == 0
+    assert quick_run("--model", "tiny-llava", "--method", "pool", "--budget", "29") == 0
     assert "576 -> 29 (5.0% kept)" in capsys.readouterr().out
 
 

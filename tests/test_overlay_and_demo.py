@@ -51,3 +51,17 @@ def test_demo_compare_on_other_families():
         image = __import__("vtoken.images", fromlist=["example_image"]).example_image(300)
         result = compare(model, processor, image, "what?", "random", 0.25, max_new_tokens=2)
         assert result["overlay"].size[0] > 0 and "kept" in result["summary"]
+
+
+def test_demo_opens_on_vtoken_minis_example():
+    from app import compare, starting_example
+
+    from vtoken.mini import example
+    from vtoken.zoo import load
+
+    model, processor = load("vtoken-mini")
+    image, question = starting_example("vtoken-mini")
+    assert question == example()[1]
+    result = compare(model, processor, image, question, "fastervlm", 0.25, max_new_tokens=3)
+    assert result["unpatched"]["answer"] == example()[2]  # the answer the scene was drawn with
+    assert result["overlay"].size == (192, 192) and "144 -> 36" in result["summary"]

@@ -14,7 +14,9 @@ from . import api
 from .errors import VTokenError
 from .images import example_image, load_image, load_video
 from .registry import METHODS, available_methods, supported_models
-from .zoo import TINY_MODELS, build_prompt, load
+from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
+
+DEFAULT_PROMPT = "What is in the image?"
 
 
 def parse_budget(text: str) -> float | int:
@@ -69,14 +71,38 @@ def llm_tokens(records) -> tuple[int, int]:
     return tokens_in, sum(r.tokens_out for r in records if r.stage == stages[-1])
 
 
+def kept_map(record) -> str:
+    """A text picture of one crop's token grid: '#' kept, '.' dropped (rows of the grid, raster order)."""
+    rows, cols = record.grid
+    kept = set(record.kept.tolist())
+    return "\n".join("  " + "".join("#" if r * cols + c in kept else "." for c in range(cols)) for r in range(rows))
+
+
+def _example(args: argparse.Namespace) -> tuple:
+    """(image, question, expected answer or None) when no image/video is given: vtoken-mini's generated scene
+    and its question, else the generic example scene."""
+    if args.model == MINI:
+        from .mini import example
+
+        image, question, answer = example()
+        return image, args.prompt or question, answer if args.prompt in (None, question) else None
+    return example_image(), args.prompt or DEFAULT_PROMPT, None
+
+
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model, processor = load(args.model, dtype=args.dtype, device=args.device)
+    expected = None
     if args.video:
         visual = {"videos": [load_video(args.video, args.frames)]}
+        args.prompt = args.prompt or DEFAULT_PROMPT
         prompt = build_prompt(processor, args.prompt, num_images=0, num_videos=1)
     else:
-        visual = {"images": [load_image(args.image) if args.image else example_image()]}
+        if args.image:
+            image, args.prompt = load_image(args.image), args.prompt or DEFAULT_PROMPT
+        else:
+            image, args.prompt, expected = _example(args)
+        visual = {"images": [image]}
         prompt = build_prompt(processor, args.prompt)
     inputs = processor(text=[prompt], return_tensors="pt", **visual).to(model.device)
     for key, value in inputs.items():  # pixels in the model's dtype
@@ -104,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"answer (unpatched): {base_answer!r}")
     print(f"answer (patched):   {answer!r}")
+    if expected is not None:
+        print(f"expected answer:    {expected!r} (from the scene's drawing parameters)")
+    encoder = [r for r in records if r.stage == "encoder"]
+    if len(encoder) == 1 and encoder[0].kept is not None:
+        print(f"kept tokens ({'x'.join(map(str, encoder[0].grid))} grid, '#' kept):\n{kept_map(encoder[0])}")
     if args.model in TINY_MODELS:
         print("note: built-in tiny models have random weights, so their answers are noise by design")
     return 0
@@ -113,7 +144,7 @@ def list_all(args: argparse.Namespace) -> int:
     print("methods:", ", ".join(available_methods()))
     for family, classes in supported_models().items():
         print(f"model family {family}: {', '.join(classes)}")
-    print("built-in models:", ", ".join(TINY_MODELS))
+    print("built-in models:", ", ".join(BUILTIN_MODELS))
     return 0
 
 
@@ -121,15 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtoken", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="answer a prompt about an image, unpatched and patched, and compare")
-    p.add_argument(
-        "--model", default="tiny-llava", help=f"built-in ({', '.join(TINY_MODELS)}), checkpoint dir or hub id"
-    )
+    p.add_argument("--model", default=MINI, help=f"built-in ({', '.join(BUILTIN_MODELS)}), checkpoint dir or hub id")
     p.add_argument("--method", default="fastervlm", help=f"one of: {', '.join(available_methods())}")
     p.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0.25) or tokens per crop (144)")
-    p.add_argument("--image", default=None, help="image file (default: a generated example scene)")
+    p.add_argument("--image", default=None, help="image file (default: a generated example scene and its question)")
     p.add_argument("--video", default=None, help="video file (GIF; MP4 and others with PyAV) instead of an image")
     p.add_argument("--frames", type=int, default=8, help="frames sampled uniformly from --video")
-    p.add_argument("--prompt", default="What is in the image?")
+    p.add_argument("--prompt", default=None, help=f"question (default: the example's own, else {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median reported)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")

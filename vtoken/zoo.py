@@ -367,25 +367,33 @@ TINY_MODELS: dict[str, Callable] = {
 }
 
 
+MINI = "vtoken-mini"  # the trained model shipped in the package (vtoken/mini/weights)
+BUILTIN_MODELS = (MINI, *TINY_MODELS)
+
+
 def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | None = None, **kwargs):
-    """(model, processor) for a built-in tiny name, a local checkpoint directory or a hub id.
+    """(model, processor) for a built-in name (vtoken-mini or a tiny one), a local checkpoint directory or a hub id.
 
     Checkpoints load through `AutoModelForImageTextToText` / `AutoProcessor`, the path users take.
     """
-    if name_or_path in TINY_MODELS:
+    if name_or_path == MINI:
+        from .mini.model import load as load_mini
+
+        model, processor = load_mini()
+    elif name_or_path in TINY_MODELS:
         model, processor = TINY_MODELS[name_or_path]()
     else:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         if not Path(name_or_path).exists() and "/" not in name_or_path:
             raise VTokenError(
-                f"model {name_or_path!r} is neither a built-in tiny model ({', '.join(TINY_MODELS)}), "
+                f"model {name_or_path!r} is neither a built-in tiny model ({', '.join(BUILTIN_MODELS)}), "
                 "a local checkpoint directory nor a hub id (owner/name)"
             )
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype or "auto", **kwargs).eval()
         processor = AutoProcessor.from_pretrained(name_or_path)
         remember_tokenizer(model, processor)
-    if dtype is not None and name_or_path in TINY_MODELS:
+    if dtype is not None and name_or_path in BUILTIN_MODELS:
         model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     if device is not None:
         model = model.to(device)

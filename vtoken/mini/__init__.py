@@ -10,8 +10,9 @@ from PIL import Image
 
 from . import vqa
 
-# the CLI's and demo's default example: a test scene whose question is about one small object
-EXAMPLE = ("test", 4, "colour")
+# the CLI's and demo's default example: a test scene whose question is about one small shape, chosen among
+# those the shipped model answers right unpatched and with FasterVLM at 25 % (it is under-trained: see tests)
+EXAMPLE = ("test", 9, "colour")
 
 
 def example() -> tuple[Image.Image, str, str]:
