@@ -2,9 +2,10 @@
 
 Stage (a): a tiny CLIP (the vision tower + a small text tower) trained contrastively on image/caption pairs, so
 the tower's [CLS] attention means something (LLaVA-style training never sends a gradient to the [CLS] row of the
-feature layer). Stage (b): projector + Llama trained on visual QA (loss on answer tokens only), the tower tuned at
-a lower learning rate. Every image has five questions; they are packed as one multi-turn conversation per image
-(as LLaVA's data is), so one image encoding teaches five answers.
+feature layer), plus dense per-patch heads (colour, shape, glyph) on the feature layer. Stage (b): the tower
+frozen, projector + Llama trained on visual QA (loss on answer tokens only). Every image's five questions are
+packed as one multi-turn conversation (as LLaVA's data is), closed by a caption turn, so one image encoding
+teaches about 30 answer tokens.
 
     python -m vtoken.mini.train --seed 0 --out vtoken/mini/weights
 
