@@ -32,8 +32,9 @@ class Result:
 @torch.inference_mode()
 def evaluate(model, processor, pairs: list[tuple[int, vqa.Question]], split: str = "test", batch: int = 50) -> Result:
     """Greedy answers (up to 3 new tokens) to `pairs` of (scene index in `split`, question), `batch` at a time;
-    an answer is right when it equals the one-word answer exactly. If the model is patched by vtoken, the kept
-    tokens of every image are recorded too."""
+    an answer is right when its first word is the one-word answer (a model shown fewer tokens than it was trained
+    on may not stop after the word: that is scored by the word, not by the stop). If the model is patched by
+    vtoken, the kept tokens of every image are recorded too."""
     import vtoken
 
     from ..zoo import build_prompt
@@ -53,8 +54,9 @@ def evaluate(model, processor, pairs: list[tuple[int, vqa.Question]], split: str
                 records[r.image] = r
         for row, ((_, q), text) in enumerate(zip(chunk, texts, strict=True)):
             result.kinds.append(q.kind)
-            result.answers.append(text.strip())
-            result.correct.append(text.strip() == q.answer)
+            word = (text.split() or [""])[0]
+            result.answers.append(word)
+            result.correct.append(word == q.answer)
             record = records.get(row)
             result.kept.append(None if record is None or record.kept is None else [int(k) for k in record.kept])
             visual = int((inputs["input_ids"][row] == model.config.image_token_id).sum())
