@@ -420,23 +420,27 @@ class Adapter:
         if self._in_generate:  # generate already works on the shrunk prompt
             self._note_visual(kwargs)
             return None
+        kwargs = self._forward_kwargs(kwargs)
+        self._note_visual(kwargs)
+        return (), kwargs
+
+    def _forward_kwargs(self, kwargs: dict) -> dict:
+        """What the stock forward of a plain `model(...)` call gets: the shrunk prompt and pre-encoded features,
+        a decoding step mapped onto the shrunk prompt, or the call unchanged."""
         if not self.present(kwargs):
             continued = self._continue_decoding(kwargs)
             if continued is None:
                 self.records, self._last_prompt = [], None
-            self._note_visual(kwargs)
-            return (), continued or kwargs
+            return continued or kwargs
         if self.encoder_method is None:  # LLM stages only: the stock encoder runs
             self.records, self._last_prompt, self._protected = [], None, None
-            self._note_visual(kwargs)
-            return (), kwargs
+            return kwargs
         original_len = kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else None
         caller_mask = kwargs.get("attention_mask")
         kwargs, changed = self.prepare(kwargs)
         shrunk = (kwargs["input_ids"].shape[1], kwargs.get("attention_mask"))
         self._last_prompt = (original_len, caller_mask, *shrunk) if changed else None
-        self._note_visual(kwargs)
-        return (), kwargs
+        return kwargs
 
     def _continue_decoding(self, kwargs: dict) -> dict | None:
         """Map a manual decoding step after a pruned `model(...)` call onto the shrunk prompt.

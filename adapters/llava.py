@@ -96,20 +96,9 @@ class LlavaAdapter(Adapter):
         vision_feature_select_strategy: str | None = None,
         tower: Any = None,
         with_cls: bool = False,
-        groups: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
-        [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need.
-
-        A method that merges inside the tower (MustDrop) decides how many tokens merge per image, so images are
-        run one by one (`groups`: crops per image, default one each) and the features padded to the longest:
-        `self.merged_valid` [C, N'] then marks the real ones."""
-        if "tower_merge" in self.encoder_method.requires:
-            return self._merged_vision_tokens(crops, vision_feature_layer, vision_feature_select_strategy, groups)
-        return self._plain_vision_tokens(crops, vision_feature_layer, vision_feature_select_strategy, tower, with_cls)
-
-    def _plain_vision_tokens(self, crops, vision_feature_layer, vision_feature_select_strategy, tower=None,
-                             with_cls=False):  # fmt: skip
+        [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need."""
         tower = tower or self.tower
         strategy = vision_feature_select_strategy or self.model.config.vision_feature_select_strategy
         if strategy != "default":
@@ -136,9 +125,16 @@ class LlavaAdapter(Adapter):
         signals = {name: (lambda probe=probe: probe.scores) for name, probe in probes.items()}
         return features, signals
 
-    merged_valid: torch.Tensor | None = None
-
-    def _merged_vision_tokens(self, crops, vision_feature_layer, vision_feature_select_strategy, groups):
+    def merged_vision_tokens(
+        self,
+        crops: torch.Tensor,
+        vision_feature_layer: Any,
+        vision_feature_select_strategy: str | None,
+        groups: list[int],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """`vision_tokens` for a method that merges inside the tower (MustDrop): it decides how many tokens merge
+        per image, so images are run one by one (`groups`: crops per image) and their features padded to the
+        longest. Returns features [C, N', Dv], signals [C, N'] and which tokens are real [C, N']."""
         method = self.encoder_method
         merge_layer = self.tower.encoder.layers[method.merge_after_layer]
 
@@ -149,8 +145,8 @@ class LlavaAdapter(Adapter):
         parts, scores = [], {}
         hook = merge_layer.register_forward_hook(merge)
         try:
-            for image_crops in crops.split(groups or [1] * crops.shape[0]):
-                features, signals = self._plain_vision_tokens(
+            for image_crops in crops.split(groups):
+                features, signals = self.vision_tokens(
                     image_crops, vision_feature_layer, vision_feature_select_strategy
                 )
                 parts.append(features)
@@ -165,9 +161,36 @@ class LlavaAdapter(Adapter):
             return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
                               for t in tensors])  # fmt: skip
 
-        lengths = torch.tensor(lengths, device=crops.device)
-        self.merged_valid = torch.arange(width, device=crops.device)[None] < lengths[:, None]
-        return padded(parts), {name: padded(values) for name, values in scores.items()}
+        valid = torch.arange(width, device=crops.device)[None] < torch.tensor(lengths, device=crops.device)[:, None]
+        return padded(parts), {name: padded(values) for name, values in scores.items()}, valid
+
+    def encode_merged(
+        self,
+        crops: torch.Tensor,
+        vision_feature_layer: Any,
+        vision_feature_select_strategy: str | None,
+        groups: list[int],
+    ) -> EncodedImages:
+        """Encode with a method that merges inside the tower: every crop's merged tokens, the crops of an image
+        concatenated flat (base view first for anyres, MustDrop's official packing), the key set per crop."""
+        features, signals, valid = self.merged_vision_tokens(
+            crops, vision_feature_layer, vision_feature_select_strategy, groups
+        )
+        image_index = torch.arange(len(groups)).repeat_interleave(torch.tensor(groups))
+        crop_index = [c for n in groups for c in range(n)]
+        tokens = VisualTokens(features, (1, features.shape[1]), signals, image_index, valid,
+                              torch.tensor(crop_index))  # fmt: skip
+        selection, timer = self.select(tokens)
+        records = self.merge_records(self.crop_records(tokens, selection, timer, crop_index), selection)
+        embeds = self.kept_embeddings(tokens, selection)
+        counts = selection.counts_per_crop()
+        per_image, protected, first = [], [], 0
+        for n in groups:
+            crops_of_image = range(first, first + n)
+            first += n
+            per_image.append(torch.cat([embeds[c] for c in crops_of_image]))
+            protected.append(torch.cat([selection.protected[c, : counts[c]] for c in crops_of_image]))
+        return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records, protected)
 
     def encode(
         self,
@@ -177,23 +200,20 @@ class LlavaAdapter(Adapter):
         vision_feature_select_strategy: str | None = None,
         image_sizes: Any = None,
     ) -> EncodedImages:
+        if "tower_merge" in self.encoder_method.requires:
+            groups = [1] * pixel_values.shape[0]
+            return self.encode_merged(pixel_values, vision_feature_layer, vision_feature_select_strategy, groups)
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         num_images = features.shape[0]
-        valid, grid = None, self.grid
+        valid = None
         if getattr(self.encoder_method, "excludes_pad_border", False):
             valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(features.device)
-        if "tower_merge" in self.encoder_method.requires:  # merged tokens: a sequence, no longer a grid
-            valid, grid = self.merged_valid, (1, features.shape[1])
-        tokens = VisualTokens(features, grid, signals, torch.arange(num_images), valid)
+        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid)
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
         keep_offsets = [selection.offsets_of(i) for i in range(num_images)]
         records = self.crop_records(tokens, selection, timer, [0] * num_images)
-        protected = None
-        if selection.protected is not None:
-            protected = [selection.protected[i, : len(k)] for i, k in enumerate(keep_offsets)]
-            records = self.merge_records(records, selection)
-        return EncodedImages(embeds, keep_offsets, records, protected)
+        return EncodedImages(embeds, keep_offsets, records)
 
     def merge_records(self, records: list[Record], selection: Selection) -> list[Record]:
         """A merging method's crop records as two stages: "encoder.merge" (N -> N') and "encoder.keyset" (the

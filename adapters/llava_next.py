@@ -145,12 +145,10 @@ class LlavaNextAdapter(LlavaAdapter):
         layouts = self._layouts(pixel_values, image_sizes)
         if pixel_values.dim() == 5:
             pixel_values = torch.cat([p[: lay.num_crops] for p, lay in zip(pixel_values, layouts, strict=True)])
-        groups = [layout.num_crops for layout in layouts]
-        features, signals = self.vision_tokens(
-            pixel_values, vision_feature_layer, vision_feature_select_strategy, groups=groups
-        )
-        if "tower_merge" in self.encoder_method.requires:
-            return self._encode_merged(features, signals, groups)
+        if "tower_merge" in self.encoder_method.requires:  # MustDrop's official packing: crops flat
+            groups = [layout.num_crops for layout in layouts]
+            return self.encode_merged(pixel_values, vision_feature_layer, vision_feature_select_strategy, groups)
+        features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         device = features.device
         height, width = self.grid
 
@@ -208,25 +206,6 @@ class LlavaNextAdapter(LlavaAdapter):
                 sub = _raster_with_newlines(keys, sub, layout.cols * width, newline)
             per_image.append(torch.cat([base, sub]))
         return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)
-
-    def _encode_merged(self, features: torch.Tensor, signals: dict, groups: list[int]) -> EncodedImages:
-        """MustDrop's official packing: every crop's merged tokens (base view first), concatenated flat, no
-        unpadding and no newlines; the key set is chosen per crop."""
-        image_index = torch.arange(len(groups)).repeat_interleave(torch.tensor(groups))
-        crop_index = [c for n in groups for c in range(n)]
-        tokens = VisualTokens(features, (1, features.shape[1]), signals, image_index, self.merged_valid,
-                              torch.tensor(crop_index))  # fmt: skip
-        selection, timer = self.select(tokens)
-        records = self.merge_records(self.crop_records(tokens, selection, timer, crop_index), selection)
-        embeds = self.kept_embeddings(tokens, selection)
-        counts = selection.counts_per_crop()
-        per_image, protected, first = [], [], 0
-        for n in groups:
-            crops = range(first, first + n)
-            first += n
-            per_image.append(torch.cat([embeds[c] for c in crops]))
-            protected.append(torch.cat([selection.protected[c, : counts[c]] for c in crops]))
-        return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records, protected)
 
 
 def _raster_with_newlines(keys: torch.Tensor, embeds: torch.Tensor, row_length: int, newline: torch.Tensor):

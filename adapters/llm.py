@@ -407,19 +407,18 @@ class LanguageModelStages:
         """Cut the caches of `cut_layers` to the visual tokens in the final view (output-aware KV cut)."""
         final = state.view
         before = sum(state.views[i].visual.sum(1) for i in self.cut_layers)
-        cut_views: dict[int, LayerView] = {}
+        cut_views: dict[int, tuple[LayerView, torch.Tensor]] = {}  # per view held: its cut view, final's slots
         for index in self.cut_layers:
             held = state.views[index]
             if id(held) not in cut_views:
-                cut_views[id(held)] = LayerView(final.column, final.mask, final.positions, final.visual,
-                                                final.protected, held.lost)  # fmt: skip
-            slots = held.slots_of(final)
+                cut = LayerView(final.column, final.mask, final.positions, final.visual, final.protected, held.lost)
+                cut_views[id(held)] = cut, held.slots_of(final)
+            views[index], slots = cut_views[id(held)]
             layer_cache = state.cache.layers[index]
             for name in ("keys", "values"):
                 tensor = getattr(layer_cache, name)
                 index_ = slots.clamp(min=0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
                 setattr(layer_cache, name, tensor.gather(2, index_))
-            views[index] = cut_views[id(held)]
         after = final.visual.sum(1) * len(self.cut_layers)
         lengths = [v.mask.sum(1) if v is not None else state.views[0].mask.sum(1) for v in views]
         lengths = torch.stack(lengths, dim=1).tolist()  # [B, layers] real tokens each layer's cache holds

@@ -13,7 +13,7 @@ import torch
 from . import api
 from .errors import VTokenError
 from .images import example_image, load_image, load_video
-from .registry import METHODS, available_methods, supported_models
+from .registry import available_methods, method_class, supported_models
 from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
 
 DEFAULT_PROMPT = "What is in the image?"
@@ -52,7 +52,7 @@ def _answer(model, processor, inputs, max_new_tokens: int) -> str:
 
 def method_params(name: str, budget: float | int) -> dict:
     """What `--budget` sets on a method: its `budget`, FastV's `keep`; MustDrop's knobs are its thresholds."""
-    method = METHODS.get(name.lower().replace("-", "").replace("_", ""))
+    method = method_class(name)
     if method is None:  # patch names the unknown method and the known ones
         return {"budget": budget}
     accepted = {f.name for f in fields(method)}

@@ -38,10 +38,14 @@ def supported_models() -> dict[str, list[str]]:
     return {a.family: list(a.model_classes) for a in ADAPTERS}
 
 
+def method_class(name: str) -> type[Method] | None:
+    """The registered method class of `name` (case, '-' and '_' ignored), or None."""
+    return METHODS.get(name.lower().replace("-", "").replace("_", "")) if isinstance(name, str) else None
+
+
 def make_method(name: str, **params: Any) -> Method:
     """Instantiate a registered method by name."""
-    key = name.lower().replace("-", "").replace("_", "") if isinstance(name, str) else name
-    cls = METHODS.get(key)
+    cls = method_class(name)
     if cls is None:
         raise UnknownMethodError(f"unknown method {name!r}; available methods: {', '.join(available_methods())}")
     accepted = [f.name for f in fields(cls) if f.init]

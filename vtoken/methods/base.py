@@ -73,6 +73,13 @@ def topk_per_crop(scores: torch.Tensor, counts: list[int]) -> Selection:
     return Selection(kept=kept, counts=counts)
 
 
+def topk_mask(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[C, N] bool: row c marks its top `counts[c]` entries of `scores` [C, N] (invalid entries at -inf)."""
+    kept = topk_per_crop(scores, counts).kept  # padded with N past each row's count
+    mask = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.bool, device=scores.device)
+    return mask.scatter(1, kept, True)[:, :-1]
+
+
 @dataclass
 class ScoreMethod(EncoderMethod):
     """Keep the top-k tokens of each crop by `score`, in ascending (original) order."""

@@ -17,7 +17,7 @@ from ..budget import Budget, check_budget, tokens_to_keep
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import LayerTokens
-from .base import PrefillMethod
+from .base import PrefillMethod, topk_mask
 
 POSITIONS = ("original", "renumber")
 
@@ -51,9 +51,4 @@ class FastV(PrefillMethod):
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
-        counts = [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts]
-        width = max(max(counts), 1)
-        top = scores.topk(min(width, scores.shape[1]), dim=-1).indices
-        ranked = torch.arange(top.shape[1], device=top.device) < torch.tensor(counts, device=top.device)[:, None]
-        mask = torch.zeros_like(tokens.valid)
-        return mask.scatter(1, top, ranked)
+        return topk_mask(scores, [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts])

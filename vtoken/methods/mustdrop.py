@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import LayerTokens, Selection, VisualTokens
-from .base import PrefillMethod
+from .base import PrefillMethod, topk_mask
 
 POSITIONS = ("renumber", "original")
 
@@ -141,10 +141,8 @@ class MustDrop(PrefillMethod):
         scores = tokens.signals["cls_attention@-1"].float()  # [C, N'] (crops of other images: padded)
         valid = tokens.valid if tokens.valid is not None else torch.ones_like(scores, dtype=torch.bool)
         lengths = valid.sum(1)
-        counts = torch.ceil(self.key_rate * lengths.double()).long()
-        top = scores.masked_fill(~valid, float("-inf")).topk(int(counts.max()), dim=1).indices
-        ranked = torch.arange(top.shape[1], device=top.device) < counts[:, None]
-        protected = torch.zeros_like(valid).scatter(1, top, ranked)
+        counts = torch.ceil(self.key_rate * lengths.double()).long().tolist()
+        protected = topk_mask(scores.masked_fill(~valid, float("-inf")), counts)
         kept = torch.arange(tokens.num_tokens, device=scores.device).expand(tokens.num_crops, -1)
         if tokens.valid is None:
             return Selection(kept=kept, protected=protected)
