@@ -68,7 +68,8 @@ def test_answers_are_right_by_construction(split, index):
     by_colour = {s.colour: s for s in scene.shapes}
     asked = vqa.questions(scene)
     assert [q.kind for q in asked] == list(vqa.QUESTION_TYPES)
-    for q in asked:
+    more = [q for seed in range(4) for q in vqa.questions(scene, np.random.default_rng(seed))]  # training draws
+    for q in asked + more:
         words = q.text.rstrip("?").split()
         position = next((p for p in sorted(vqa.POSITIONS, key=len, reverse=True) if q.text.endswith(f" {p}?")), None)
         if q.kind == "colour":
@@ -105,3 +106,13 @@ def test_question_set_is_balanced():
     assert {k: sum(q.kind == k for _, q in pairs) for k in vqa.QUESTION_TYPES} == dict.fromkeys(vqa.QUESTION_TYPES, 40)
     yes = [q.answer == "yes" for i in range(300) for q in vqa.questions(vqa.scene("train", i)) if q.kind == "presence"]
     assert 0.35 < np.mean(yes) < 0.65  # no constant-answer shortcut
+
+
+@pytest.mark.parametrize("split", list(vqa.SPLITS))
+def test_sign_covers_one_aligned_2x2_block_of_patches_in_its_cell(split):
+    for index in range(60):
+        scene = vqa.scene(split, index)
+        covered = np.nonzero(vqa.patch_coverage(scene)[-1])[0]
+        rows, cols = sorted({int(p) // 12 for p in covered}), sorted({int(p) % 12 for p in covered})
+        assert len(covered) == 4 and rows[1] == rows[0] + 1 and cols[1] == cols[0] + 1
+        assert {(r // 4) * 3 + c // 4 for r in rows for c in cols} == {scene.sign.cell}

@@ -6,6 +6,8 @@ pixels, `questions(scene)` one question of every type. No files, no network.
 The image is a 3 x 3 grid of named cells ("top left" ... "bottom right"); every object sits inside its own cell,
 so a position names at most one object. Small objects cover one to four 16-px patches of the 192-px image, so
 the answer to most questions lives in a handful of visual tokens: a method that drops them loses the answer.
+The sign sits on a 2 x 2 block of patches (aligned to the 16-px grid), so reading it needs exactly those four
+tokens, and a tiny tower need not learn to reassemble glyphs cut at every possible offset.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "orange": (250, 135, 20),
 }
 SHAPES = ("circle", "square", "triangle", "diamond")
-POSITIONS = ("top left", "top", "top right", "left", "centre", "right", "bottom left", "bottom", "bottom right")
+# a row word and a column word (the centre aside): "top" alone would mean the top row's middle cell, a name
+# a small model must learn is not "top" of "top left"
+POSITIONS = ("top left", "top middle", "top right", "middle left", "centre", "middle right", "bottom left",
+             "bottom middle", "bottom right")  # fmt: skip
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six")
 SMALL, LARGE = (14, 20), (28, 44)  # object side in pixels: small ~ 1-4 patches, large ~ 4-9 patches
 
@@ -85,7 +90,7 @@ class Sign:
     x: int
     y: int
     scale: int
-    margin: int = 3
+    margin: int = 2
 
     @property
     def box(self) -> tuple[int, int, int, int]:
@@ -133,10 +138,20 @@ def scene(split: str, index: int) -> Scene:
         shapes.append(Shape(str(rng.choice(SHAPES)), str(colour), size, int(cell), x, y))
     scale = int(rng.integers(3, 5))
     char = str(rng.choice(CHARACTERS))
-    x, y = _place(rng, int(cells[-1]), 5 * scale + 6, 7 * scale + 6)
+    x, y = place_sign(rng, int(cells[-1]), scale)
     tint = tuple(int(v) for v in rng.integers(70, 170, 3))
     background = str(rng.choice(("noise", "stripes", "blotches")))
     return Scene((SPLITS[split], index), background, tint, tuple(shapes), Sign(char, int(cells[-1]), x, y, scale))
+
+
+def place_sign(rng: np.random.Generator, cell: int, scale: int, margin: int = Sign.margin) -> tuple[int, int]:
+    """Top-left corner of a sign whose glyph (scale 3 or 4) is centred on a random 2 x 2 block of 16-px patches
+    inside `cell`; its tile (glyph + `margin`) stays inside the block."""
+    row, col = divmod(cell, 3)
+    block_x, block_y = (int(v) for v in rng.integers(0, CELL // 16 - 1, 2))
+    glyph_x = col * CELL + 16 * block_x + (32 - 5 * scale) // 2
+    glyph_y = row * CELL + 16 * block_y + (32 - 7 * scale) // 2
+    return glyph_x - margin, glyph_y - margin
 
 
 def _place(rng: np.random.Generator, cell: int, width: int, height: int) -> tuple[int, int]:
@@ -184,13 +199,18 @@ def render(scene: Scene) -> Image.Image:
     draw = ImageDraw.Draw(image)
     for s in scene.shapes:
         _draw(draw, s, COLOURS[s.colour])
-    sign = scene.sign
-    draw.rectangle([sign.box[0], sign.box[1], sign.box[2] - 1, sign.box[3] - 1], fill=(245, 245, 245))
-    glyph = np.kron(GLYPHS[sign.char], np.ones((sign.scale, sign.scale), dtype=bool))
     pixels = np.asarray(image).copy()
-    gx, gy = sign.x + sign.margin, sign.y + sign.margin
-    pixels[gy : gy + glyph.shape[0], gx : gx + glyph.shape[1]][glyph] = (15, 15, 15)
+    paint_sign(pixels, scene.sign)
     return Image.fromarray(pixels)
+
+
+def paint_sign(pixels: np.ndarray, sign: Sign) -> None:
+    """Paint `sign` (white tile, black glyph) into `pixels` [H, W, 3] uint8 in place."""
+    x0, y0, x1, y1 = sign.box
+    pixels[y0:y1, x0:x1] = 245
+    glyph = np.kron(GLYPHS[sign.char], np.ones((sign.scale, sign.scale), dtype=bool))
+    gx, gy = sign.x + sign.margin, sign.y + sign.margin
+    pixels[gy : gy + glyph.shape[0], gx : gx + glyph.shape[1]][glyph] = 15
 
 
 def object_map(scene: Scene) -> np.ndarray:
@@ -213,9 +233,10 @@ def patch_coverage(scene: Scene, patch: int = 16) -> np.ndarray:
     return np.stack([(blocks == i + 1).mean(1) for i in range(len(scene.shapes) + 1)])
 
 
-def questions(scene: Scene) -> list[Question]:
-    """One question of every type in QUESTION_TYPES order, drawn from the scene's own seed."""
-    rng = np.random.default_rng([*scene.seed, 11])
+def questions(scene: Scene, rng: np.random.Generator | None = None) -> list[Question]:
+    """One question of every type in QUESTION_TYPES order, drawn from the scene's own seed (or from `rng`:
+    training draws several sets per image)."""
+    rng = np.random.default_rng([*scene.seed, 11]) if rng is None else rng
     by_cell = {s.cell: i for i, s in enumerate(scene.shapes)}
     i = int(rng.integers(len(scene.shapes)))
     target = scene.shapes[i]
@@ -241,11 +262,13 @@ def questions(scene: Scene) -> list[Question]:
     return [colour, shape, count, presence, read]
 
 
-def caption(scene: Scene) -> str:
-    """A caption naming every object, its size, colour and cell, in raster order (for contrastive pretraining)."""
+def caption(scene: Scene, extra_signs: tuple[Sign, ...] = ()) -> str:
+    """A caption naming every object, its size, colour and cell, in raster order (for contrastive pretraining);
+    `extra_signs`: signs painted into empty cells on top of the scene (stage (a) training images)."""
     parts = {s.cell: f"{'small' if s.size <= SMALL[1] else 'large'} {s.colour} {s.kind} {POSITIONS[s.cell]}"
              for s in scene.shapes}  # fmt: skip
-    parts[scene.sign.cell] = f"sign {scene.sign.char} {POSITIONS[scene.sign.cell]}"
+    for sign in (scene.sign, *extra_signs):
+        parts[sign.cell] = f"sign {sign.char} {POSITIONS[sign.cell]}"
     return " , ".join(parts[c] for c in sorted(parts)) + " ."
 
 
