@@ -1,9 +1,10 @@
 """The shipped vtoken-mini: a stock LLaVA-1.5 checkpoint inside the package, loaded offline, scored on a fixed
 200-question test slice, and a FasterVLM retention number on it (thresholds live in the benchmark).
 
-Honest status: the shipped model reaches 0.365 on this slice (colour 0.55, the other types at their answer
-prior); the issue's target is 0.9. The thresholds below pin what it does (above the majority-answer baseline,
-colour well above it); the 0.9 target is an expected failure until a better-trained model ships.
+Honest status: the shipped model finds objects by cell or colour and reads what they are (colour 1.0, read 1.0,
+shape 0.825 on this slice) but counts and checks presence at about its answer prior (0.475, 0.45): 0.75 overall,
+short of the issue's 0.9. The thresholds below pin what it does, each well above the majority-answer baseline of
+its type; the 0.9 target is an expected failure until a better-trained model ships.
 """
 
 from collections import Counter
@@ -19,8 +20,8 @@ from vtoken.zoo import build_prompt
 
 SLICE = vqa.question_set("test", 200)  # 40 questions of each type, 200 different images
 TARGET = 0.9  # the issue's goal
-MIN_ACCURACY = 0.35  # the shipped model: 0.365
-MIN_COLOUR = 0.45  # the shipped model: 0.55; chance 1/6, majority answer 0.275 on this slice
+MIN_ACCURACY = 0.7  # the shipped model: 0.75
+MIN_BY_TYPE = {"colour": 0.9, "read": 0.9, "shape": 0.7}  # the shipped model: 1.0, 1.0, 0.825; majority < 0.35
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,11 @@ def test_unpruned_accuracy_on_the_test_slice(unpruned):
     print("unpruned accuracy:", {k: round(v, 3) for k, v in accuracy.items()})
     assert set(unpruned.answers) <= set(vqa.vocabulary())  # one-word answers from the task's own vocabulary
     assert accuracy["all"] >= max(MIN_ACCURACY, majority_baseline())
-    assert accuracy["colour"] >= max(MIN_COLOUR, majority_baseline("colour") + 0.15)  # it reads the image
+    for kind, least in MIN_BY_TYPE.items():  # it reads the image
+        assert accuracy[kind] >= max(least, majority_baseline(kind) + 0.3), kind
 
 
-@pytest.mark.xfail(reason="the shipped vtoken-mini is under-trained (0.365); see the module docstring", strict=False)
+@pytest.mark.xfail(reason="the shipped vtoken-mini scores 0.75; see the module docstring", strict=False)
 def test_unpruned_accuracy_reaches_the_target(unpruned):
     assert unpruned.accuracy()["all"] >= TARGET
 
