@@ -50,7 +50,6 @@ def test_patch_labels_match_the_drawing(index):
             shape = scene.shapes[owner.argmax()]
             assert list(vqa.COLOURS)[int(labels["colour"][patch]) - 1] == shape.colour
             assert vqa.SHAPES[int(labels["shape"][patch]) - 1] == shape.kind
-            assert labels["count"][patch] == [s.kind for s in scene.shapes].count(shape.kind)
             assert labels["char"][patch] == 0
     centres = torch.nonzero(labels["centre"]).flatten().tolist()
     assert sorted(3 * int(labels["row"][p]) + int(labels["column"][p]) for p in centres) == sorted(
@@ -74,7 +73,7 @@ def test_dense_loss_averages_each_head_over_its_own_patches():
                 shape = int(targets["shape"][b, p])
                 is_shape = 0 < shape <= len(vqa.SHAPES)
                 keep = {"shape": shape > 0, "char": int(targets["char"][b, p]) > 0,
-                        "centre": is_shape, "count": is_shape}.get(k, True)  # fmt: skip
+                        "centre": is_shape}.get(k, True)  # fmt: skip
                 if keep:
                     logits = heads[k](patches[b, p])
                     losses.append(-torch.log_softmax(logits, -1)[int(targets[k][b, p])])

@@ -73,7 +73,6 @@ PATCH_HEADS = {
     "row": 3,
     "column": 3,
     "centre": 2,
-    "count": len(vqa.NUMBERS),
 }
 SIDE = vqa.IMAGE_SIZE // 16  # patches per side
 CELL_OF_PATCH = np.array([(p // SIDE) // (SIDE // 3) * 3 + (p % SIDE) // (SIDE // 3) for p in range(SIDE * SIDE)])
@@ -85,8 +84,7 @@ def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
     Every patch of an object gets the whole object's label, so the tower must spread what an object is over
     all its patches (its interior alone cannot tell a large square from a large circle). row / column: of the
     named 3 x 3 cell the patch lies in (questions name cells by row and column); centre: 1 on the patch holding
-    a shape's centre (one token per object); count: on a shape's patches, how many shapes of its kind the image
-    holds (what a count question reads off any one of them)."""
+    a shape's centre (one token per object, what counting needs)."""
     coverage = vqa.patch_coverage(scene)
     owner = np.where(coverage.max(0) >= 0.2, coverage.argmax(0), -1)
     sign = len(scene.shapes)
@@ -99,7 +97,6 @@ def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
         elif o >= 0:
             labels["colour"][p] = 1 + colours.index(scene.shapes[o].colour)
             labels["shape"][p] = 1 + kinds.index(scene.shapes[o].kind)
-            labels["count"][p] = sum(s.kind == scene.shapes[o].kind for s in scene.shapes)
     labels["row"][:], labels["column"][:] = CELL_OF_PATCH // 3, CELL_OF_PATCH % 3
     for s in scene.shapes:
         x, y = s.centre
@@ -109,13 +106,12 @@ def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
 
 def dense_loss(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum of the heads' cross-entropies, each over the patches its label is about: colour (0 = background) and
-    row/column on every patch, shape on objects' patches, char on the sign's, centre and count on shapes'. Over every
+    row/column on every patch, shape on objects' patches, char on the sign's, centre on shapes' patches. Over every
     patch, the background's label swamps the few patches that name a glyph or a shape, and the tower never
     learns them."""
     objects = targets["shape"] > 0
     where = {"colour": None, "row": None, "column": None, "shape": objects, "char": targets["char"] > 0,
              "centre": objects & (targets["shape"] <= len(vqa.SHAPES))}  # fmt: skip
-    where["count"] = where["centre"]
     total = patches.new_zeros(())
     for k in PATCH_HEADS:
         logits, labels = heads[k](patches), targets[k]
