@@ -58,7 +58,7 @@ def test_default_is_vtoken_mini_on_its_generated_example(capsys):
     [
         (["--budget", "1.5"], "outside (0, 1]"),
         (["--method", "nope"], "unknown method 'nope'"),
-        (["--model", "nope"], "neither a built-in tiny model"),
+        (["--model", "nope"], "neither a built-in model"),
         (["--image", "/no/such/file.png"], "cannot read image"),
     ],
 )

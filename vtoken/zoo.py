@@ -387,7 +387,7 @@ def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str 
 
         if not Path(name_or_path).exists() and "/" not in name_or_path:
             raise VTokenError(
-                f"model {name_or_path!r} is neither a built-in tiny model ({', '.join(BUILTIN_MODELS)}), "
+                f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
                 "a local checkpoint directory nor a hub id (owner/name)"
             )
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype or "auto", **kwargs).eval()

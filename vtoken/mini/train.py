@@ -75,7 +75,8 @@ PATCH_HEADS = {
     "centre": 2,
 }
 SIDE = vqa.IMAGE_SIZE // 16  # patches per side
-CELL_OF_PATCH = np.array([(p // SIDE) // (SIDE // 3) * 3 + (p % SIDE) // (SIDE // 3) for p in range(SIDE * SIDE)])
+# the row and column of the 3 x 3 cell each patch (raster order) lies in
+ROW_OF_PATCH, COLUMN_OF_PATCH = np.array(np.divmod(np.arange(SIDE * SIDE), SIDE)) // (SIDE // 3)
 
 
 def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
@@ -92,16 +93,22 @@ def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
     labels = {k: np.zeros(coverage.shape[1], dtype=np.int64) for k in PATCH_HEADS}
     for p, o in enumerate(owner):
         if o == sign:
-            labels["colour"][p], labels["shape"][p] = len(colours) + 1, len(kinds) + 1
-            labels["char"][p] = 1 + vqa.CHARACTERS.index(scene.sign.char)
+            mark_sign(labels, p, scene.sign)
         elif o >= 0:
             labels["colour"][p] = 1 + colours.index(scene.shapes[o].colour)
             labels["shape"][p] = 1 + kinds.index(scene.shapes[o].kind)
-    labels["row"][:], labels["column"][:] = CELL_OF_PATCH // 3, CELL_OF_PATCH % 3
+    labels["row"][:], labels["column"][:] = ROW_OF_PATCH, COLUMN_OF_PATCH
     for s in scene.shapes:
         x, y = s.centre
         labels["centre"][(y // 16) * SIDE + x // 16] = 1
     return {k: torch.from_numpy(v) for k, v in labels.items()}
+
+
+def mark_sign(labels: dict, where, sign: vqa.Sign) -> None:
+    """Label the patches `where` (index or mask) as `sign`'s: colour and shape 'sign' (one past the palette and
+    the kinds), char its glyph."""
+    labels["colour"][where], labels["shape"][where] = len(vqa.COLOURS) + 1, len(vqa.SHAPES) + 1
+    labels["char"][where] = 1 + vqa.CHARACTERS.index(sign.char)
 
 
 def dense_loss(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -154,11 +161,9 @@ def stage_a_sample(scene: vqa.Scene) -> tuple[Image.Image, dict[str, torch.Tenso
     labels = patch_labels(scene)
     for sign in signs:
         vqa.paint_sign(pixels, sign)
-        box = np.zeros((vqa.IMAGE_SIZE, vqa.IMAGE_SIZE))
-        box[sign.box[1] : sign.box[3], sign.box[0] : sign.box[2]] = 1
-        covered = torch.from_numpy(box.reshape(SIDE, 16, SIDE, 16).mean((1, 3)).ravel() >= 0.2)
-        labels["colour"][covered], labels["shape"][covered] = len(vqa.COLOURS) + 1, len(vqa.SHAPES) + 1
-        labels["char"][covered] = 1 + vqa.CHARACTERS.index(sign.char)
+        box = np.zeros((vqa.IMAGE_SIZE, vqa.IMAGE_SIZE), dtype=bool)
+        box[sign.box[1] : sign.box[3], sign.box[0] : sign.box[2]] = True
+        mark_sign(labels, torch.from_numpy(vqa.patch_share(box) >= 0.2), sign)
     return Image.fromarray(pixels), labels, vqa.caption(scene, signs)
 
 
@@ -257,13 +262,14 @@ def qa_batch(tokenizer, processor, indices: list[int], rng: np.random.Generator,
     random order, then a caption turn (LLaVA's stage-1 "describe the image" data): ~25 more answer tokens that
     each need the image; last, so no question can copy its answer from the caption. The 144 visual tokens are
     most of a row's cost, so more questions per image is more signal per second."""
-    image_tokens = (vqa.IMAGE_SIZE // 16) ** 2
+    image_tokens = SIDE * SIDE
     images, ids, labels = [], [], []
     for index in indices:
         scene = vqa.scene("train", index)
         image, turns = vqa.render(scene), vqa.questions(scene)
         for _ in range(draws - 1):
-            turns += [q for q in vqa.questions(scene, rng) if q.text not in {t.text for t in turns}]
+            asked = {t.text for t in turns}
+            turns += [q for q in vqa.questions(scene, rng) if q.text not in asked]
         turns = [turns[i] for i in rng.permutation(len(turns))]
         turns.append(vqa.Question("caption", CAPTION_PROMPT, vqa.caption(scene)))
         row_ids, row_labels = conversation(tokenizer, image_tokens, turns)
@@ -283,7 +289,7 @@ def qa_batch(tokenizer, processor, indices: list[int], rng: np.random.Generator,
 def validate(model, tokenizer, processor, count: int = 250) -> dict[str, float]:
     """Teacher-forced single-turn accuracy per question type on the first `count` validation questions."""
     model.eval()
-    image_tokens = (vqa.IMAGE_SIZE // 16) ** 2
+    image_tokens = SIDE * SIDE
     pairs = vqa.question_set("validation", count)
     right: dict[str, list[bool]] = {k: [] for k in vqa.QUESTION_TYPES}
     for start in range(0, count, 50):

@@ -228,9 +228,13 @@ def patch_coverage(scene: Scene, patch: int = 16) -> np.ndarray:
     """[objects, (H/patch)^2] share of every patch (raster order, as the vision tower emits them) that each
     object covers; row `len(scene.shapes)` is the sign."""
     labels = object_map(scene)
-    side = IMAGE_SIZE // patch
-    blocks = labels.reshape(side, patch, side, patch).transpose(0, 2, 1, 3).reshape(side * side, patch * patch)
-    return np.stack([(blocks == i + 1).mean(1) for i in range(len(scene.shapes) + 1)])
+    return np.stack([patch_share(labels == i + 1, patch) for i in range(len(scene.shapes) + 1)])
+
+
+def patch_share(mask: np.ndarray, patch: int = 16) -> np.ndarray:
+    """[(H/patch)^2] share of every patch (raster order) that the [H, W] bool `mask` covers."""
+    side = mask.shape[0] // patch
+    return mask.reshape(side, patch, side, patch).mean((1, 3)).ravel()
 
 
 def questions(scene: Scene, rng: np.random.Generator | None = None) -> list[Question]:
