@@ -55,17 +55,26 @@ def test_patch_labels_match_the_drawing(index):
     assert sorted(3 * int(labels["row"][p]) + int(labels["column"][p]) for p in centres) == sorted(
         s.cell for s in scene.shapes
     )
+    kind_in_cell = {s.cell: s.kind for s in scene.shapes}
     for p in centres:
         assert objects[(p // 12) * 16 : (p // 12 + 1) * 16, (p % 12) * 16 : (p % 12 + 1) * 16].max() > 0
+        cell = 3 * int(labels["row"][p]) + int(labels["column"][p])
+        assert vqa.SHAPES[int(labels["centre"][p]) - 1] == kind_in_cell[cell]
+    assert labels["count"].tolist() == [[s.kind for s in scene.shapes].count(k) for k in vqa.SHAPES]
 
 
 def test_dense_loss_averages_each_head_over_its_own_patches():
     torch.manual_seed(0)
     heads = torch.nn.ModuleDict({k: torch.nn.Linear(8, n) for k, n in train.PATCH_HEADS.items()})
+    heads["count"] = torch.nn.Linear(8, len(vqa.SHAPES) * len(vqa.NUMBERS))
     patches = torch.randn(2, 144, 8)
     labels = [train.patch_labels(vqa.scene("train", i)) for i in range(2)]
-    targets = {k: torch.stack([x[k] for x in labels]) for k in train.PATCH_HEADS}
-    expected = 0.0
+    targets = {k: torch.stack([x[k] for x in labels]) for k in [*train.PATCH_HEADS, "count"]}
+    counts = []  # the count head reads the image's mean patch: one loss per image and kind
+    for b in range(2):
+        logits = heads["count"](patches[b].mean(0)).reshape(len(vqa.SHAPES), len(vqa.NUMBERS))
+        counts += [-torch.log_softmax(logits[k], -1)[int(targets["count"][b, k])] for k in range(len(vqa.SHAPES))]
+    expected = torch.stack(counts).mean()
     for k in train.PATCH_HEADS:  # one patch at a time
         losses = []
         for b in range(2):

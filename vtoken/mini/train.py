@@ -3,7 +3,8 @@
 Stage (a): a tiny CLIP (the vision tower + a small text tower) trained contrastively on image/caption pairs, so
 the tower's [CLS] attention means something (LLaVA-style training never sends a gradient to the [CLS] row of the
 feature layer), plus dense per-patch heads on the feature layer (the object's colour, shape and glyph, the row
-and column of its cell, a shape's centre patch), so what the questions ask is in the patch tokens the LLM reads.
+and column of its cell, a shape's kind on its centre patch) and a count head on the mean patch token, so what
+the questions ask is in the patch tokens the LLM reads.
 Three things make that learnable in minutes: a PCA-whitened patch embedding at the start, each head's loss over
 only the patches it is about, and extra signs in empty cells (more glyphs per image). Stage (b): the tower
 frozen, projector + Llama trained on visual QA (loss on answer tokens only). Every image's questions (three draws
@@ -11,7 +12,7 @@ of the five types) are packed as one multi-turn conversation (as LLaVA's data is
 
     python -m vtoken.mini.train --seed 0 --out vtoken/mini/weights
 
-One thread by design (a shared 2-core machine); the shipped run's settings and timings are in
+Two threads by default (the whole of a 2-core machine: ~70 min); the shipped run's settings and timings are in
 vtoken/mini/weights/training.json.
 """
 
@@ -72,20 +73,24 @@ PATCH_HEADS = {
     "char": 1 + len(vqa.CHARACTERS),
     "row": 3,
     "column": 3,
-    "centre": 2,
+    "centre": 1 + len(vqa.SHAPES),
 }
+# image-level head on the mean of the patch tokens: how many shapes of each kind (0..6)
+COUNT_HEAD = (len(vqa.SHAPES), len(vqa.NUMBERS))
 SIDE = vqa.IMAGE_SIZE // 16  # patches per side
 # the row and column of the 3 x 3 cell each patch (raster order) lies in
 ROW_OF_PATCH, COLUMN_OF_PATCH = np.array(np.divmod(np.arange(SIDE * SIDE), SIDE)) // (SIDE // 3)
 
 
 def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
-    """[144] class per patch for each dense head. colour/shape/char name the object covering most of the patch
-    (>= 20 %), else 0: colour 1..6 palette, 7 the sign; shape 1..4 kinds, 5 the sign; char 1..16 on the sign.
-    Every patch of an object gets the whole object's label, so the tower must spread what an object is over
-    all its patches (its interior alone cannot tell a large square from a large circle). row / column: of the
-    named 3 x 3 cell the patch lies in (questions name cells by row and column); centre: 1 on the patch holding
-    a shape's centre (one token per object, what counting needs)."""
+    """[144] class per patch for each dense head, and "count": [4] shapes of each kind in the image.
+
+    colour/shape/char name the object covering most of the patch (>= 20 %), else 0: colour 1..6 palette, 7 the
+    sign; shape 1..4 kinds, 5 the sign; char 1..16 on the sign. Every patch of an object gets the whole object's
+    label, so the tower must spread what an object is over all its patches (its interior alone cannot tell a
+    large square from a large circle). row / column: of the named 3 x 3 cell the patch lies in (questions name
+    cells by row and column); centre: the kind (1..4) on the patch holding a shape's centre, 0 elsewhere: one
+    token per object that says what it is, so a count of a kind is a sum over tokens, not an area."""
     coverage = vqa.patch_coverage(scene)
     owner = np.where(coverage.max(0) >= 0.2, coverage.argmax(0), -1)
     sign = len(scene.shapes)
@@ -100,7 +105,8 @@ def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
     labels["row"][:], labels["column"][:] = ROW_OF_PATCH, COLUMN_OF_PATCH
     for s in scene.shapes:
         x, y = s.centre
-        labels["centre"][(y // 16) * SIDE + x // 16] = 1
+        labels["centre"][(y // 16) * SIDE + x // 16] = 1 + kinds.index(s.kind)
+    labels["count"] = np.array([sum(s.kind == k for s in scene.shapes) for k in kinds], dtype=np.int64)
     return {k: torch.from_numpy(v) for k, v in labels.items()}
 
 
@@ -113,13 +119,16 @@ def mark_sign(labels: dict, where, sign: vqa.Sign) -> None:
 
 def dense_loss(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum of the heads' cross-entropies, each over the patches its label is about: colour (0 = background) and
-    row/column on every patch, shape on objects' patches, char on the sign's, centre on shapes' patches. Over every
+    row/column on every patch, shape on objects' patches, char on the sign's, centre on shapes' patches; plus the
+    count head's on the mean patch token [B, D] (4 kinds, 7 classes each: what an LLM attention head spread evenly
+    over the image tokens reads). Over every
     patch, the background's label swamps the few patches that name a glyph or a shape, and the tower never
     learns them."""
     objects = targets["shape"] > 0
     where = {"colour": None, "row": None, "column": None, "shape": objects, "char": targets["char"] > 0,
              "centre": objects & (targets["shape"] <= len(vqa.SHAPES))}  # fmt: skip
-    total = patches.new_zeros(())
+    count_logits = heads["count"](patches.mean(1)).unflatten(-1, COUNT_HEAD)  # [B, 4, 7]
+    total = torch.nn.functional.cross_entropy(count_logits.flatten(0, 1), targets["count"].flatten())
     for k in PATCH_HEADS:
         logits, labels = heads[k](patches), targets[k]
         if where[k] is not None:
@@ -135,6 +144,8 @@ def dense_accuracy(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor
         guess, truth = heads[k](patches).argmax(-1), targets[k]
         where = truth >= 0 if k in ("row", "column") else truth > 0
         out[k] = float((guess[where] == truth[where]).float().mean())
+    guess = heads["count"](patches.mean(1)).unflatten(-1, COUNT_HEAD).argmax(-1)
+    out["count"] = float((guess == targets["count"]).float().mean())
     return out
 
 
@@ -176,7 +187,7 @@ def caption_batch(tokenizer, processor, indices: list[int]) -> dict[str, torch.T
         "input_ids": input_ids,
         "attention_mask": (input_ids != tokenizer.pad_token_id).long(),
         "pixel_values": pixel_values([image for image, _, _ in samples], processor),
-        "patch_labels": {k: torch.stack([x[k] for x in labels]) for k in PATCH_HEADS},
+        "patch_labels": {k: torch.stack([x[k] for x in labels]) for k in [*PATCH_HEADS, "count"]},
     }
 
 
@@ -209,6 +220,7 @@ def train_clip(args, tokenizer, processor) -> dict[str, torch.Tensor]:
     width = VISION["hidden_size"]
     heads = torch.nn.ModuleDict({k: torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, n))
                                  for k, n in PATCH_HEADS.items()})  # fmt: skip
+    heads["count"] = torch.nn.Linear(width, math.prod(COUNT_HEAD))  # no norm: a count is a magnitude
     params = [*model.parameters(), *heads.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.clip_lr, weight_decay=0.05)
     held_out = caption_batch(tokenizer, processor, list(range(30_000_000, 30_000_064)))
@@ -377,13 +389,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clip-steps", type=int, default=600)
     parser.add_argument("--clip-batch", type=int, default=32)
     parser.add_argument("--clip-lr", type=float, default=1e-3)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--draws", type=int, default=3, help="question sets per training image")
     parser.add_argument("--tower-lr-scale", type=float, default=0.0)
-    parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eval-every", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--stage-a", type=Path, default=None, help="stage (a) tower file: saved, or reused if present")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
