@@ -120,15 +120,13 @@ def mark_sign(labels: dict, where, sign: vqa.Sign) -> None:
 def dense_loss(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum of the heads' cross-entropies, each over the patches its label is about: colour (0 = background) and
     row/column on every patch, shape on objects' patches, char on the sign's, centre on shapes' patches; plus the
-    count head's on the mean patch token [B, D] (4 kinds, 7 classes each: what an LLM attention head spread evenly
-    over the image tokens reads). Over every
-    patch, the background's label swamps the few patches that name a glyph or a shape, and the tower never
-    learns them."""
+    count head's (`count_logits`). Over every patch, the background's label swamps the few patches that name a
+    glyph or a shape, and the tower never learns them."""
     objects = targets["shape"] > 0
     where = {"colour": None, "row": None, "column": None, "shape": objects, "char": targets["char"] > 0,
              "centre": objects & (targets["shape"] <= len(vqa.SHAPES))}  # fmt: skip
-    count_logits = heads["count"](patches.mean(1)).unflatten(-1, COUNT_HEAD)  # [B, 4, 7]
-    total = torch.nn.functional.cross_entropy(count_logits.flatten(0, 1), targets["count"].flatten())
+    counts = count_logits(heads, patches)
+    total = torch.nn.functional.cross_entropy(counts.flatten(0, 1), targets["count"].flatten())
     for k in PATCH_HEADS:
         logits, labels = heads[k](patches), targets[k]
         if where[k] is not None:
@@ -137,14 +135,21 @@ def dense_loss(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor]) -
     return total
 
 
+def count_logits(heads, patches: torch.Tensor) -> torch.Tensor:
+    """[B, 4, 7] the count head's logits (kind, count 0..6) from the mean of `patches` [B, N, D]: what an LLM
+    attention head spread evenly over the image tokens reads."""
+    return heads["count"](patches.mean(1)).unflatten(-1, COUNT_HEAD)
+
+
 def dense_accuracy(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per head, accuracy on the patches its label is about (an object's, the centre's; all for row/column)."""
+    """Per head, accuracy on the patches its label is about (an object's, the centre's; all for row/column);
+    count: over images and kinds."""
     out = {}
     for k in PATCH_HEADS:
         guess, truth = heads[k](patches).argmax(-1), targets[k]
         where = truth >= 0 if k in ("row", "column") else truth > 0
         out[k] = float((guess[where] == truth[where]).float().mean())
-    guess = heads["count"](patches.mean(1)).unflatten(-1, COUNT_HEAD).argmax(-1)
+    guess = count_logits(heads, patches).argmax(-1)
     out["count"] = float((guess == targets["count"]).float().mean())
     return out
 
