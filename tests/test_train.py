@@ -61,20 +61,31 @@ def test_patch_labels_match_the_drawing(index):
         cell = 3 * int(labels["row"][p]) + int(labels["column"][p])
         assert vqa.SHAPES[int(labels["centre"][p]) - 1] == kind_in_cell[cell]
     assert labels["count"].tolist() == [[s.kind for s in scene.shapes].count(k) for k in vqa.SHAPES]
+    # density: each shape's pixels per patch over its pixel count, summed per kind (so a kind sums to its count)
+    pixels = np.stack(
+        [(objects == i + 1).reshape(12, 16, 12, 16).sum((1, 3)).ravel() for i in range(len(scene.shapes))]
+    )
+    for k, kind in enumerate(vqa.SHAPES):
+        mine = [i for i, s in enumerate(scene.shapes) if s.kind == kind]
+        expected = sum((pixels[i] / pixels[i].sum() for i in mine), np.zeros(144))
+        assert np.allclose(labels["density"][:, k].numpy(), expected, atol=1e-6)
+        assert abs(float(labels["density"][:, k].sum()) - len(mine)) < 1e-4
 
 
 def test_dense_loss_averages_each_head_over_its_own_patches():
     torch.manual_seed(0)
     heads = torch.nn.ModuleDict({k: torch.nn.Linear(8, n) for k, n in train.PATCH_HEADS.items()})
-    heads["count"] = torch.nn.Linear(8, len(vqa.SHAPES) * len(vqa.NUMBERS))
+    heads["density"] = torch.nn.Linear(8, len(vqa.SHAPES))
     patches = torch.randn(2, 144, 8)
     labels = [train.patch_labels(vqa.scene("train", i)) for i in range(2)]
-    targets = {k: torch.stack([x[k] for x in labels]) for k in [*train.PATCH_HEADS, "count"]}
-    counts = []  # the count head reads the image's mean patch: one loss per image and kind
+    targets = {k: torch.stack([x[k] for x in labels]) for k in [*train.PATCH_HEADS, "density"]}
+    errors = []  # the density head: squared error summed over an image's patches, one term per image and kind
     for b in range(2):
-        logits = heads["count"](patches[b].mean(0)).reshape(len(vqa.SHAPES), len(vqa.NUMBERS))
-        counts += [-torch.log_softmax(logits[k], -1)[int(targets["count"][b, k])] for k in range(len(vqa.SHAPES))]
-    expected = torch.stack(counts).mean()
+        for k in range(len(vqa.SHAPES)):
+            errors.append(
+                sum((heads["density"](patches[b, p])[k] - targets["density"][b, p, k]) ** 2 for p in range(144))
+            )
+    expected = train.DENSITY_WEIGHT * torch.stack(errors).mean()
     for k in train.PATCH_HEADS:  # one patch at a time
         losses = []
         for b in range(2):
@@ -101,6 +112,7 @@ def test_qa_conversation_supervises_only_answers(tokenizer, processor):
     assert len(asked) == len(set(asked)) > 5 and asked[-1] == "Describe the image ."
     draws = [q for seed in range(50) for q in vqa.questions(scene, np.random.default_rng(seed))]
     truth = {q.text.replace("?", " ?"): q.answer for q in draws}
+    truth |= {q: answer_from_drawing(scene, q) for q in asked if q.startswith(("How many", "Is there"))}
     supervised = [a.strip() for a in tokenizer.decode([t for t in labels if t != -100]).split("</s>")]
     assert supervised[:-2] == [truth[q] for q in asked[:-1]]
     assert supervised[-2] == vqa.caption(scene) and supervised[-1] == ""
@@ -108,6 +120,15 @@ def test_qa_conversation_supervises_only_answers(tokenizer, processor):
     first = processor(images=[vqa.render(scene)], text=[build_prompt(processor, asked[0].replace(" ?", "?"))])
     prompt = list(first["input_ids"][0])
     assert ids[: len(prompt)] == prompt and all(x == -100 for x in labels[: len(prompt)])
+
+
+def answer_from_drawing(scene: vqa.Scene, text: str) -> str:
+    """The answer to a count or presence question's text, read off the scene's shapes."""
+    words = text.rstrip(" ?").split()
+    if words[0] == "How":  # How many <kind>s are there
+        return vqa.NUMBERS[sum(s.kind + "s" == words[2] for s in scene.shapes)]
+    kind, cell = words[3], vqa.POSITIONS.index(" ".join(words[6:]))  # Is there a <kind> at the <position>
+    return "yes" if any(s.cell == cell and s.kind == kind for s in scene.shapes) else "no"
 
 
 def test_training_script_runs_end_to_end_and_loads(tmp_path):
