@@ -84,7 +84,7 @@ ROW_OF_PATCH, COLUMN_OF_PATCH = np.array(np.divmod(np.arange(SIDE * SIDE), SIDE)
 
 
 def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
-    """[144] class per patch for each dense head, "density": [144, 4] float, and "count": [4] shapes of each kind.
+    """[144] class per patch for each dense head, and "density": [144, 4] float.
 
     colour/shape/char name the object covering most of the patch (>= 20 %), else 0: colour 1..6 palette, 7 the
     sign; shape 1..4 kinds, 5 the sign; char 1..16 on the sign. Every patch of an object gets the whole object's
@@ -109,7 +109,6 @@ def patch_labels(scene: vqa.Scene) -> dict[str, torch.Tensor]:
     for s in scene.shapes:
         x, y = s.centre
         labels["centre"][(y // 16) * SIDE + x // 16] = 1 + kinds.index(s.kind)
-    labels["count"] = np.array([sum(s.kind == k for s in scene.shapes) for k in kinds], dtype=np.int64)
     labels["density"] = np.zeros((coverage.shape[1], len(kinds)), dtype=np.float32)
     for i, s in enumerate(scene.shapes):
         labels["density"][:, kinds.index(s.kind)] += coverage[i] / coverage[i].sum()
@@ -152,8 +151,8 @@ def dense_accuracy(heads, patches: torch.Tensor, targets: dict[str, torch.Tensor
         guess, truth = heads[k](patches).argmax(-1), targets[k]
         where = truth >= 0 if k in ("row", "column") else truth > 0
         out[k] = float((guess[where] == truth[where]).float().mean())
-    guess = heads["density"](patches).sum(1).round()
-    out["count"] = float((guess == targets["count"]).float().mean())
+    guess, truth = heads["density"](patches).sum(1).round(), targets["density"].sum(1).round()
+    out["count"] = float((guess == truth).float().mean())
     return out
 
 
@@ -195,7 +194,7 @@ def caption_batch(tokenizer, processor, indices: list[int]) -> dict[str, torch.T
         "input_ids": input_ids,
         "attention_mask": (input_ids != tokenizer.pad_token_id).long(),
         "pixel_values": pixel_values([image for image, _, _ in samples], processor),
-        "patch_labels": {k: torch.stack([x[k] for x in labels]) for k in [*PATCH_HEADS, "count", "density"]},
+        "patch_labels": {k: torch.stack([x[k] for x in labels]) for k in [*PATCH_HEADS, "density"]},
     }
 
 
@@ -283,9 +282,9 @@ def conversation(tokenizer, image_tokens: int, turns: list[vqa.Question]) -> tup
 
 def qa_batch(tokenizer, processor, indices: list[int], rng: np.random.Generator, draws: int = 3):
     """One conversation per image: `draws` question sets of the scene (duplicates dropped, ~12 questions) in
-    random order, then a caption turn (LLaVA's stage-1 "describe the image" data):
-    ~25 more answer tokens that each need the image; last, so no question can copy its answer from the caption.
-    The 144 visual tokens are most of a row's cost, so more questions per image is more signal per second."""
+    random order, then a caption turn (LLaVA's stage-1 "describe the image" data): ~25 more answer tokens that
+    each need the image; last, so no question can copy its answer from the caption. The 144 visual tokens are
+    most of a row's cost, so more questions per image is more signal per second."""
     image_tokens = SIDE * SIDE
     images, ids, labels = [], [], []
     for index in indices:

@@ -249,7 +249,9 @@ def questions(scene: Scene, rng: np.random.Generator | None = None) -> list[Ques
     target = scene.shapes[i]
     shape = Question("shape", f"What shape is the {target.colour} object?", target.kind, (i,))
     present = sorted({s.kind for s in scene.shapes})
-    count = count_question(scene, str(rng.choice(present)) if rng.random() < 0.8 else str(rng.choice(SHAPES)))
+    kind = str(rng.choice(present)) if rng.random() < 0.8 else str(rng.choice(SHAPES))
+    matches = tuple(i for i, s in enumerate(scene.shapes) if s.kind == kind)
+    count = Question("count", f"How many {kind}s are there?", NUMBERS[len(matches)], matches)
     if rng.random() < 0.5:  # yes: a shape named by its true kind
         target = scene.shapes[int(rng.integers(len(scene.shapes)))]
         cell, kind = target.cell, target.kind
@@ -257,23 +259,11 @@ def questions(scene: Scene, rng: np.random.Generator | None = None) -> list[Ques
         cell = int(rng.integers(9))
         others = [k for k in SHAPES if cell not in by_cell or k != scene.shapes[by_cell[cell]].kind]
         kind = str(rng.choice(others))
-    presence = presence_question(scene, cell, kind)
+    answer = "yes" if cell in by_cell and scene.shapes[by_cell[cell]].kind == kind else "no"
+    presence = Question("presence", f"Is there a {kind} at the {POSITIONS[cell]}?", answer,
+                        (by_cell[cell],) if cell in by_cell else ())  # fmt: skip
     read = Question("read", "What is written on the sign?", scene.sign.char, (len(scene.shapes),))
     return [colour, shape, count, presence, read]
-
-
-def count_question(scene: Scene, kind: str) -> Question:
-    """'How many <kind>s are there?' about `scene`."""
-    matches = tuple(i for i, s in enumerate(scene.shapes) if s.kind == kind)
-    return Question("count", f"How many {kind}s are there?", NUMBERS[len(matches)], matches)
-
-
-def presence_question(scene: Scene, cell: int, kind: str) -> Question:
-    """'Is there a <kind> at the <cell>?' about `scene`."""
-    by_cell = {s.cell: i for i, s in enumerate(scene.shapes)}
-    answer = "yes" if cell in by_cell and scene.shapes[by_cell[cell]].kind == kind else "no"
-    return Question("presence", f"Is there a {kind} at the {POSITIONS[cell]}?", answer,
-                    (by_cell[cell],) if cell in by_cell else ())  # fmt: skip
 
 
 def caption(scene: Scene, extra_signs: tuple[Sign, ...] = ()) -> str:
