@@ -177,10 +177,16 @@ def test_bad_towers_layers_and_signals_are_named(tower):
 
 
 def test_unsupported_towers_and_towers_without_cls():
+    from open_clip.model import CLIP
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     with pytest.raises(vtoken.UnsupportedModelError, match="accepted: a timm VisionTransformer"):
         vtoken.encode(torch.nn.Linear(3, 3), pixels(1))
+    clip = CLIP(16, dict(image_size=IMAGE, patch_size=4, width=32, layers=1, head_width=8),
+                dict(context_length=8, vocab_size=64, width=32, heads=4, layers=1))  # fmt: skip
+    with pytest.raises(vtoken.UnsupportedModelError, match="pass its vision tower: `model.visual`"):
+        vtoken.encode(clip, pixels(1))
+    assert vtoken.encode(clip.visual, pixels(1), layer=0)[0].shape == (1, 64, 32)
     torch.manual_seed(0)
     no_cls = VisionTransformer(img_size=IMAGE, patch_size=4, embed_dim=32, depth=2, num_heads=4, class_token=False,
                                global_pool="avg", num_classes=0).eval()  # fmt: skip

@@ -12,6 +12,7 @@ SigLIP vision models.
 
 from __future__ import annotations
 
+import sys
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -322,26 +323,22 @@ class TransformersTower(Tower):
 
 
 def tower_of(module: Any) -> Tower:
-    """The `Tower` view of a supported vision tower, or an `UnsupportedModelError` naming what is accepted."""
-    try:
-        import timm.models.eva as timm_eva
-        import timm.models.vision_transformer as timm_vit
+    """The `Tower` view of a supported vision tower, or an `UnsupportedModelError` naming what is accepted.
 
-        if isinstance(module, (timm_vit.VisionTransformer, timm_eva.Eva)):
-            return TimmTower(module)
-    except ImportError:
-        pass
-    try:
-        import open_clip.transformer as oc
-
-        if isinstance(module, oc.VisionTransformer):
+    timm and open_clip are looked up only when already imported (a tower of theirs cannot exist otherwise), so
+    a transformers tower never pays for importing them.
+    """
+    timm_vit, timm_eva = sys.modules.get("timm.models.vision_transformer"), sys.modules.get("timm.models.eva")
+    if timm_vit is not None and isinstance(module, (timm_vit.VisionTransformer, timm_eva.Eva)):
+        return TimmTower(module)
+    open_clip = sys.modules.get("open_clip.transformer")
+    if open_clip is not None:
+        if isinstance(module, open_clip.VisionTransformer):
             return OpenClipTower(module)
-        if isinstance(getattr(module, "visual", None), oc.VisionTransformer):
+        if isinstance(getattr(module, "visual", None), open_clip.VisionTransformer):
             raise UnsupportedModelError(
                 f"{type(module).__name__} is a whole open_clip model; pass its vision tower: `model.visual`"
             )
-    except ImportError:
-        pass
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     vision = getattr(module, "vision_model", module)
     if model_type in TRANSFORMERS_TOWERS and hasattr(vision, "embeddings") and hasattr(vision, "encoder"):
