@@ -289,7 +289,8 @@ class OpenClipTower(Tower):
         return self.module(pixel_values)
 
     def tokens(self, output):
-        return output if self.module.transformer.batch_first else output.transpose(0, 1)
+        batch_first = getattr(self.module.transformer, "batch_first", False)  # older open_clip: always LND
+        return output if batch_first else output.transpose(0, 1)
 
     def row_probe(self, block):
         attention = getattr(self.blocks[block], "attn", None)
