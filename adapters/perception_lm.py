@@ -85,7 +85,7 @@ class PerceptionLMAdapter(Adapter):
         probe = None
         if "cls_attention" in self.encoder_method.requires:
             probe = TimmRowProbe(self.timm_model.blocks[-1].attn, 0, self.timm_model.num_prefix_tokens)
-            with probe.hooked():
+            with probe:
                 hidden = self.inner.vision_tower(tiles, return_dict=True).last_hidden_state
         else:
             hidden = self.inner.vision_tower(tiles, return_dict=True).last_hidden_state

@@ -12,8 +12,9 @@ SigLIP vision models.
 
 from __future__ import annotations
 
+import inspect
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -36,7 +37,8 @@ class _Captured(Exception):
 
 
 class AttentionRowProbe:
-    """Base: hooks on one attention module, installed by `hooked()`, giving the [CLS] query's row afterwards.
+    """Base: hooks on one attention module, installed while used as a context manager (and removed on exit,
+    also on error), giving the [CLS] query's row afterwards.
 
     Subclasses fill `self.query` [B, H, d] and `self.keys` [B, S, H, d] from their hooks and set `scale`.
     """
@@ -46,19 +48,19 @@ class AttentionRowProbe:
     def __init__(self) -> None:
         self.query: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None
+        self._handles: list = []
 
     def install(self) -> list[torch.utils.hooks.RemovableHandle]:
         raise NotImplementedError
 
-    @contextmanager
-    def hooked(self):
-        handles = []
-        try:
-            handles = self.install()
-            yield self
-        finally:  # never leave a hook behind, whatever the tower raised
-            for handle in handles:
-                handle.remove()
+    def __enter__(self) -> AttentionRowProbe:
+        self._handles = self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def probs(self) -> torch.Tensor:
         """[B, H, S] post-softmax attention of the [CLS] query over every key, float32."""
@@ -86,9 +88,13 @@ class TimmRowProbe(AttentionRowProbe):
         self.scale = float(getattr(attention, "scale", None) or attention.head_dim**-0.5)
         self.rope: torch.Tensor | None = None
         self._raw_keys: torch.Tensor | None = None
+        self._masked = False
 
     def _on_call(self, module, args, kwargs):
-        self.rope = kwargs.get("rope", args[1] if len(args) > 1 else None)
+        called = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        self.rope = called.get("rope")
+        if called.get("attn_mask") is not None or called.get("is_causal"):
+            self._masked = True
 
     def _on_query(self, module, args, output):
         self.query = output[:, :, self.cls_index]  # [B, H, d]
@@ -98,6 +104,7 @@ class TimmRowProbe(AttentionRowProbe):
 
     def install(self):
         self.query = self.keys = self.rope = self._raw_keys = None
+        self._masked = False
         return [
             self.attention.register_forward_pre_hook(self._on_call, with_kwargs=True),
             self.attention.q_norm.register_forward_hook(self._on_query),
@@ -105,6 +112,8 @@ class TimmRowProbe(AttentionRowProbe):
         ]
 
     def probs(self) -> torch.Tensor:
+        if self._masked:
+            raise VTokenError("cls_attention is computed for unmasked attention; this tower ran with an attn_mask")
         keys = self._raw_keys
         if keys is not None and self.keys is None:
             if self.rope is not None:
@@ -163,30 +172,6 @@ class MultiheadRowProbe(AttentionRowProbe):
         return super().probs()
 
 
-class ProjectionRowProbe(AttentionRowProbe):
-    """transformers CLIP/SigLIP attention: hooks on `q_proj` (the [CLS] row) and `k_proj` outputs."""
-
-    def __init__(self, attention: nn.Module, cls_index: int):
-        super().__init__()
-        self.attention = attention
-        self.cls_index = cls_index
-        self.heads, self.head_dim = attention.num_heads, attention.head_dim
-        self.scale = float(getattr(attention, "scale", self.head_dim**-0.5))
-
-    def _on_query(self, module, args, output):
-        self.query = output[:, self.cls_index].reshape(output.shape[0], self.heads, self.head_dim)
-
-    def _on_keys(self, module, args, output):
-        self.keys = output.reshape(*output.shape[:2], self.heads, self.head_dim)
-
-    def install(self):
-        self.query = self.keys = None
-        return [
-            self.attention.q_proj.register_forward_hook(self._on_query),
-            self.attention.k_proj.register_forward_hook(self._on_keys),
-        ]
-
-
 class Tower:
     """A vision tower seen as: a list of blocks, `num_prefix_tokens` tokens before the patches ([CLS] at
     `cls_index` or none), a way to run it, and a [CLS]-row probe per block."""
@@ -210,7 +195,8 @@ class Tower:
         """A block's output as [B, S, D]."""
         return output[0] if isinstance(output, tuple) else output
 
-    def row_probe(self, block: int) -> AttentionRowProbe:
+    def row_probe(self, block: int) -> Any:
+        """A context manager hooking block `block`'s attention, whose `probs()` is then [B, H, S]."""
         raise NotImplementedError
 
     def block_index(self, layer: int) -> int:
@@ -223,7 +209,7 @@ class Tower:
             )
         return layer % depth
 
-    def probe(self, block: int) -> AttentionRowProbe:
+    def probe(self, block: int) -> Any:
         if self.cls_index is None:
             raise MissingSignalError(
                 f"cls_attention needs a [CLS] token, and this {self.kind} tower has none ({type(self.module).__name__})"
@@ -245,7 +231,7 @@ class Tower:
 
         with ExitStack() as stack:
             for probe in probes:
-                stack.enter_context(probe.hooked())
+                stack.enter_context(probe)
             for index, hook in ((block, keep), (last, stop)):
                 stack.callback(self.blocks[index].register_forward_hook(hook).remove)
             try:
@@ -273,7 +259,10 @@ class TimmTower(Tower):
         return self.module.forward_features(pixel_values)
 
     def row_probe(self, block):
-        return TimmRowProbe(self.blocks[block].attn, self.cls_index, self.num_prefix_tokens)
+        attention = getattr(self.blocks[block], "attn", None)
+        if attention is None:
+            raise UnsupportedModelError(f"block {block} of this timm tower has no `attn` module to read [CLS] from")
+        return TimmRowProbe(attention, self.cls_index, self.num_prefix_tokens)
 
 
 class OpenClipTower(Tower):
@@ -320,7 +309,9 @@ class TransformersTower(Tower):
         return self.vision(pixel_values=pixel_values)
 
     def row_probe(self, block):
-        return ProjectionRowProbe(self.blocks[block].self_attn, self.cls_index)
+        from vtoken.adapters.probes import ClsAttentionProbe  # hooks q_proj / k_proj, as the LLaVA adapters do
+
+        return ClsAttentionProbe(self.blocks[block].self_attn, self.cls_index)
 
 
 def tower_of(module: Any) -> Tower:
