@@ -173,7 +173,12 @@ def test_bad_towers_layers_and_signals_are_named(tower):
         vtoken.encode(model, x, signals=("attention",))
     with pytest.raises(vtoken.VTokenError, match="layer=7"):
         vtoken.encode(model, x, signals=("cls_attention@7",))
-    assert all_hooks(model) == all_hooks(copy.deepcopy(model))
+    with pytest.raises(vtoken.InputError, match=r"expected \[B, 3, H, W\]"):
+        vtoken.encode(model, x[0])
+    hooks = all_hooks(model)
+    with pytest.raises(RuntimeError):  # the tower itself fails (one channel): every hook is still removed
+        vtoken.encode(model, x[:, :1], signals=("cls_attention",))
+    assert all_hooks(model) == hooks == all_hooks(copy.deepcopy(model))
 
 
 def test_unsupported_towers_and_towers_without_cls():
