@@ -31,6 +31,17 @@ def timm_eva():
     ).eval()  # fmt: skip
 
 
+def timm_pe_gqa():
+    """timm Eva as the Perception Encoder builds it (AttentionRope), with grouped-query attention (2 kv heads for
+    4 query heads, separate q/k/v projections), QK-norm, RoPE with rotate-half, a pre-transformer norm."""
+    torch.manual_seed(4)
+    return Eva(
+        img_size=IMAGE, patch_size=4, embed_dim=32, depth=3, num_heads=4, num_kv_heads=2, attn_type="rope",
+        qkv_fused=False, qk_norm=True, use_rot_pos_emb=True, rope_rotate_half=True, use_pre_transformer_norm=True,
+        use_abs_pos_emb=False, global_pool="", num_classes=0,
+    ).eval()  # fmt: skip
+
+
 def open_clip_vit():
     from open_clip.transformer import VisionTransformer as OpenClipViT
 
@@ -48,7 +59,13 @@ def hf_clip():
     return CLIPVisionModel(config).eval()
 
 
-TOWERS = {"timm-vit": timm_vit, "timm-eva": timm_eva, "open_clip": open_clip_vit, "hf-clip": hf_clip}
+TOWERS = {
+    "timm-vit": timm_vit,
+    "timm-eva": timm_eva,
+    "timm-pe-gqa": timm_pe_gqa,
+    "open_clip": open_clip_vit,
+    "hf-clip": hf_clip,
+}
 
 
 def pixels(batch=2, seed=0):
