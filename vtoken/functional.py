@@ -89,7 +89,8 @@ def select(
     signals: what the method needs (e.g. `encode(..., signals=("cls_attention",))`'s dict), each [B, N].
     text (MMTok): the question's LLM input embeddings: [T, D] for every image, [B, T, D], or a list of B [T_b, D].
     project (MMTok): features [B, N, D] -> [B, N, D'] in the LLM's space (your projector); None if `features`
-        already are. MMTok's vision-to-vision similarity uses `features` (or signals["vision_features"]).
+        already are. MMTok's vision-to-vision similarity uses `features` (or signals["vision_features"]); its
+        tau_tv defaults to LLaVA's 0.02.
 
     Returns (kept, index): kept [B, k, D] the tokens for the LLM, k by the library's budget rule
     (`vtoken.tokens_to_keep`); index [B, k] ascending, for selecting methods the kept token's position in the
