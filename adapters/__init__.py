@@ -1,10 +1,12 @@
 """Model adapters, one file per family; importing this package registers them."""
 
 from .base import Adapter, EncodedImages, Modality
+from .fast_vlm import FastVlmAdapter
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 from .llava_next_video import LlavaNextVideoAdapter
 from .llava_onevision import LlavaOnevisionAdapter
+from .perception_lm import PerceptionLMAdapter
 from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
 from .video_llava import VideoLlavaAdapter
 
@@ -19,4 +21,6 @@ __all__ = [
     "QwenVLAdapter",
     "Qwen25VLAdapter",
     "VideoLlavaAdapter",
+    "FastVlmAdapter",
+    "PerceptionLMAdapter",
 ]

@@ -19,6 +19,7 @@ from .errors import (
     UnsupportedModelError,
     VTokenError,
 )
+from .functional import encode, select
 from .methods import (
     EncoderMethod,
     FasterVLM,
@@ -43,6 +44,8 @@ __version__ = "0.1.0"
 __all__ = [
     "patch",
     "unpatch",
+    "encode",
+    "select",
     "patched",
     "handle_of",
     "PatchHandle",

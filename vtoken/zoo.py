@@ -356,6 +356,20 @@ def tiny_onevision(seed: int = 0):
     return _instantiate(LlavaOnevisionForConditionalGeneration, config, tokenizer, seed), processor
 
 
+def tiny_fastvlm(seed: int = 0):
+    """A tiny random-weight FastVLM (timm FastViTHD tower; see `vtoken.zoo_timm`, which needs timm)."""
+    from .zoo_timm import tiny_fastvlm as build
+
+    return build(seed)
+
+
+def tiny_perception_lm(seed: int = 0):
+    """A tiny random-weight PerceptionLM (timm PE tower, tiles, video; see `vtoken.zoo_timm`, which needs timm)."""
+    from .zoo_timm import tiny_perception_lm as build
+
+    return build(seed)
+
+
 TINY_MODELS: dict[str, Callable] = {
     "tiny-onevision": tiny_onevision,
     "tiny-video-llava": tiny_video_llava,
@@ -364,6 +378,8 @@ TINY_MODELS: dict[str, Callable] = {
     "tiny-llava-next": tiny_llava_next,
     "tiny-qwen2-vl": tiny_qwen2_vl,
     "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
+    "tiny-fastvlm": tiny_fastvlm,
+    "tiny-perception-lm": tiny_perception_lm,
 }
 
 
