@@ -1,6 +1,8 @@
 """Model adapters, one file per family; importing this package registers them."""
 
 from .base import Adapter, EncodedImages, Modality
+from .gemma3 import Gemma3Adapter
+from .internvl import InternVLAdapter
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 from .llava_next_video import LlavaNextVideoAdapter
@@ -12,6 +14,8 @@ __all__ = [
     "Adapter",
     "EncodedImages",
     "Modality",
+    "Gemma3Adapter",
+    "InternVLAdapter",
     "LlavaAdapter",
     "LlavaNextAdapter",
     "LlavaNextVideoAdapter",

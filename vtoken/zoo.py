@@ -356,6 +356,8 @@ def tiny_onevision(seed: int = 0):
     return _instantiate(LlavaOnevisionForConditionalGeneration, config, tokenizer, seed), processor
 
 
+from .zoo_internvl_gemma import TINY_MODELS as _INTERNVL_GEMMA  # noqa: E402  (its builders use the helpers above)
+
 TINY_MODELS: dict[str, Callable] = {
     "tiny-onevision": tiny_onevision,
     "tiny-video-llava": tiny_video_llava,
@@ -364,6 +366,7 @@ TINY_MODELS: dict[str, Callable] = {
     "tiny-llava-next": tiny_llava_next,
     "tiny-qwen2-vl": tiny_qwen2_vl,
     "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
+    **_INTERNVL_GEMMA,  # tiny-internvl, tiny-gemma3
 }
 
 
