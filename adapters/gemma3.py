@@ -25,10 +25,11 @@ from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from .base import Adapter, EncodedImages, Modality
+from .flat_features import FlatFeatures
 
 
 @register_adapter
-class Gemma3Adapter(Adapter):
+class Gemma3Adapter(FlatFeatures, Adapter):
     family = "gemma3"
     model_types = ("gemma3",)
     model_classes = ("Gemma3ForConditionalGeneration", "Gemma3Model")
@@ -64,13 +65,6 @@ class Gemma3Adapter(Adapter):
         """The projector after its pooling: RMS norm and the linear map into the LLM ([..., Dv] -> [..., D])."""
         normed = self.projector.mm_soft_emb_norm(features)
         return torch.matmul(normed, self.projector.mm_input_projection_weight).type_as(features)
-
-    def after_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The model scatters one tensor of features into the placeholders: all images' kept tokens, in order."""
-        encoded = kwargs["mm_encoder_outputs"].get("image")
-        if encoded is not None and isinstance(encoded.pooler_output, list):
-            encoded.pooler_output = torch.cat(encoded.pooler_output)
-        return kwargs
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
         size = self.inner.vision_tower.config.image_size

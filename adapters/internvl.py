@@ -30,11 +30,12 @@ from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from .base import Adapter, EncodedImages, Modality
+from .flat_features import FlatFeatures
 from .probes import ClsAttentionProbe
 
 
 @register_adapter
-class InternVLAdapter(Adapter):
+class InternVLAdapter(FlatFeatures, Adapter):
     family = "internvl"
     model_types = ("internvl",)
     model_classes = ("InternVLForConditionalGeneration", "InternVLModel")
@@ -101,13 +102,6 @@ class InternVLAdapter(Adapter):
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return self.inner.multi_modal_projector(features)
-
-    def after_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The model scatters one tensor of features into the placeholders: all images' kept tokens, in order."""
-        encoded = kwargs["mm_encoder_outputs"].get("image")
-        if encoded is not None and isinstance(encoded.pooler_output, list):
-            encoded.pooler_output = torch.cat(encoded.pooler_output)
-        return kwargs
 
     # ----------------------------------------------------------------- tiles grouped by placeholder runs
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,241 @@
+"""InternVL: tiles + thumbnail grouped by placeholder runs, pixel-shuffled tokens, video frames, [CLS] signals."""
+
+import pytest
+import torch
+from conftest import assert_batch_beams_and_restore, assert_identity, make_image, video_inputs
+
+import vtoken
+from vtoken.zoo import build_prompt
+from vtoken.zoo_internvl_gemma import tiny_internvl
+
+# (width, height) -> tiles the processor cuts (max 6), a thumbnail added when there is more than one
+SIZES = {(800, 300): 4, (300, 900): 4, (224, 224): 1, (1000, 700): 7, (50, 20): 3}
+
+
+@pytest.fixture(scope="module")
+def ivl():
+    return tiny_internvl()
+
+
+def _image(processor, size, seed=0, question="what?"):
+    return processor(images=[make_image(*size, seed)], text=[build_prompt(processor, question)], return_tensors="pt")
+
+
+def _two_images(processor):
+    images = [make_image(800, 300), make_image(224, 224, 1)]
+    return processor(images=images, text=[build_prompt(processor, "compare.", 2)], return_tensors="pt")
+
+
+def stock_tokens(model, pixel_values):
+    """[tiles, 256, D]: what the stock model scatters into the placeholders, tile by tile."""
+    with torch.no_grad():
+        return model.model.get_image_features(pixel_values).pooler_output
+
+
+def reference_logits(model, input_ids, kept_embeddings):
+    """The bare LLM on row 0 of `input_ids` with each placeholder run shortened to its kept tokens and filled
+    with exactly `kept_embeddings` (per run, [k, D]), contiguous positions."""
+    token = model.config.image_token_id
+    ids = input_ids[0]
+    runs, start = [], None
+    for i, is_placeholder in enumerate((ids == token).tolist() + [False]):
+        if is_placeholder and start is None:
+            start = i
+        if not is_placeholder and start is not None:
+            runs.append((start, i))
+            start = None
+    assert len(runs) == len(kept_embeddings)
+    pieces, last = [], 0
+    for (begin, end), kept in zip(runs, kept_embeddings, strict=True):
+        pieces += [ids[last:begin], torch.full((len(kept),), token)]
+        last = end
+    new_ids = torch.cat([*pieces, ids[last:]])[None]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(new_ids)
+        embeds[new_ids == token] = torch.cat(kept_embeddings)
+        return model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
+
+
+def kept_per_run(stock, records, tiles_per_run):
+    """Per placeholder run, the stock tokens of the kept indices, tiles in the processor's order (tiles, then
+    the thumbnail, which the records call crop 0)."""
+    by_key = {(r.image, r.crop): r.kept for r in records}
+    out, first = [], 0
+    for image, tiles in enumerate(tiles_per_run):
+        crops = [0] if tiles == 1 else [*range(1, tiles), 0]
+        out.append(torch.cat([stock[first + t, by_key[(image, c)]] for t, c in enumerate(crops)]))
+        first += tiles
+    return out
+
+
+@pytest.mark.parametrize("method", ["random", "pool", "mmtok", "fourier", "fastervlm"])
+def test_identity_for_multi_image_prompts_and_video(ivl, method):
+    model, processor = ivl
+    assert_identity(model, method, _two_images(processor), max_new_tokens=3)
+    assert_identity(model, method, video_inputs(processor, 3, "what?"), max_new_tokens=3)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.1, 50])
+def test_exact_budget_per_tile_and_equivalence_with_the_stock_tokens(ivl, budget):
+    model, processor = ivl
+    for i, (size, tiles) in enumerate(SIZES.items()):
+        inputs = _image(processor, size, i)
+        assert inputs["pixel_values"].shape[0] == tiles
+        with torch.no_grad(), vtoken.patched(model, "random", budget=budget) as handle:
+            logits = model(**inputs).logits
+        assert sorted(r.crop for r in handle.records) == list(range(tiles))
+        for r in handle.records:
+            assert (r.tokens_in, r.tokens_out, len(r.kept)) == (256, vtoken.tokens_to_keep(budget, 256), r.tokens_out)
+            assert r.grid == (16, 16)
+        stock = stock_tokens(model, inputs["pixel_values"])
+        ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, [tiles]))
+        assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5, size
+
+
+@pytest.mark.parametrize("frames", [1, 4, 8])
+def test_video_frames_are_one_crop_each_with_their_budget(ivl, frames):
+    model, processor = ivl
+    inputs = video_inputs(processor, frames, "what?")
+    with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
+        logits = model(**inputs).logits
+        out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert [(r.image, r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [
+        (f, 0, 256, 64) for f in range(frames)
+    ]
+    stock = stock_tokens(model, inputs["pixel_values"])
+    ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, [1] * frames))
+    assert (logits - ref).abs().max() <= 1e-5 and out.shape[1] == inputs["input_ids"].shape[1] + 2
+
+
+def test_images_and_video_in_one_prompt(ivl):
+    from vtoken.images import example_clip
+
+    model, processor = ivl
+    prompt = build_prompt(processor, "compare.", num_images=1, num_videos=1)
+    inputs = processor(images=[make_image(800, 300)], videos=[example_clip(2)], text=[prompt], return_tensors="pt")
+    with torch.no_grad(), vtoken.patched(model, "random", budget=0.1) as handle:
+        logits = model(**inputs).logits
+    assert [(r.image, r.crop) for r in handle.records] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (2, 0)]
+    stock = stock_tokens(model, inputs["pixel_values"])
+    ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, [4, 1, 1]))
+    assert (logits - ref).abs().max() <= 1e-5
+
+
+def test_batch_beams_restore(ivl):
+    model, processor = ivl
+    texts = [build_prompt(processor, "what?"), build_prompt(processor, "describe the image in detail.")]
+    images = [make_image(800, 300), make_image(224, 224, 1)]  # 4 tiles and 1 tile: rows lose different counts
+    batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    singles = [processor(images=[images[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
+    assert_batch_beams_and_restore(model, "mmtok", batched, singles, batch_tokens=4)
+
+
+def eager_cls_scores(model, pixel_values, layer):
+    """Independent [CLS] scores per token: an eager copy of the tower run with output_attentions, the head-mean
+    [CLS] row over the patches of the layer whose output is hidden_states[layer], then the model's own pixel
+    shuffle applied to that map and averaged over each group."""
+    from transformers import InternVLVisionModel
+
+    tower = model.model.vision_tower
+    config = tower.config.__class__.from_dict(tower.config.to_dict())
+    config._attn_implementation = "eager"
+    eager = InternVLVisionModel(config).eval()
+    eager.load_state_dict(tower.state_dict())
+    with torch.no_grad():
+        attentions = eager(pixel_values, output_attentions=True).attentions
+        index = layer % (len(attentions) + 1) - 1
+        patches = attentions[index][:, :, 0, 1:].mean(1)  # [T, 1024]
+        maps = patches.view(len(patches), 32, 32, 1)
+        return model.model.pixel_shuffle(maps, 0.5).mean(-1).flatten(1)  # [T, 256]
+
+
+@pytest.fixture(scope="module")
+def qk_norm_ivl():
+    model, processor = tiny_internvl(qk_norm=True)
+    with torch.no_grad():  # non-trivial norm weights, so reading q/k before the norm would give other scores
+        for layer in model.model.vision_tower.encoder.layer:
+            for norm in (layer.attention.q_norm, layer.attention.k_norm):
+                norm.weight.uniform_(0.2, 3.0)
+    return model, processor
+
+
+@pytest.mark.parametrize("layer", [-1, -2])
+def test_cls_score_equals_eager_attention_after_qk_norm(qk_norm_ivl, layer):
+    model, processor = qk_norm_ivl
+    model.config.vision_feature_layer = layer
+    try:
+        inputs = _image(processor, (800, 300))
+        with torch.no_grad(), vtoken.patched(model, "fastervlm", budget=20) as handle:
+            model(**inputs)
+            _, signals = handle.adapter.vision_tokens(inputs["pixel_values"])
+            scores = signals["cls_attention"]()
+    finally:
+        model.config.vision_feature_layer = -1
+    reference = eager_cls_scores(model, inputs["pixel_values"], layer)
+    torch.testing.assert_close(scores, reference, rtol=1e-5, atol=1e-7)
+    crops = [1, 2, 3, 0]  # processor order: tiles, then the thumbnail (crop 0)
+    by_crop = {r.crop: r.kept for r in handle.records}
+    for tile, crop in enumerate(crops):
+        assert torch.equal(by_crop[crop], reference[tile].topk(20).indices.sort().values)
+
+
+def test_cls_scores_keep_sdpa_on(ivl, monkeypatch):
+    from transformers.integrations import sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model, processor = ivl
+    calls, original = [], sdpa_attention.sdpa_attention_forward
+
+    def spy(module, *args, **kwargs):
+        calls.append((type(module).__name__, kwargs.get("output_attentions")))
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy)
+    with torch.no_grad(), vtoken.patched(model, "hired", rate=0.25):
+        model.generate(**_image(processor, (800, 300)), max_new_tokens=2, do_sample=False)
+    assert ("InternVLVisionAttention", None) in calls and any(name == "Qwen2Attention" for name, _ in calls)
+
+
+def test_hired_thumbnail_is_the_base_view(ivl):
+    model, processor = ivl
+    inputs = _image(processor, (1000, 700))  # 6 tiles + thumbnail
+    with torch.no_grad(), vtoken.patched(model, "hired", rate=0.25) as handle:
+        model(**inputs)
+        _, signals = handle.adapter.vision_tokens(inputs["pixel_values"], None, None)
+        early, final = signals["cls_attention@0"](), signals["cls_attention"]()
+    method = vtoken.HiRED(rate=0.25)
+    budgets = method.crop_budgets(early[-1], 1, 6, 16, 16)  # thumbnail first, then the 6 tiles
+    records = sorted(handle.records, key=lambda r: r.crop)
+    assert [r.tokens_out for r in records] == budgets and budgets[0] == int(int(7 * 256 * 0.25) * 0.5)
+    order = [6, 0, 1, 2, 3, 4, 5]  # crop c is pixel_values[order[c]]
+    for record, tile in zip(records, order, strict=True):
+        assert torch.equal(record.kept, final[tile].topk(record.tokens_out).indices.sort().values)
+    video = video_inputs(processor, 2, "what?")
+    with torch.no_grad(), vtoken.patched(model, "hired", rate=0.25) as handle:
+        model(**video)
+    assert [r.tokens_out for r in handle.records] == [64, 64]  # single-crop variant per frame
+    with pytest.raises(vtoken.VTokenError, match="partition='bands'"):
+        vtoken.patch(model, vtoken.HiRED(partition="tiles"))
+    assert vtoken.handle_of(model) is None
+
+
+def test_fastv_on_a_qwen3_llm_runs(ivl):
+    """FastV on InternVL3.5's Qwen3 LLM (QK-norm) runs and keeps its count; its scores read q/k as the LLM
+    probe hooks them (see the QK-norm probe fix in adapters/llm.py)."""
+    model, processor = tiny_internvl(text_model="qwen3")
+    inputs = _image(processor, (800, 300))
+    assert_identity(model, vtoken.FastV(layer=0, keep=1.0), inputs, max_new_tokens=2)
+    with torch.no_grad(), vtoken.patched(model, vtoken.FastV(layer=0, keep=0.25)) as handle:
+        out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert [r.tokens_out for r in handle.records] == [vtoken.tokens_to_keep(0.25, 1024)]
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 2
+
+
+def test_refusals_are_clear(ivl):
+    model, processor = ivl
+    with pytest.raises(vtoken.MissingSignalError, match="tower_merge"):
+        vtoken.patch(model, "mustdrop")
+    inputs = _image(processor, (800, 300))
+    bad = dict(inputs, pixel_values=inputs["pixel_values"][:3])  # a tile missing
+    with vtoken.patched(model, "random", budget=0.5), pytest.raises(vtoken.InputError, match="placeholder runs"):
+        model(**bad)
