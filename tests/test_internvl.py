@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_batch_beams_and_restore, assert_identity, make_image, video_inputs
+from conftest import assert_batch_beams_and_restore, assert_identity, make_image, shortened_prompt, video_inputs
 
 import vtoken
 from vtoken.zoo import build_prompt
@@ -33,26 +33,10 @@ def stock_tokens(model, pixel_values):
 
 
 def reference_logits(model, input_ids, kept_embeddings):
-    """The bare LLM on row 0 of `input_ids` with each placeholder run shortened to its kept tokens and filled
-    with exactly `kept_embeddings` (per run, [k, D]), contiguous positions."""
-    token = model.config.image_token_id
-    ids = input_ids[0]
-    runs, start = [], None
-    for i, is_placeholder in enumerate((ids == token).tolist() + [False]):
-        if is_placeholder and start is None:
-            start = i
-        if not is_placeholder and start is not None:
-            runs.append((start, i))
-            start = None
-    assert len(runs) == len(kept_embeddings)
-    pieces, last = [], 0
-    for (begin, end), kept in zip(runs, kept_embeddings, strict=True):
-        pieces += [ids[last:begin], torch.full((len(kept),), token)]
-        last = end
-    new_ids = torch.cat([*pieces, ids[last:]])[None]
+    """The bare LLM fed by hand: each placeholder run shortened to exactly its kept embeddings, contiguous
+    positions."""
+    _, embeds = shortened_prompt(model, input_ids, model.config.image_token_id, kept_embeddings)
     with torch.no_grad():
-        embeds = model.get_input_embeddings()(new_ids)
-        embeds[new_ids == token] = torch.cat(kept_embeddings)
         return model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
 
 
