@@ -111,3 +111,15 @@ def test_cls_methods_and_llm_stages_are_refused_at_patch(gemma, method, error, m
     with pytest.raises(error, match=message):
         vtoken.patch(model, method)
     assert vtoken.handle_of(model) is None
+
+
+def test_cli_refuses_a_video_for_a_model_without_video(tmp_path, capsys):
+    from vtoken.cli import main
+    from vtoken.images import example_clip
+
+    clip = example_clip(3)
+    path = tmp_path / "clip.gif"
+    clip[0].save(path, save_all=True, append_images=clip[1:], duration=100, loop=0)
+    argv = ["run", "--model", "tiny-gemma3", "--video", str(path), "--repeats", "1", "--max-new-tokens", "1"]
+    assert main([*argv, "--method", "pool"]) == 2
+    assert "takes no video" in capsys.readouterr().err
