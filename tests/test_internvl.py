@@ -203,6 +203,32 @@ def test_hired_thumbnail_is_the_base_view(ivl):
     assert vtoken.handle_of(model) is None
 
 
+def test_fastv_matches_the_layer_by_layer_reference():
+    """FastV on InternVL's Qwen2 LLM (1-D RoPE, no QK-norm): per-step logits of 4 greedy tokens and the kept
+    tokens equal an eager layer-by-layer reference (the one tests/test_llm_stages.py runs on LLaVA)."""
+    import copy
+
+    from test_llm_stages import captured_llm_input, fastv_rule, patched_generate, reference_generate
+
+    model, processor = tiny_internvl(text_layers=4)
+    inputs = _image(processor, (800, 300), question="what is in the image? answer with one word.")
+    for method, renumber in ((vtoken.FastV(layer=1, keep=0.25), False),
+                             (vtoken.FastV(layer=2, keep=100, positions="renumber"), True)):  # fmt: skip
+        logits, records, _ = patched_generate(model, inputs, method, steps=4)
+        embeds = captured_llm_input(model, inputs)
+        ids = inputs["input_ids"][0]
+        visual = set((ids == model.config.image_token_id).nonzero().squeeze(1).tolist())
+        eager = copy.deepcopy(model)
+        eager.set_attn_implementation("eager")
+        ref_logits, kept_after, _ = reference_generate(
+            eager.model.language_model, eager.lm_head, embeds, visual,
+            fastv_rule(vtoken.tokens_to_keep(method.keep, len(visual))), method.drop_layers(4), renumber, [], steps=4,
+        )  # fmt: skip
+        (record,) = records
+        assert (record.kept + min(visual)).tolist() == kept_after[0]
+        assert (logits - ref_logits).abs().max() <= 1e-4
+
+
 def test_fastv_on_a_qwen3_llm_runs(ivl):
     """FastV on InternVL3.5's Qwen3 LLM (QK-norm) runs and keeps its count; its scores read q/k as the LLM
     probe hooks them (see the QK-norm probe fix in adapters/llm.py)."""

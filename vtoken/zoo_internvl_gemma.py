@@ -20,10 +20,12 @@ INTERNVL_CHAT_TEMPLATE = (
 
 
 @_with_tokenizer
-def tiny_internvl(seed: int = 0, max_tiles: int = 6, qk_norm: bool = False, text_model: str = "qwen2"):
+def tiny_internvl(
+    seed: int = 0, max_tiles: int = 6, qk_norm: bool = False, text_model: str = "qwen2", text_layers: int = 2
+):
     """A tiny random-weight InternVL: InternViT with [CLS] (3 layers, QK-norm if `qk_norm`), tiles of 224 px up
     to `max_tiles` + a thumbnail, 0.5 pixel shuffle (256 tokens per tile), MLP projector, a `text_model` LLM
-    ("qwen2", or "qwen3" with QK-norm)."""
+    ("qwen2", or "qwen3" with QK-norm) of `text_layers` layers."""
     from transformers import (
         GotOcr2ImageProcessor,
         InternVLConfig,
@@ -45,9 +47,16 @@ def tiny_internvl(seed: int = 0, max_tiles: int = 6, qk_norm: bool = False, text
     )
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=224,
                   patch_size=7, use_qk_norm=qk_norm)  # fmt: skip
-    text = dict(TINY_TEXT, model_type=text_model, vocab_size=len(tokenizer), max_position_embeddings=4096,
-                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    text = dict(
+        TINY_TEXT,
+        model_type=text_model,
+        num_hidden_layers=text_layers,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     config = InternVLConfig(
         vision_config=vision,
         text_config=text,
