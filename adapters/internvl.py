@@ -13,8 +13,7 @@ tokens are renumbered (1-D RoPE: the LLM sees a shorter prompt).
 [CLS] signals (extension: FasterVLM and HiRED on InternVL): a token's score is the mean, over its 2 x 2 pixel
 shuffle group, of the head-mean attention of the [CLS] query to the group's patches in the layer whose output
 is the feature, read from q and k after QK-norm where the tower has it. For HiRED the thumbnail plays the base
-view (records: crop 0 = thumbnail, crops 1.. = tiles in raster order; the LLM receives tiles first, as the
-processor orders them).
+view. Records number an image's crops in the processor's order (the tiles in raster order, then the thumbnail).
 """
 
 from __future__ import annotations
@@ -188,16 +187,17 @@ class InternVLAdapter(FlatFeatures, Adapter):
         vision_feature_select_strategy: str | None = None,
     ) -> EncodedImages:
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
-        image_index, crop_index, crop_grid = [], [], {}
+        image_index, crop_index, base_first, crop_grid = [], [], [], {}
         for image, tiles in enumerate(self._tiles):
             image_index += [image] * tiles
+            crop_index += list(range(tiles))  # the processor's order: tiles, then the thumbnail
             if tiles == 1:  # a single tile or a video frame
-                crop_index.append(0)
-            else:  # tiles, then the thumbnail: the thumbnail is the base view (crop 0)
-                crop_index += [*range(1, tiles), 0]
+                base_first.append(0)
+            else:  # for methods, the thumbnail is the base view (crop 0), the tiles follow
+                base_first += [*range(1, tiles), 0]
                 crop_grid[image] = (1, tiles - 1)  # only the tile count is known (HiRED's "bands" need no more)
         tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), None,
-                              torch.tensor(crop_index), crop_grid or None)  # fmt: skip
+                              torch.tensor(base_first), crop_grid or None)  # fmt: skip
         selection, timer = self.select(tokens)
         projected = tokens.signals.get("projected")
         if projected is not None and selection.kept is not None:  # a method already projected every token (MMTok)
@@ -213,5 +213,4 @@ class InternVLAdapter(FlatFeatures, Adapter):
             per_image.append(torch.cat([per_crop[c] for c in crops]))
             offsets.append(torch.arange(sum(counts[c] for c in crops)))
         records = self.crop_records(tokens, selection, timer, crop_index)
-        records.sort(key=lambda r: (r.image, r.crop))
         return EncodedImages(per_image, offsets, records)

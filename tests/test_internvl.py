@@ -41,13 +41,12 @@ def reference_logits(model, input_ids, kept_embeddings):
 
 
 def kept_per_run(stock, records, tiles_per_run):
-    """Per placeholder run, the stock tokens of the kept indices, tiles in the processor's order (tiles, then
-    the thumbnail, which the records call crop 0)."""
+    """Per placeholder run, the stock tokens of the kept indices, crops in the processor's order (tiles, then
+    the thumbnail)."""
     by_key = {(r.image, r.crop): r.kept for r in records}
     out, first = [], 0
     for image, tiles in enumerate(tiles_per_run):
-        crops = [0] if tiles == 1 else [*range(1, tiles), 0]
-        out.append(torch.cat([stock[first + t, by_key[(image, c)]] for t, c in enumerate(crops)]))
+        out.append(torch.cat([stock[first + c, by_key[(image, c)]] for c in range(tiles)]))
         first += tiles
     return out
 
@@ -157,10 +156,9 @@ def test_cls_score_equals_eager_attention_after_qk_norm(qk_norm_ivl, layer):
         model.config.vision_feature_layer = -1
     reference = eager_cls_scores(model, inputs["pixel_values"], layer)
     torch.testing.assert_close(scores, reference, rtol=1e-5, atol=1e-7)
-    crops = [1, 2, 3, 0]  # processor order: tiles, then the thumbnail (crop 0)
-    by_crop = {r.crop: r.kept for r in handle.records}
-    for tile, crop in enumerate(crops):
-        assert torch.equal(by_crop[crop], reference[tile].topk(20).indices.sort().values)
+    assert [r.crop for r in handle.records] == [0, 1, 2, 3]  # processor order: tiles, then the thumbnail
+    for record in handle.records:
+        assert torch.equal(record.kept, reference[record.crop].topk(20).indices.sort().values)
 
 
 def test_cls_scores_keep_sdpa_on(ivl, monkeypatch):
@@ -188,12 +186,12 @@ def test_hired_thumbnail_is_the_base_view(ivl):
         _, signals = handle.adapter.vision_tokens(inputs["pixel_values"], None, None)
         early, final = signals["cls_attention@0"](), signals["cls_attention"]()
     method = vtoken.HiRED(rate=0.25)
-    budgets = method.crop_budgets(early[-1], 1, 6, 16, 16)  # thumbnail first, then the 6 tiles
-    records = sorted(handle.records, key=lambda r: r.crop)
-    assert [r.tokens_out for r in records] == budgets and budgets[0] == int(int(7 * 256 * 0.25) * 0.5)
-    order = [6, 0, 1, 2, 3, 4, 5]  # crop c is pixel_values[order[c]]
-    for record, tile in zip(records, order, strict=True):
-        assert torch.equal(record.kept, final[tile].topk(record.tokens_out).indices.sort().values)
+    budgets = method.crop_budgets(early[-1], 1, 6, 16, 16)  # base view (the thumbnail) first, then the 6 tiles
+    records = handle.records  # the processor's order: 6 tiles, then the thumbnail
+    assert [r.tokens_out for r in records] == budgets[1:] + budgets[:1]
+    assert budgets[0] == int(int(7 * 256 * 0.25) * 0.5)
+    for record in records:
+        assert torch.equal(record.kept, final[record.crop].topk(record.tokens_out).indices.sort().values)
     video = video_inputs(processor, 2, "what?")
     with torch.no_grad(), vtoken.patched(model, "hired", rate=0.25) as handle:
         model(**video)
