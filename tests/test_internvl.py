@@ -201,14 +201,25 @@ def test_hired_thumbnail_is_the_base_view(ivl):
     assert vtoken.handle_of(model) is None
 
 
-def test_fastv_matches_the_layer_by_layer_reference():
-    """FastV on InternVL's Qwen2 LLM (1-D RoPE, no QK-norm): per-step logits of 4 greedy tokens and the kept
-    tokens equal an eager layer-by-layer reference (the one tests/test_llm_stages.py runs on LLaVA)."""
+# LLMs FastV is checked on. InternVL 3.5's Qwen3 LLM normalises q and k (QK-norm): add "qwen3" once the LLM
+# probe reads q/k after the norm (issue 15; today its kept set overlaps the reference's by about half)
+FASTV_LLMS = ["qwen2"]
+
+
+@pytest.mark.parametrize("text_model", FASTV_LLMS)
+def test_fastv_matches_the_layer_by_layer_reference(text_model):
+    """FastV on InternVL's LLM (1-D RoPE): per-step logits of 4 greedy tokens and the kept tokens equal an eager
+    layer-by-layer reference (the one tests/test_llm_stages.py runs on LLaVA)."""
     import copy
 
     from test_llm_stages import captured_llm_input, fastv_rule, patched_generate, reference_generate
 
-    model, processor = tiny_internvl(text_layers=4)
+    model, processor = tiny_internvl(text_layers=4, text_model=text_model)
+    with torch.no_grad():  # non-trivial QK-norm weights where the LLM has them
+        for layer in model.model.language_model.layers:
+            for name in ("q_norm", "k_norm"):
+                if hasattr(layer.self_attn, name):
+                    getattr(layer.self_attn, name).weight.uniform_(0.2, 3.0)
     inputs = _image(processor, (800, 300), question="what is in the image? answer with one word.")
     for method, renumber in ((vtoken.FastV(layer=1, keep=0.25), False),
                              (vtoken.FastV(layer=2, keep=100, positions="renumber"), True)):  # fmt: skip
