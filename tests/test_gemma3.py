@@ -123,3 +123,22 @@ def test_cli_refuses_a_video_for_a_model_without_video(tmp_path, capsys):
     argv = ["run", "--model", "tiny-gemma3", "--video", str(path), "--repeats", "1", "--max-new-tokens", "1"]
     assert main([*argv, "--method", "pool"]) == 2
     assert "takes no video" in capsys.readouterr().err
+
+
+def test_checkpoint_round_trip_with_pan_and_scan(gemma, tmp_path, monkeypatch):
+    from vtoken.zoo import load
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, processor = gemma
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded, loaded_processor = load(str(tmp_path))
+    assert type(loaded) is type(model)
+    inputs = _image(loaded_processor, 900, 300, True)
+    assert torch.equal(inputs["input_ids"], _image(processor, 900, 300, True)["input_ids"])
+    with torch.no_grad():
+        with vtoken.patched(model, "mmtok", budget=0.25):
+            expected = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        with vtoken.patched(loaded, "mmtok", budget=0.25) as handle:
+            got = loaded.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected) and [r.tokens_out for r in handle.records] == [16] * 4

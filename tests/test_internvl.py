@@ -258,3 +258,27 @@ def test_refusals_are_clear(ivl):
     bad = dict(inputs, pixel_values=inputs["pixel_values"][:3])  # a tile missing
     with vtoken.patched(model, "random", budget=0.5), pytest.raises(vtoken.InputError, match="placeholder runs"):
         model(**bad)
+
+
+def test_checkpoint_round_trip_keeps_tiles_video_and_cls_scores(ivl, tmp_path, monkeypatch):
+    from vtoken.images import example_clip
+    from vtoken.zoo import load
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, processor = ivl
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded, loaded_processor = load(str(tmp_path))
+    assert type(loaded) is type(model)
+    prompt = build_prompt(loaded_processor, "compare.", num_images=1, num_videos=1)
+    inputs = loaded_processor(images=[make_image(800, 300)], videos=[example_clip(2)], text=[prompt],
+                              return_tensors="pt")  # fmt: skip
+    expected_inputs = processor(images=[make_image(800, 300)], videos=[example_clip(2)], text=[prompt],
+                                return_tensors="pt")  # fmt: skip
+    assert torch.equal(inputs["input_ids"], expected_inputs["input_ids"])
+    with torch.no_grad():
+        with vtoken.patched(model, "fastervlm", budget=0.25):
+            expected = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        with vtoken.patched(loaded, "fastervlm", budget=0.25) as handle:
+            got = loaded.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected) and [r.tokens_out for r in handle.records] == [64] * 6
