@@ -57,7 +57,8 @@ class Gemma3Adapter(FlatFeatures, Adapter):
                 f"{', '.join(llm_stage)} act(s) inside the language model, which {self.family} does not support: "
                 "Gemma 3's decoder interleaves sliding-window and global attention layers, each with its own mask "
                 "(bidirectional inside image blocks) and rotary tables, which vtoken's LLM stages do not rebuild "
-                "after a drop; use an encoder-stage method (random, pool, mmtok, fourier)"
+                "after a drop (and its per-head QK-norm changes the attention scores they read); use an "
+                "encoder-stage method (random, pool, mmtok, fourier)"
             )
         super().validate()
 
