@@ -2,6 +2,8 @@
 
 from .base import Adapter, EncodedImages, Modality
 from .fast_vlm import FastVlmAdapter
+from .gemma3 import Gemma3Adapter
+from .internvl import InternVLAdapter
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 from .llava_next_video import LlavaNextVideoAdapter
@@ -14,6 +16,8 @@ __all__ = [
     "Adapter",
     "EncodedImages",
     "Modality",
+    "Gemma3Adapter",
+    "InternVLAdapter",
     "LlavaAdapter",
     "LlavaNextAdapter",
     "LlavaNextVideoAdapter",

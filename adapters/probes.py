@@ -12,14 +12,16 @@ class ClsAttentionProbe:
 
     Hooks the layer's q_proj and k_proj outputs (no extra matmul, no `output_attentions`) and computes only the
     [CLS] query row: O(S * d) per head instead of the S x S map. Use as a context manager around the tower call;
-    `scores` is then [B, S - 1].
+    `scores` is then [B, S - 1]. `projections`: the submodules whose outputs are the query and key the attention
+    uses, e.g. ("q_norm", "k_norm") for towers that normalise q and k after projecting them (QK-norm).
     """
 
-    def __init__(self, attention: nn.Module, cls_index: int = 0):
-        for name in ("q_proj", "k_proj"):
+    def __init__(self, attention: nn.Module, cls_index: int = 0, projections: tuple[str, str] = ("q_proj", "k_proj")):
+        for name in projections:
             if not isinstance(getattr(attention, name, None), nn.Module):
                 raise TypeError(f"{type(attention).__name__} has no {name}; cannot probe [CLS] attention")
         self.attention = attention
+        self.projections = projections
         self.cls_index = cls_index
         self.num_heads = attention.num_heads
         self.head_dim = attention.head_dim
@@ -36,8 +38,8 @@ class ClsAttentionProbe:
 
     def __enter__(self) -> ClsAttentionProbe:
         self._hooks = [
-            self.attention.q_proj.register_forward_hook(self._on_query),
-            self.attention.k_proj.register_forward_hook(self._on_keys),
+            getattr(self.attention, self.projections[0]).register_forward_hook(self._on_query),
+            getattr(self.attention, self.projections[1]).register_forward_hook(self._on_keys),
         ]
         return self
 

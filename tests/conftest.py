@@ -137,3 +137,28 @@ def mask_outside_unpadded(scores, crop, layout, side=24):
         if ((row * side + t // side) * layout.cols * side + col * side + t % side) not in valid:
             scores[t] = float("-inf")
     return scores
+
+
+def shortened_prompt(model, input_ids, token_id, kept_per_run):
+    """Row 0 of `input_ids` with each run of `token_id` placeholders shortened to its kept tokens, and its input
+    embeddings with exactly `kept_per_run` (one [k, D] tensor per run, in order) in the placeholders: returns
+    ([1, L'] ids, [1, L', D] embeddings), to feed the bare language model by hand."""
+    ids = input_ids[0]
+    flags = (ids == token_id).tolist() + [False]
+    runs, start = [], None
+    for i, is_placeholder in enumerate(flags):
+        if is_placeholder and start is None:
+            start = i
+        if not is_placeholder and start is not None:
+            runs.append((start, i))
+            start = None
+    assert len(runs) == len(kept_per_run)
+    pieces, last = [], 0
+    for (begin, end), kept in zip(runs, kept_per_run, strict=True):
+        pieces += [ids[last:begin], torch.full((len(kept),), token_id)]
+        last = end
+    new_ids = torch.cat([*pieces, ids[last:]])[None]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(new_ids)
+        embeds[new_ids == token_id] = torch.cat(list(kept_per_run)).to(embeds)
+    return new_ids, embeds

@@ -85,6 +85,7 @@ def test_every_builtin_family_runs(model, capsys):
         ("tiny-onevision", "784 -> 196"),
         ("tiny-llava-next-video", "576 -> 144"),
         ("tiny-video-llava", "1024 -> 256"),
+        ("tiny-internvl", "1024 -> 256"),
     ],
 )
 def test_video_from_a_gif(tmp_path, capsys, model, expected):

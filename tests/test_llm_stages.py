@@ -410,7 +410,7 @@ def test_tower_merge_and_key_set_match_an_eager_reference(deep_llava, single):
     assert set((protected.nonzero().squeeze(1) - start).tolist()) == keys
 
 
-@pytest.mark.parametrize("name", OTHER_TINY_MODELS)
+@pytest.mark.parametrize("name", [n for n in OTHER_TINY_MODELS if n != "tiny-gemma3"])  # Gemma 3: refused
 def test_fastv_on_every_family(name, photos):
     """FastV is family-agnostic: identity at keep-all, and a padded batch (or a clip) at 25 % equals one-by-one
     runs with the records' counts (original positions; Qwen's M-RoPE positions are kept)."""

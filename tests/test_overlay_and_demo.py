@@ -46,7 +46,7 @@ def test_demo_compare_on_other_families():
 
     from vtoken.zoo import TINY_MODELS
 
-    for name in ("tiny-qwen2-vl", "tiny-llava-next"):
+    for name in ("tiny-qwen2-vl", "tiny-llava-next", "tiny-internvl", "tiny-gemma3"):
         model, processor = TINY_MODELS[name]()
         image = __import__("vtoken.images", fromlist=["example_image"]).example_image(300)
         result = compare(model, processor, image, "what?", "random", 0.25, max_new_tokens=2)

@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     model, processor = load(args.model, dtype=args.dtype, device=args.device)
     expected = None
     if args.video:
+        if getattr(processor, "video_processor", None) is None:  # its processor would drop the video silently
+            raise VTokenError(f"model {args.model!r} ({type(model).__name__}) takes no video; pass --image")
         visual = {"videos": [load_video(args.video, args.frames)]}
         args.prompt = args.prompt or DEFAULT_PROMPT
         prompt = build_prompt(processor, args.prompt, num_images=0, num_videos=1)

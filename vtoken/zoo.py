@@ -370,6 +370,8 @@ def tiny_perception_lm(seed: int = 0):
     return build(seed)
 
 
+from .zoo_internvl_gemma import TINY_MODELS as _INTERNVL_GEMMA  # noqa: E402  (its builders use the helpers above)
+
 TINY_MODELS: dict[str, Callable] = {
     "tiny-onevision": tiny_onevision,
     "tiny-video-llava": tiny_video_llava,
@@ -380,6 +382,7 @@ TINY_MODELS: dict[str, Callable] = {
     "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
     "tiny-fastvlm": tiny_fastvlm,
     "tiny-perception-lm": tiny_perception_lm,
+    **_INTERNVL_GEMMA,  # tiny-internvl, tiny-gemma3
 }
 
 

@@ -90,10 +90,9 @@ class HiRED(EncoderMethod):
         n = tokens.num_tokens
         valid = tokens.valid if tokens.valid is not None else torch.ones_like(final, dtype=torch.bool)
         final = final.masked_fill(~valid, float("-inf"))
-        counts = [0] * tokens.num_crops
-        if not tokens.crop_grid:  # single-crop images: LLaVA-1.5
-            counts = [min(n, int(n * self.rate))] * tokens.num_crops
-        else:
+        # single-crop images (LLaVA-1.5, video frames, images absent from `crop_grid`)
+        counts = [min(n, int(n * self.rate))] * tokens.num_crops
+        if tokens.crop_grid:
             early = tokens.signals[early_name]
             images = tokens.image_index.tolist()
             for image, (rows, cols) in tokens.crop_grid.items():
