@@ -13,6 +13,7 @@ failure prints its falsifying example), no example database on disk.
 
 import functools
 import math
+import os
 from collections import defaultdict
 from dataclasses import replace
 
@@ -34,6 +35,8 @@ PREFILL_PADDING_SIDES = ("left",)
 # (issue 16, item 6). Set to True once the reliability fixes land.
 LLM_RECORDS_KEEP_ROW_INDICES = False
 
+# VTOKEN_FUZZ_SCALE=10 runs ten times as many examples (a deeper hunt than CI's)
+SCALE = int(os.environ.get("VTOKEN_FUZZ_SCALE", "1"))
 FUZZ = dict(
     derandomize=True,
     deadline=None,
@@ -309,7 +312,7 @@ def _family_and_modality(data):
 
 
 @pytest.mark.parametrize("name", METHODS)
-@settings(max_examples=8, **FUZZ)
+@settings(max_examples=8 * SCALE, **FUZZ)
 @given(data=st.data())
 def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, data):
     family, modality = _family_and_modality(data)
@@ -385,7 +388,7 @@ def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, d
     event(f"ran: {'+'.join(m.name for m in stack)}")
 
 
-def applicable(family: str, modality: str, stack: list, fallback) -> list:
+def applicable(family: str, modality: str, stack: list, fallback, layout: str = "native") -> list:
     """`stack` made to apply (refusals are the first property's business): LLM stages at layer 0 (original
     positions under M-RoPE); an encoder method that still cannot apply is replaced by `fallback`."""
     for i, method in enumerate(stack):
@@ -393,13 +396,13 @@ def applicable(family: str, modality: str, stack: list, fallback) -> list:
             stack[i] = replace(method, layer=0, positions="original" if family in MROPE else method.positions)
         if method.name == "mustdrop":
             stack[i] = replace(method, layers=(0,))
-    if refused_at_patch(family, stack, "native") or refused_at_call(family, stack, modality):
+    if refused_at_patch(family, stack, layout) or refused_at_call(family, stack, modality):
         stack = [fallback] + [m for m in stack if m.name == "fastv"]
     return stack
 
 
 @pytest.mark.parametrize("name", METHODS)
-@settings(max_examples=4, **FUZZ)
+@settings(max_examples=4 * SCALE, **FUZZ)
 @given(data=st.data())
 def test_keeping_every_token_is_the_unpatched_model(name, data):
     family, modality = _family_and_modality(data)
@@ -427,18 +430,21 @@ def _last_real_logits(logits: torch.Tensor, row: int, side: str, target: torch.T
 
 
 @pytest.mark.parametrize("name", METHODS)
-@settings(max_examples=3, **FUZZ)
+@settings(max_examples=3 * SCALE, **FUZZ)
 @given(data=st.data())
 def test_a_padded_batch_equals_its_rows_one_by_one(name, data):
     family, modality = _family_and_modality(data)
     model, processor = tiny(family)
     stack = data.draw(method_stacks(name), label="methods")
-    stack = applicable(family, modality, stack, vtoken.Random(budget=data.draw(budgets, label="budget")))
+    layout = (
+        data.draw(st.sampled_from(["native", "official"]), label="layout") if family in OFFICIAL_LAYOUT else "native"
+    )
+    stack = applicable(family, modality, stack, vtoken.Random(budget=data.draw(budgets, label="budget")), layout)
     sides = PREFILL_PADDING_SIDES if any("prefill" in m.stages for m in stack) else PADDING_SIDES
     side = data.draw(st.sampled_from(sides), label="padding side")
     batch = data.draw(rows(family, modality, data.draw(st.integers(2, 3), label="batch")), label="rows")
     items = [len(sample["images"]) + len(sample["videos"]) for sample in batch]
-    with torch.no_grad(), vtoken.patched(model, stack) as handle:
+    with torch.no_grad(), vtoken.patched(model, stack, layout=layout) as handle:
         logits = model(**make_inputs(processor, batch, side)).logits
         records = list(handle.records)
         for row, sample in enumerate(batch):

@@ -26,7 +26,7 @@ def example_image(size: int = 448) -> Image.Image:
 
 def load_image(path: str | Path) -> Image.Image:
     """An RGB PIL image from a file, with a clear error if it cannot be read."""
-    if not Path(path).is_file():
+    if isinstance(path, (str, Path)) and not Path(path).is_file():
         raise InputError(f"cannot read image {str(path)!r}: no such file")
     try:
         return Image.open(path).convert("RGB")
@@ -45,7 +45,7 @@ def load_video(path: str | Path, frames: int = 8) -> list[Image.Image]:
     """`frames` RGB frames sampled uniformly from a GIF/animated image (Pillow) or a video file (PyAV)."""
     if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
         raise InputError(f"frames={frames!r}; expected an int >= 1")
-    if not Path(path).is_file():  # before blaming a missing decoder
+    if isinstance(path, (str, Path)) and not Path(path).is_file():  # before blaming a missing decoder
         raise InputError(f"cannot read video {str(path)!r}: no such file")
     try:
         with Image.open(path) as clip:
