@@ -49,6 +49,11 @@ class LlavaAdapter(Adapter):
         layer = hidden_state_index % (num_layers + 1) - 1
         return None if layer < 0 else layer
 
+    def validate(self) -> None:
+        super().validate()
+        if "tower_merge" in getattr(self.encoder_method, "requires", ()):
+            self.encoder_method.check_grid(self.grid)  # a merge by windows needs a grid they tile (MustDrop)
+
     def available_signals(self) -> set[str]:
         # "resized_grid": positions are renumbered, so a method may hand back a smaller grid of any size
         signals = {"patch_features", "grid", "resized_grid"}

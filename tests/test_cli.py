@@ -1,4 +1,7 @@
+import sys
+
 import pytest
+import torch
 from conftest import OTHER_TINY_MODELS
 
 from vtoken.cli import main
@@ -119,3 +122,74 @@ def test_budget_reaches_each_methods_own_knob():
 def test_a_prefill_method_too_deep_for_the_model_exits_2(capsys):
     assert quick_run("--model", "tiny-llava", "--method", "fastv") == 2
     assert "layer=2 leaves no later layer" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- bad arguments (issue 16, item 11)
+def _no_model_load(monkeypatch):
+    """Make loading a model fail loudly: arguments that can be checked without the model must be checked first."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("vtoken.cli.load", load)
+
+
+def _unavailable_device() -> str:
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--frames", "0", "--video", "clip.gif"], ["--frames 0", ">= 1"]),
+        (["--frames", "-2", "--video", "clip.gif"], ["--frames -2", ">= 1"]),
+        (["--dtype", "float17"], ["--dtype 'float17'", "float32", "bfloat16", "float16"]),
+        (["--device", "nope"], ["--device 'nope'"]),
+        (["--device", _unavailable_device()], [f"--device {_unavailable_device()!r}", "not available"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens 0", ">= 1"]),
+        (["--repeats", "0"], ["--repeats 0", ">= 1"]),
+        (["--budget", "nan"], ["budget=nan", "(0, 1]"]),
+        (["--method", "fastv", "--budget", "0"], ["keep=0"]),
+        (["--video", "missing.gif"], ["missing.gif", "no such file"]),
+        (["--image", "missing.png"], ["missing.png", "no such file"]),
+        (["--image", "scene.png", "--video", "clip.gif"], ["--image", "--video", "not both"]),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_before_loading_the_model(argv, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    example_image(64).save("scene.png")
+    example_image(64).save("clip.gif")
+    _no_model_load(monkeypatch)
+    assert main(["run", "--model", "tiny-llava", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vtoken: error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_missing_video_blames_the_file_not_pyav(monkeypatch, capsys):
+    """Without PyAV installed, a missing file is still reported as missing (not as 'install PyAV')."""
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` fails as when it is not installed
+    assert quick_run("--model", "tiny-qwen2-vl", "--video", "/no/such/clip.mp4") == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "PyAV" not in err
+
+
+def test_hub_id_offline_exits_2_naming_the_model(monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what an offline machine sees at once
+    assert quick_run("--model", "foo/bar") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vtoken: error: ") and "cannot load model 'foo/bar'" in err and err.count("\n") == 1
+
+
+def test_video_on_a_model_without_video_exits_2(tmp_path, capsys):
+    from vtoken.images import example_clip
+
+    clip = example_clip(3)
+    path = tmp_path / "clip.gif"
+    clip[0].save(path, save_all=True, append_images=clip[1:], duration=100, loop=0)
+    assert quick_run("--model", "tiny-llava", "--video", str(path)) == 2
+    err = capsys.readouterr().err
+    assert "takes no videos" in err and "tiny-llava" in err

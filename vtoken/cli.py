@@ -7,16 +7,18 @@ import statistics
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 
 from . import api
-from .errors import VTokenError
+from .errors import InputError, VTokenError
 from .images import example_image, load_image, load_video
-from .registry import available_methods, method_class, supported_models
+from .registry import ADAPTERS, available_methods, make_method, method_class, supported_models
 from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
 
 DEFAULT_PROMPT = "What is in the image?"
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def parse_budget(text: str) -> float | int:
@@ -89,9 +91,60 @@ def _example(args: argparse.Namespace) -> tuple:
     return example_image(), args.prompt or DEFAULT_PROMPT, None
 
 
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def check_device(name: str) -> None:
+    """Raise unless `name` is a torch device this machine has (e.g. --device cuda without a GPU)."""
+    try:
+        torch.empty(0, device=torch.device(name))
+    except (RuntimeError, AssertionError) as err:  # unknown device string; no driver; torch built without it
+        here = ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available()
+        raise VTokenError(f"--device {name!r} is not available here ({_first_line(err)}); this machine has: "
+                          f"{', '.join(here)}") from None  # fmt: skip
+
+
+def check_run_args(args: argparse.Namespace) -> dict:
+    """Everything about `vtoken run`'s arguments that can be checked before the model loads; returns the
+    method's parameters (an unknown method or a bad budget fails here, not after loading)."""
+    for flag, value in (("--frames", args.frames), ("--max-new-tokens", args.max_new_tokens),
+                        ("--repeats", args.repeats)):  # fmt: skip
+        if value < 1:
+            raise VTokenError(f"{flag} {value}; expected an int >= 1")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise VTokenError(f"--dtype {args.dtype!r}; accepted: {', '.join(DTYPES)} (default: the checkpoint's)")
+    if args.device is not None:
+        check_device(args.device)
+    if args.image and args.video:
+        raise VTokenError("--image and --video were both given; pass one of them, not both")
+    for what, path in (("image", args.image), ("video", args.video)):
+        if path is not None and not Path(path).is_file():
+            raise InputError(f"cannot read {what} {path!r}: no such file")
+    params = method_params(args.method, args.budget)
+    make_method(args.method, **params)
+    return params
+
+
+def load_model(args: argparse.Namespace) -> tuple:
+    """(model, processor) of --model, with load failures (offline hub, bad checkpoint) as one-line errors."""
+    try:
+        model, processor = load(args.model, dtype=args.dtype, device=args.device)
+    except VTokenError:
+        raise
+    except (OSError, ValueError) as err:
+        raise VTokenError(f"cannot load model {args.model!r}: {_first_line(err)}") from err
+    adapter = api._find_adapter(model)  # an unsupported model fails here, before any run
+    if args.video and not any(m.name == "video" for m in adapter.modalities):
+        video = [a.family for a in ADAPTERS if any(m.name == "video" for m in a.modalities)]
+        raise VTokenError(f"{args.model} ({adapter.family}) takes no videos; video families: {', '.join(video)}")
+    return model, processor
+
+
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    model, processor = load(args.model, dtype=args.dtype, device=args.device)
+    params = check_run_args(args)
+    model, processor = load_model(args)
     expected = None
     if args.video:
         if getattr(processor, "video_processor", None) is None:  # its processor would drop the video silently
@@ -110,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
     for key, value in inputs.items():  # pixels in the model's dtype
         if value.is_floating_point():
             inputs[key] = value.to(model.dtype)
-    params = method_params(args.method, args.budget)
 
     with torch.inference_mode():
         base_answer = _answer(model, processor, inputs, args.max_new_tokens)
@@ -163,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None, help=f"question (default: the example's own, else {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median reported)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cpu)")
     p.set_defaults(func=run)
     sub.add_parser("list", help="methods, model families and built-in models").set_defaults(func=list_all)

@@ -26,6 +26,8 @@ def example_image(size: int = 448) -> Image.Image:
 
 def load_image(path: str | Path) -> Image.Image:
     """An RGB PIL image from a file, with a clear error if it cannot be read."""
+    if isinstance(path, (str, Path)) and not Path(path).is_file():
+        raise InputError(f"cannot read image {str(path)!r}: no such file")
     try:
         return Image.open(path).convert("RGB")
     except (OSError, ValueError) as err:
@@ -41,6 +43,10 @@ def example_clip(frames: int = 8, size: int = 224) -> list[Image.Image]:
 
 def load_video(path: str | Path, frames: int = 8) -> list[Image.Image]:
     """`frames` RGB frames sampled uniformly from a GIF/animated image (Pillow) or a video file (PyAV)."""
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        raise InputError(f"frames={frames!r}; expected an int >= 1")
+    if isinstance(path, (str, Path)) and not Path(path).is_file():  # before blaming a missing decoder
+        raise InputError(f"cannot read video {str(path)!r}: no such file")
     try:
         with Image.open(path) as clip:
             decoded = [frame.convert("RGB") for frame in ImageSequence.Iterator(clip)]

@@ -11,8 +11,8 @@ from typing import ClassVar
 import torch
 
 from ..budget import Budget, check_budget, tokens_to_keep
-from ..errors import VTokenError
 from ..tokens import LayerTokens, Selection, VisualTokens
+from ..validation import choice
 
 
 class Method:
@@ -42,9 +42,8 @@ class EncoderMethod(Method):
     scopes: ClassVar[tuple[str, ...]] = ("crop", "image")
 
     def __post_init__(self) -> None:
-        self.budget = check_budget(self.budget)
-        if self.scope not in self.scopes:
-            raise VTokenError(f"{self.name}: scope={self.scope!r}; accepted: {', '.join(self.scopes)}")
+        self.budget = check_budget(self.budget, f"{self.name}: budget")
+        self.scope = choice(self.name, "scope", self.scope, self.scopes)
 
     def keep_count(self, n: int) -> int:
         """Tokens kept per crop of n tokens."""

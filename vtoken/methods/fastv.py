@@ -17,6 +17,7 @@ from ..budget import Budget, check_budget, tokens_to_keep
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import LayerTokens
+from ..validation import choice, integer
 from .base import PrefillMethod, topk_mask
 
 POSITIONS = ("original", "renumber")
@@ -35,11 +36,9 @@ class FastV(PrefillMethod):
     query_rows = "last"
 
     def __post_init__(self) -> None:
-        self.keep = check_budget(self.keep, "keep")
-        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
-            raise VTokenError(f"fastv: layer={self.layer!r}; expected an LLM layer index >= 0")
-        if self.positions not in POSITIONS:
-            raise VTokenError(f"fastv: positions={self.positions!r}; accepted: {', '.join(POSITIONS)}")
+        self.keep = check_budget(self.keep, "fastv: keep")
+        self.layer = integer(self.name, "layer", self.layer, 0, hint="an LLM layer index")
+        self.positions = choice(self.name, "positions", self.positions, POSITIONS)
 
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.layer >= num_layers - 1:

@@ -19,6 +19,7 @@ import torch
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
+from ..validation import integer, real
 from .base import EncoderMethod
 
 
@@ -80,11 +81,10 @@ class FourierDCT(EncoderMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.reserve is not None and (isinstance(self.reserve, bool) or int(self.reserve) != self.reserve
-                                         or self.reserve < 1):  # fmt: skip
-            raise VTokenError(f"fourier: reserve={self.reserve!r}; expected an int >= 1 (e.g. 12)")
-        if self.ratio is not None and not 0 < self.ratio <= 1:
-            raise VTokenError(f"fourier: ratio={self.ratio!r}; expected a fraction in (0, 1] (e.g. 2/3)")
+        if self.reserve is not None:
+            self.reserve = integer(self.name, "reserve", self.reserve, 1, hint="the side kept on both axes, e.g. 12")
+        if self.ratio is not None:
+            self.ratio = real(self.name, "ratio", self.ratio, "(0, 1]", hint="the fraction kept per axis, e.g. 2/3")
 
     def output_grid(self, height: int, width: int) -> tuple[int, int]:
         if self.reserve is not None:

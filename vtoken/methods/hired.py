@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..budget import Budget
+from ..budget import Budget, check_budget
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
+from ..validation import choice, integer, real
 from .base import EncoderMethod, topk_per_crop
 
 PARTITIONS = ("bands", "tiles")
@@ -47,15 +48,17 @@ class HiRED(EncoderMethod):
 
     def __post_init__(self) -> None:
         if self.rate is not None:
-            self.budget = self.rate
+            self.budget = check_budget(self.rate, "hired: rate")
         super().__post_init__()
         if not isinstance(self.budget, float):
             raise VTokenError(f"hired: the budget is a rate, a fraction in (0, 1]; got the count {self.budget!r}")
         self.rate = self.budget
-        if not 0 <= self.alpha <= 1:
-            raise VTokenError(f"hired: alpha={self.alpha!r}; expected a fraction in [0, 1]")
-        if self.partition not in PARTITIONS:
-            raise VTokenError(f"hired: partition={self.partition!r}; accepted: {', '.join(PARTITIONS)}")
+        self.alpha = real(self.name, "alpha", self.alpha, "[0, 1]", hint="the base view's share of the budget")
+        self.partition = choice(self.name, "partition", self.partition, PARTITIONS)
+        layer = "a vision-tower layer index; negative counts from the end"
+        self.layer_early = integer(self.name, "layer_early", self.layer_early, hint=layer)
+        if self.layer_final is not None:
+            self.layer_final = integer(self.name, "layer_final", self.layer_final, hint=layer + "; or None")
 
     @property
     def requires(self) -> tuple[str, ...]:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from ..budget import Budget
-from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import Selection, VisualTokens
+from ..validation import choice, real, texts
 from .base import EncoderMethod, topk_per_crop
 
 LMMS_EVAL_SUFFIXES = (
@@ -121,14 +121,13 @@ class MMTok(EncoderMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 <= self.alpha:
-            raise VTokenError(f"mmtok: alpha={self.alpha!r}; expected a weight >= 0")
-        for name in ("tau_tv", "tau_vv"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise VTokenError(f"mmtok: {name}={value!r}; expected a temperature > 0")
-        if self.text not in TEXT_MODES:
-            raise VTokenError(f"mmtok: text={self.text!r}; accepted: {', '.join(TEXT_MODES)}")
+        self.alpha = real(self.name, "alpha", self.alpha, "[0, inf)", hint="the weight of vision coverage")
+        if self.tau_tv is not None:
+            self.tau_tv = real(self.name, "tau_tv", self.tau_tv, "(0, inf)", hint="a temperature, or None")
+        self.tau_vv = real(self.name, "tau_vv", self.tau_vv, "(0, inf)", hint="a temperature")
+        if self.question is not None:
+            self.question = texts(self.name, "question", self.question)
+        self.text = choice(self.name, "text", self.text, TEXT_MODES)
 
     def planned_count(self, n: int) -> int | None:
         return None  # valid tokens (pad border) are known only from the pixels

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import LayerTokens, Selection, VisualTokens
+from ..validation import choice, layer_indices, real
 from .base import PrefillMethod, topk_mask
 
 POSITIONS = ("renumber", "original")
@@ -115,22 +116,27 @@ class MustDrop(PrefillMethod):
     merge_after_layer: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        self.layers = tuple(self.layers)
-        if not self.layers or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.layers):
-            raise VTokenError(f"mustdrop: layers={self.layers!r}; expected LLM layer indices >= 0, e.g. (2, 6, 10, 14)")
-        if list(self.layers) != sorted(set(self.layers)):
-            raise VTokenError(f"mustdrop: layers={self.layers!r} must be strictly ascending")
-        if not 0.0 < self.key_rate <= 1.0:
-            raise VTokenError(f"mustdrop: key_rate={self.key_rate!r}; expected a fraction in (0, 1]")
-        if self.positions not in POSITIONS:
-            raise VTokenError(f"mustdrop: positions={self.positions!r}; accepted: {', '.join(POSITIONS)}")
+        merge = "the windows' mean cosine similarity from which they merge, e.g. 0.8; above 1 none merge"
+        self.merge_threshold = real(self.name, "merge_threshold", self.merge_threshold, hint=merge)
+        self.key_rate = real(self.name, "key_rate", self.key_rate, "(0, 1]", hint="the key set's share, e.g. 0.08")
+        self.layers = layer_indices(self.name, "layers", self.layers, "(2, 6, 10, 14)")
+        self.global_thr = real(self.name, "global_thr", self.global_thr, "[0, 1]", hint="e.g. 0.001")
+        self.individual_thr = real(self.name, "individual_thr", self.individual_thr, "[0, 1]", hint="e.g. 0.001")
+        self.positions = choice(self.name, "positions", self.positions, POSITIONS)
 
     # ----------------------------------------------------------------- encoder
+    def check_grid(self, grid: tuple[int, int]) -> None:
+        """Raise unless a crop's (rows, cols) patch grid tiles into windows (adapters call this at `patch`)."""
+        if grid[0] % self.window or grid[1] % self.window:
+            raise VTokenError(
+                f"mustdrop: a {grid[0]}x{grid[1]} patch grid cannot be cut into {self.window}x"
+                f"{self.window} windows; it needs both sides divisible by {self.window} (e.g. "
+                "CLIP-L/14 at 336 px: 24x24)"
+            )
+
     def plan_merge(self, patches: torch.Tensor, grid: tuple[int, int]) -> WindowMerge:
         """The merge after ViT layer 0 for crops [C, N, D] on `grid`."""
-        if grid[0] % self.window or grid[1] % self.window:
-            raise VTokenError(f"mustdrop: a {grid[0]}x{grid[1]} patch grid cannot be cut into {self.window}x"
-                              f"{self.window} windows")  # fmt: skip
+        self.check_grid(grid)
         return plan_merge(patches, grid, self.window, self.merge_threshold)
 
     def planned_count(self, n: int) -> None:

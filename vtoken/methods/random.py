@@ -8,6 +8,7 @@ import torch
 
 from ..registry import register_method
 from ..tokens import VisualTokens
+from ..validation import integer
 from .base import ScoreMethod
 
 
@@ -23,6 +24,11 @@ class Random(ScoreMethod):
     seed: int = 0
 
     name = "random"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # the noise of crop w is seeded with seed + 7919 * w, which torch.Generator takes below 2**64
+        self.seed = integer(self.name, "seed", self.seed, 0, 2**62)
 
     def score(self, tokens: VisualTokens) -> torch.Tensor:
         # noise per crop index *within its image*: independent of where the image sits in the batch
