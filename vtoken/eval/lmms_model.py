@@ -28,7 +28,7 @@ from ..errors import InputError, VTokenError
 from ..images import load_image, load_video
 from ..zoo import BUILTIN_MODELS, load
 from .options import build_methods
-from .records import VisualTokenCounts, run_means, sample_counts
+from .records import run_means, sample_counts
 
 MODEL_KEYS = ("pretrained", "method", "layout", "device", "dtype", "attn_implementation", "batch_size",
               "max_frames")  # fmt: skip
