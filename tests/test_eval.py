@@ -183,3 +183,125 @@ def test_two_processes_match(cli_runs, cache):
     assert [s["token_counts"][0]["stages"] for s in two] == [s["token_counts"][0]["stages"] for s in one]
     results = json.loads(next(out.rglob("*_results.json")).read_text())
     assert results["throughput"]["avg_vtoken_samples"] == LIMIT
+
+
+# ---- in-process: the model class, its options, records of batches, the sweep
+
+
+def requests_for(lm, docs: list[dict], messages) -> list:
+    """lmms-eval chat requests for `docs` of a task "t" whose `messages(doc)` builds each doc's chat turn."""
+    from lmms_eval.api.instance import Instance
+
+    lm.task_dict = {"t": {"test": docs}}
+    return [
+        Instance(
+            "generate_until",
+            ("", messages, {"max_new_tokens": 2, "until": ["\n"]}, i, "t", "test"),
+            0,
+            metadata={"task": "t", "doc_id": i, "repeats": 1},
+        )  # fmt: skip
+        for i in range(len(docs))
+    ]
+
+
+def test_options_route_parameters_and_name_bad_keys():
+    """Composition: unprefixed parameters go to the one method that accepts them, `name.param` to that method;
+    an unknown, ambiguous or misplaced key fails naming itself and what is accepted."""
+    hired, fastv = build_methods("hired+fastv", {"budget": 0.2, "fastv.layer": 3, "keep": 0.5}, ["pretrained"])
+    assert (type(hired).__name__, hired.budget) == ("HiRED", 0.2)
+    assert (type(fastv).__name__, fastv.layer, fastv.keep) == ("FastV", 3, 0.5)
+    (mustdrop,) = build_methods("mustdrop", {"layers": "[1,2]", "global_thr": 0.01}, [])
+    assert mustdrop.layers == (1, 2) and mustdrop.global_thr == 0.01
+    with pytest.raises(vtoken.VTokenError, match=r"'budget' is a parameter of hired and fastervlm"):
+        build_methods("hired+fastervlm", {"budget": 0.2}, [])
+    with pytest.raises(vtoken.VTokenError, match=r"unknown model_args entry 'kep'.*fastv: layer, keep"):
+        build_methods("fastv", {"kep": 0.5}, ["pretrained"])
+    with pytest.raises(vtoken.VTokenError, match=r"'pool' is not one of the methods"):
+        build_methods("fastv", {"pool.budget": 0.5}, [])
+    with pytest.raises(vtoken.VTokenError, match=r"method parameters need method="):
+        build_methods(None, {"budget": 0.5}, ["pretrained"])
+    with pytest.raises(vtoken.UnknownMethodError, match=r"unknown method 'fastvlm'; available: .*fastervlm"):
+        build_methods("fastvlm", {}, [])
+
+
+def test_model_args_fail_before_loading():
+    """Through lmms-eval's constructor path a bad entry stops the run (SystemExit) with vtoken's message; the
+    class itself raises the VTokenError; `budget=1.0` arrives as the float 1.0 (keep all), `1` as one token."""
+    from lmms_eval.utils import simple_parse_args_string
+
+    from vtoken.eval.lmms_model import RunAborted, VTokenLMM
+
+    with pytest.raises(RunAborted, match=r"vtoken: model_args layout='offical'; accepted: native, official"):
+        VTokenLMM.create_from_arg_string("pretrained=vtoken-mini,method=fastervlm,layout=offical")
+    with pytest.raises(vtoken.VTokenError, match=r"batch_size=0"):
+        VTokenLMM(pretrained="vtoken-mini", batch_size=0)
+    assert simple_parse_args_string("budget=1.0,b=1") == {"budget": 1.0, "b": 1}
+
+
+def test_failing_sample_stops_the_run():
+    """A sample vtoken cannot take stops `generate_until` with vtoken's message, never an empty answer."""
+    from vtoken.eval.lmms_model import RunAborted, VTokenLMM
+
+    lm = VTokenLMM(pretrained="tiny-llava", method="fastervlm", budget=0.5)
+
+    def messages(doc):
+        return [{"role": "user", "content": [{"type": "audio", "url": "a.wav"}, {"type": "text", "text": "hi"}]}]
+
+    message = r"generation failed \(task t, doc 0\): InputError: vtoken models take images and videos"
+    with pytest.raises(RunAborted, match=message):
+        lm.generate_until(requests_for(lm, [{}], messages))
+
+
+def test_batch_records_map_back_to_samples(photos):
+    """LLaVA-NeXT (anyres crops) at batch 3 with 2, 1 and 0 images per sample: answers and per-sample stage
+    records equal those of each sample run alone."""
+    from vtoken.eval.lmms_model import VTokenLMM
+
+    docs = [{"images": ["astronaut", "rocket"]}, {"images": ["coffee"]}, {"images": []}]
+
+    def messages(doc):
+        content = [{"type": "image", "url": photos[name]} for name in doc["images"]]
+        return [{"role": "user", "content": [*content, {"type": "text", "text": "what is in the image?"}]}]
+
+    lm = VTokenLMM(pretrained="tiny-llava-next", method="fastervlm", budget=0.25, batch_size=3)
+    batched = lm.generate_until(requests_for(lm, docs, messages))
+    lm.batch_size_per_gpu = 1
+    alone = lm.generate_until(requests_for(lm, docs, messages))
+    assert [r.text for r in batched] == [r.text for r in alone]
+    stages = [r.token_counts.stages for r in alone]
+    assert [r.token_counts.stages for r in batched] == stages
+    assert stages[0]["encoder"]["tokens_in"] > stages[1]["encoder"]["tokens_in"] > 0 and stages[2] == {}
+    assert [r.token_counts.visual_tokens for r in batched] == [r.token_counts.visual_tokens for r in alone]
+
+
+def test_vtoken_eval_sweep(cache, tmp_path, monkeypatch):
+    """`vtoken eval` loads the model once and scores every setting as `vtoken.mini.evaluate` does on the same
+    questions; it writes JSON, Markdown and the plot."""
+    import vtoken.eval.lmms_model as lmms_model
+    from vtoken.cli import main
+    from vtoken.mini import vqa
+    from vtoken.mini.evaluate import evaluate
+
+    loads = []
+    monkeypatch.setattr(lmms_model, "load", lambda *a, **k: loads.append(a) or load(*a, **k))
+    out = tmp_path / "sweep"
+    assert main(["eval", "--model", "vtoken-mini", "--methods", "fastervlm,pool", "--budgets", "0.25",
+                 "--limit", "10", "--batch-size", "5", "--out", str(out)]) == 0  # fmt: skip
+    assert len(loads) == 1
+    report = json.loads((out / "sweep.json").read_text())
+    model, processor = load("vtoken-mini")
+    pairs = vqa.question_set("test", 10)
+    for setting in report["settings"]:
+        method = setting["method"]
+        if method != "none":
+            vtoken.patch(model, method, budget=0.25)
+        try:
+            expected = evaluate(model, processor, pairs, batch=5).accuracy()["all"]
+        finally:
+            if method != "none":
+                vtoken.unpatch(model)
+        assert setting["scores"]["vtoken_mini_vqa/accuracy"] == pytest.approx(expected), method
+        assert setting["means"]["vtoken_visual_kept"] == (144 if method == "none" else 36)
+    assert [s["method"] for s in report["settings"]] == ["none", "fastervlm", "pool"]
+    assert "retention" in (out / "sweep.md").read_text()
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"

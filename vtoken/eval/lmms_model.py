@@ -10,6 +10,7 @@ every sample's visual-token records land in lmms-eval's samples log (`VisualToke
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,7 +213,7 @@ class VTokenLMM(lmms):
                 raise
             except Exception as err:
                 where = f"task {tasks[0]}, doc {', '.join(map(str, doc_ids))}"
-                logger.exception(f"vtoken: generation failed ({where})")
+                logger.debug("".join(traceback.format_exception(err)))  # shown with --verbosity DEBUG
                 raise RunAborted(f"generation failed ({where}): {type(err).__name__}: {err}", err) from err
             results.extend(outputs)
             total_seconds += seconds

@@ -33,6 +33,10 @@ class Setting:
     scores: dict[str, float] = field(default_factory=dict)
     means: dict[str, float] = field(default_factory=dict)
 
+    def methods(self) -> list:
+        """Fresh method objects of this setting (none for the unpatched model)."""
+        return build_methods(None if self.method == "none" else self.method, self.params, [])
+
     @property
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget}"
@@ -122,10 +126,13 @@ def run(args: argparse.Namespace) -> int:
         raise VTokenError(f"unknown task(s) {missing}; the task pack has {', '.join(_pack_tasks(manager))}")
 
     lm = VTokenLMM(pretrained=args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype)
+    for point in points:  # every setting must patch this model before the first one runs
+        lm.set_methods(point.methods(), args.layout)
+    lm.set_methods([])
     out = Path(args.out)
     (out / "samples").mkdir(parents=True, exist_ok=True)
     for point in tqdm(points, desc="vtoken eval settings"):
-        lm.set_methods(build_methods(None if point.method == "none" else point.method, point.params, []), args.layout)
+        lm.set_methods(point.methods(), args.layout)
         results = evaluator.simple_evaluate(
             model=lm,
             tasks=task_names,
