@@ -29,6 +29,7 @@ class VisualTokenCounts(TokenCounts):
     stages: stage -> {"tokens_in", "tokens_out"} summed over the sample's crops/frames (one entry per stage).
     selection_ms: time the methods spent scoring and selecting for this sample (its share of the batch).
     ttft_ms: time to first token of the batch the sample ran in (encoding, selection, prefill, first step).
+    layer_average: with a prefill method, visual tokens averaged over all LLM layers (MustDrop's token counts).
     """
 
     visual_tokens: int = 0
@@ -36,6 +37,7 @@ class VisualTokenCounts(TokenCounts):
     stages: dict[str, dict[str, int]] = field(default_factory=dict)
     selection_ms: float = 0.0
     ttft_ms: float | None = None
+    layer_average: float | None = None
 
     def to_dict(self) -> dict:
         out: dict = super().to_dict()
@@ -47,6 +49,8 @@ class VisualTokenCounts(TokenCounts):
         )
         if self.ttft_ms is not None:
             out["ttft_ms"] = round(self.ttft_ms, 3)
+        if self.layer_average is not None:
+            out["layer_average"] = round(self.layer_average, 3)
         return out
 
 
@@ -90,6 +94,8 @@ def sample_counts(
         stage["tokens_in"] += record.tokens_in
         stage["tokens_out"] += record.tokens_out
         counts.selection_ms += record.seconds * 1e3
+        if "layer_average" in record.extra:  # the same value on each of the row's prefill records
+            counts.layer_average = float(record.extra["layer_average"])
     for counts in out:
         input_stages = [s for s in counts.stages if s not in NOT_INPUT_STAGES]
         if input_stages:  # the last stage that shortens the LLM's input, in the order the stages ran
@@ -116,6 +122,9 @@ def run_means(counts: Sequence[dict]) -> dict[str, float]:
     ttft = [c["ttft_ms"] for c in counts if "ttft_ms" in c]
     if ttft:
         means["vtoken_ttft_ms"] = mean(ttft)
+    averages = [c["layer_average"] for c in counts if "layer_average" in c]
+    if averages:
+        means["vtoken_visual_layer_average"] = mean(averages)
     stages = dict.fromkeys(s for c in counts for s in c["stages"])
     for stage in stages:
         having = [c["stages"][stage] for c in counts if stage in c["stages"]]
