@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,15 @@ def test_entry_point_registered():
     assert cls is VTokenLMM and cls.is_simple is False
 
 
+def test_tasks_path_command(capsys):
+    """`python -m vtoken.eval --tasks-path` prints the task pack's directory, which holds the task YAMLs."""
+    from vtoken.eval.__main__ import main
+
+    assert main(["--tasks-path"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path == tasks_path() and (path / "vtoken_mini_vqa.yaml").exists()
+
+
 @pytest.mark.parametrize("name", list(METHODS))
 def test_cli_matches_direct_generate(cli_runs, name):
     """lmms-eval at batch 1 and 4 answers every sample exactly as `generate` on the patched model does, and its
@@ -169,9 +179,12 @@ def test_cli_bad_model_args_fails_with_vtoken_message(cache):
 def test_two_processes_match(cli_runs, cache):
     """`accelerate launch --multi_gpu --num_processes 2` (CPU, gloo) answers as the one-process run does, and the
     run-level means cover both ranks' samples."""
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                "29533"]  # fmt: skip
+                str(port)]  # fmt: skip
     out = cache / "out-2proc"
     done = lmms_eval(["--model", "vtoken", "--model_args", f"pretrained=vtoken-mini,{METHODS['fastervlm']}",
                       "--tasks", "vtoken_mini_vqa", "--include_path", str(tasks_path()), "--limit", str(LIMIT),
@@ -305,3 +318,30 @@ def test_vtoken_eval_sweep(cache, tmp_path, monkeypatch):
     assert [s["method"] for s in report["settings"]] == ["none", "fastervlm", "pool"]
     assert "retention" in (out / "sweep.md").read_text()
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("family", ["tiny-llava", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision",
+                                    "tiny-video-llava", "tiny-llava-next-video"])  # fmt: skip
+def test_every_family_answers_as_generate(family, photos):
+    """Each built-in family through the `vtoken` model (pool at 50 %, batch 2, chat template) answers as a
+    batch-1 `generate` of the same patched model with the family's own prompt."""
+    from vtoken.eval.lmms_model import VTokenLMM
+
+    names = ["chelsea", "rocket"]
+
+    def messages(doc):
+        image = {"type": "image", "url": photos[doc["name"]]}
+        return [{"role": "user", "content": [image, {"type": "text", "text": "what is in the image?"}]}]
+
+    lm = VTokenLMM(pretrained=family, method="pool", budget=0.5, batch_size=2)
+    answers = [r.text for r in lm.generate_until(requests_for(lm, [{"name": n} for n in names], messages))]
+    model, processor = lm.model, lm.processor
+    expected = []
+    for name in names:
+        prompt = build_prompt(processor, "what is in the image?")
+        inputs = processor(images=[photos[name]], text=[prompt], return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        text = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
+        expected.append(text.split("\n")[0])
+    assert answers == expected
