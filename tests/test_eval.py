@@ -345,3 +345,27 @@ def test_every_family_answers_as_generate(family, photos):
         text = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
         expected.append(text.split("\n")[0])
     assert answers == expected
+
+
+@pytest.mark.parametrize("family", ["tiny-video-llava", "tiny-qwen2-vl", "tiny-onevision"])
+def test_batch_of_a_video_and_an_image(family, cache):
+    """A batch with an MP4 sample and an image sample: answers and per-sample records (image and video records
+    are indexed per modality) equal those of each sample run alone."""
+    from vtoken.eval.lmms_model import VTokenLMM
+    from vtoken.images import example_image
+
+    video, image = str(data.video_path(data.questions("video")[0])), example_image()
+
+    def messages(doc):
+        item = {"type": "video", "url": video} if doc["video"] else {"type": "image", "url": image}
+        return [{"role": "user", "content": [item, {"type": "text", "text": "what is it?"}]}]
+
+    docs = [{"video": True}, {"video": False}]
+    lm = VTokenLMM(pretrained=family, method="pool", budget=0.5, batch_size=2, max_frames=4)
+    batched = lm.generate_until(requests_for(lm, docs, messages))
+    lm.batch_size_per_gpu = 1
+    alone = lm.generate_until(requests_for(lm, docs, messages))
+    assert [r.text for r in batched] == [r.text for r in alone]
+    assert [r.token_counts.stages for r in batched] == [r.token_counts.stages for r in alone]
+    video_stages, image_stages = (r.token_counts.stages for r in alone)
+    assert video_stages["encoder"] != image_stages["encoder"]
