@@ -142,11 +142,15 @@ class VTokenLMM(lmms):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> VTokenLMM:
-        """lmms-eval's constructor path: a bad `--model_args` entry stops the run with vtoken's message."""
+        """lmms-eval's constructor path: a bad `--model_args` entry, or a model that cannot be loaded or patched,
+        stops the run with the message (lmms-eval would log it and exit 0)."""
         try:
             return super().create_from_arg_string(arg_string, additional_config)
         except VTokenError as err:
             raise RunAborted(str(err), err) from err
+        except Exception as err:
+            raise RunAborted(f"cannot build the model from --model_args {arg_string!r}: {type(err).__name__}: {err}",
+                             err) from err  # fmt: skip
 
     # ---- what lmms-eval and `vtoken eval` use
     @property
