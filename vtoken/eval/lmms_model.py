@@ -260,6 +260,9 @@ class VTokenLMM(lmms):
         images, videos, texts = [], [], []
         images_per_row, videos_per_row = [], []
         for message in messages:
+            for content in (c for m in message.messages for c in m.content if c.type == "video"):
+                if content.start_time is not None or content.end_time is not None:  # never decode the wrong span
+                    raise InputError("video segments (start_time/end_time) are not supported; the whole file is read")
             row_images, row_videos, audios = message.extract_media()
             if audios:
                 raise InputError("vtoken models take images and videos, not audio")
