@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cpu)")
     p.set_defaults(func=run)
     sub.add_parser("list", help="methods, model families and built-in models").set_defaults(func=list_all)
+    from .eval.sweep import add_parser as add_eval_parser  # lmms-eval is imported only when `vtoken eval` runs
+
+    add_eval_parser(sub)
     return parser
 
 
