@@ -32,6 +32,7 @@ from .methods import (
     PrefillMethod,
     Random,
     ScoreMethod,
+    SparsePrefill,
 )
 from .question import remember_tokenizer
 from .records import Record
@@ -59,6 +60,7 @@ __all__ = [
     "MustDrop",
     "Random",
     "Pool",
+    "SparsePrefill",
     "Method",
     "EncoderMethod",
     "PrefillMethod",
