@@ -141,3 +141,34 @@ def test_reference_equals_sdpa_with_the_equivalent_mask(padded, sink, window):
     assert seen.any() and (~seen).any()  # the plan leaves some rows without keys
     torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-6)
     assert torch.equal(got[~seen], torch.zeros_like(got[~seen]))
+
+
+IN_MODEL = textwrap.dedent(
+    """
+    import torch
+    import vtoken
+    from vtoken.zoo import build_prompt, tiny_llava
+    from vtoken.images import example_image
+    torch.set_num_threads(1)
+    model, processor = tiny_llava(image_size=224, text_layers=1)  # 256 visual tokens
+    inputs = processor(images=[example_image(224)] * 2, text=[build_prompt(processor, "what is it?"),
+                       build_prompt(processor, "what is in this image? answer")], return_tensors="pt", padding=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        method = vtoken.SparsePrefill(density=0.3, block_size=32, min_length=16, backend=backend)
+        with torch.no_grad(), vtoken.patched(model, method) as handle:
+            outputs[backend] = model(**inputs).logits
+            assert [r.stage for r in handle.records] == ["sparse.layer0"] * 2, handle.records
+    torch.testing.assert_close(outputs["triton"], outputs["torch"], rtol=1e-4, atol=1e-4)
+    print("model ok")
+    """
+)
+
+
+def test_triton_backend_inside_a_model_under_interpreter():
+    """The kernel path of the integration (aligned padded rows, GQA 2) matches the torch path on a padded batch."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", IN_MODEL], env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model ok" in result.stdout

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import assert_identity, inputs_for
+from conftest import assert_identity, inputs_for, video_inputs
 from PIL import Image
 from vtoken.kernels import block_mask_from_plan
 
@@ -20,7 +20,7 @@ from vtoken.methods.sparse_prefill import (
     prefill_bound,
     vertical_slash_scores,
 )
-from vtoken.zoo import tiny_llava, tiny_qwen2_vl
+from vtoken.zoo import tiny_llava, tiny_llava_next_video, tiny_qwen2_vl
 
 SMALL = dict(block_size=16, min_length=16)  # tiny prompts (~600 tokens) run sparse
 
@@ -321,24 +321,56 @@ def test_vertical_slash_runs_sparse_and_records(llava, llava_batch):
     assert torch.equal(batch_tokens[1, -3:], single_tokens[0, -3:])
 
 
-def test_grid_on_video_equals_the_language_model_with_its_block_mask(qwen):
-    model, processor = qwen
-    inputs = qwen_video_inputs(processor)
+@pytest.fixture(scope="module")
+def next_video():
+    return tiny_llava_next_video()
+
+
+def video_case(family, qwen, next_video):
+    """(model, inputs, frames) of one prompt with one clip."""
+    if family == "qwen2-vl":
+        model, processor = qwen
+        inputs = qwen_video_inputs(processor)
+        return model, inputs, int(inputs["video_grid_thw"][0, 0])
+    model, processor = next_video
+    return model, video_inputs(processor, frames=4), 4
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "llava-next-video"])
+def test_grid_on_video_equals_the_language_model_with_its_block_mask(family, qwen, next_video):
+    model, inputs, frames = video_case(family, qwen, next_video)
     ids = inputs["input_ids"][0]
     video = (ids == model.config.video_token_id).nonzero().squeeze(1)
-    start, end = int(video[0]), int(video[-1]) + 1
-    stride = len(video) // int(inputs["video_grid_thw"][0, 0])
+    start, end, stride = int(video[0]), int(video[-1]) + 1, len(video) // frames
     block, window = 16, 16
     lm_kwargs, _, _ = run_capturing_lm(model, inputs)
     method = vtoken.SparsePrefill(pattern="grid", sink=0, window=window, block_size=block, min_length=16)
     with vtoken.patched(model, method) as handle:
         _, hidden, _ = run_capturing_lm(model, inputs)
+        records = handle.records
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=2, do_sample=False)  # generate finds the frames too
+        generate_records = handle.records
     blocks = grid_blocks(len(ids), block, torch.tensor([[start, end]]), torch.tensor([stride]), 0, window)
     mask = blocks.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, : len(ids), : len(ids)]
     mask &= torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
     want = stock_lm_with_mask(model, lm_kwargs, mask[:, None])
     assert (hidden - want).abs().max() <= 1e-5
-    assert all(r.extra["density"] < 0.9 for r in handle.records)
+    for seen in (records, generate_records):
+        assert [r.stage for r in seen] == ["sparse.layer0", "sparse.layer1"]
+        assert all(r.extra["density"] < 0.9 for r in seen)
+
+
+def test_grid_after_per_frame_pruning(next_video):
+    """An encoder-stage method keeping k tokens per frame: the grid's stride becomes k."""
+    model, processor = next_video
+    inputs = video_inputs(processor, frames=4)
+    method = vtoken.SparsePrefill(pattern="grid", sink=0, window=16, block_size=16, min_length=16)
+    with torch.no_grad(), vtoken.patched(model, [vtoken.Random(budget=0.5), method]) as handle:
+        model(**inputs)
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    stages = [r.stage for r in handle.records]
+    assert stages.count("encoder") == 4 and stages[-2:] == ["sparse.layer0", "sparse.layer1"]
 
 
 def test_composes_with_fastervlm_and_fastv(llava, llava_batch):
