@@ -13,6 +13,7 @@ from vtoken.kernels import block_mask_from_plan
 import vtoken
 from vtoken.methods.sparse_prefill import (
     a_shape_blocks,
+    a_shape_plan,
     density_blocks,
     grid_blocks,
     line_blocks,
@@ -79,6 +80,10 @@ def test_a_shape_blocks_cover_exactly_the_needed_blocks():
         for kb in range(n):
             by_block[qb, kb] = wanted[qb * block : (qb + 1) * block, kb * block : (kb + 1) * block].any()
     assert torch.equal(mask, by_block)
+    counts, index = a_shape_plan(seq, block, sink, window)  # built directly: the same plan
+    assert torch.equal(counts, plan_from_block_mask(mask)[0]) and torch.equal(
+        block_mask_from_plan(counts, index, n), mask
+    )
 
 
 def test_plan_round_trip_and_garbage_free():

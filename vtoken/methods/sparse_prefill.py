@@ -30,6 +30,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from vtoken.kernels import block_mask_from_plan, causal_rows_probs
+
 from ..errors import VTokenError
 from ..registry import register_method
 from .base import Method
@@ -166,8 +168,7 @@ class SparsePrefill(Method):
         batch, heads, seq = q.shape[:3]
         block = self.block_size
         if self.pattern == "a_shape":
-            mask = a_shape_blocks(seq, block, self.sink, self.local, q.device)
-            counts, index = plan_from_block_mask(mask[None, None])
+            counts, index = a_shape_plan(seq, block, self.sink, self.local, q.device)
             return counts.expand(batch, heads, -1), index.expand(batch, heads, -1, -1), self.local
         if self.pattern == "grid":
             span, stride = video
@@ -178,10 +179,10 @@ class SparsePrefill(Method):
         vertical, slash = vertical_slash_scores(q, k, rows, key_valid, scale)
         mandatory = a_shape_blocks(seq, block, self.sink, self.local, q.device)
         if self.resolved_density is not None:
-            mask = density_blocks(vertical, slash, block, self.resolved_density, mandatory)
+            counts, index = density_plan(vertical, slash, block, self.resolved_density, mandatory)
         else:
             mask = line_blocks(vertical, slash, block, self.vertical or 0, self.slash or 0, mandatory)
-        counts, index = plan_from_block_mask(mask)
+            counts, index = plan_from_block_mask(mask)
         return counts, index, 0
 
 
@@ -212,6 +213,21 @@ def a_shape_blocks(seq: int, block: int, sink: int, window: int, device: torch.d
     return (sinks | band) & (kb <= qb)
 
 
+def a_shape_plan(
+    seq: int, block: int, sink: int, window: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan of `a_shape_blocks` built directly (no sort): counts [Qb], index [Qb, K] ascending."""
+    n = -(-seq // block)
+    qb = torch.arange(n, device=device)
+    band_start = torch.div(qb * block - window + 1, block, rounding_mode="floor").clamp(min=0)
+    sinks = torch.minimum(torch.full_like(qb, -(-sink // block)), band_start)  # sink blocks below the band
+    counts = sinks + qb - band_start + 1
+    t = torch.arange(int(counts.max()), device=device)[None, :]
+    index = torch.where(t < sinks[:, None], t, band_start[:, None] + t - sinks[:, None])
+    index = torch.where(t < counts[:, None], index, 0)
+    return counts.to(torch.int32), index.to(torch.int32)
+
+
 def estimate_rows(key_valid: torch.Tensor | None, batch: int, seq: int, device) -> torch.Tensor:
     """[B, R] the last R = min(64, S) real query rows of every sequence (repeated when a row has fewer)."""
     count = min(ESTIMATE_ROWS, seq)
@@ -231,8 +247,6 @@ def vertical_slash_scores(
     q: [B, H, S, d]; k: [B, Hkv, S, d]; rows: [B, R]. Returns vertical [B, H, S] (mean attention a row pays to key
     j) and slash [B, H, S] (mean attention a row pays to the key `o` positions before it, o = 0..S-1), fp32.
     """
-    from vtoken.kernels import causal_rows_probs
-
     batch, heads, seq, dim = q.shape
     valid = key_valid.bool() if key_valid is not None else torch.ones(batch, seq, dtype=torch.bool, device=q.device)
     q_rows = q.gather(2, rows[:, None, :, None].expand(-1, heads, -1, dim))
@@ -249,10 +263,18 @@ def vertical_slash_scores(
 def density_blocks(
     vertical: torch.Tensor, slash: torch.Tensor, block: int, density: float, mandatory: torch.Tensor
 ) -> torch.Tensor:
-    """[B, H, Qb, Kb]: every query block keeps ceil(density * its causal blocks) blocks (at least `mandatory`
-    [Qb, Kb]), ranked by the attention mass per row the lines predict: the vertical mass of the key block plus
-    the slash mass crossing it (a diagonal at offset o crosses block pair (qb, kb) on block - |o - (qb-kb)*block|
-    of its rows)."""
+    """[B, H, Qb, Kb] bool: the blocks of `density_plan`."""
+    counts, index = density_plan(vertical, slash, block, density, mandatory)
+    return block_mask_from_plan(counts, index, mandatory.shape[-1])
+
+
+def density_plan(
+    vertical: torch.Tensor, slash: torch.Tensor, block: int, density: float, mandatory: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query block keeps ceil(density * its causal blocks) key blocks (at least `mandatory` [Qb, Kb]),
+    ranked by the attention mass per row the lines predict: the vertical mass of the key block plus the slash
+    mass crossing it (a diagonal at offset o crosses block pair (qb, kb) on block - |o - (qb-kb)*block| of its
+    rows). vertical, slash: [B, H, S] from `vertical_slash_scores`. Returns counts [B, H, Qb], index [B, H, Qb, K]."""
     batch, heads, seq = vertical.shape
     n = -(-seq // block)
     column_mass = F.pad(vertical, (0, n * block - seq)).view(batch, heads, n, block).sum(-1)  # [B, H, Kb]
@@ -269,11 +291,12 @@ def density_blocks(
     scores = scores.masked_fill(mandatory, float("inf")).masked_fill(kb > qb, float("-inf"))
     budget = torch.ceil(density * (qb[:, 0] + 1).double()).long()  # [Qb]
     budget = torch.maximum(budget, mandatory.sum(-1)).clamp(max=n)
-    top = scores.topk(int(budget.max()), dim=-1).indices  # [B, H, Qb, K]
+    top = scores.topk(int(budget.max()), dim=-1).indices  # [B, H, Qb, K], best first
     rank = torch.arange(top.shape[-1], device=top.device)
-    chosen = torch.where(rank < budget[:, None], top, n)
-    mask = torch.zeros(batch, heads, n, n + 1, dtype=torch.bool, device=top.device)
-    return mask.scatter_(-1, chosen, True)[..., :n] & (kb <= qb)
+    listed = rank < budget[:, None]
+    index = torch.where(listed, top, n).sort(dim=-1).values  # the listed blocks ascending, then n
+    index = torch.where(listed, index, 0)
+    return budget.to(torch.int32).expand(batch, heads, n), index.to(torch.int32)
 
 
 def line_blocks(
