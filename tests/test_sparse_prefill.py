@@ -1,6 +1,7 @@
 """Sparse prefill: plan builders on controlled inputs, and the method inside tiny LLaVA-1.5 and Qwen2-VL (images,
 M-RoPE, video) against the stock language model run with the equivalent 4-D boolean mask."""
 
+import copy
 import threading
 
 import numpy as np
@@ -403,6 +404,49 @@ def test_composes_with_fastervlm_and_fastv(llava, llava_batch):
     assert set(lengths) == {"sparse.layer0", "sparse.layer1"}  # no layer fell back to dense
     assert lengths["sparse.layer1"] < lengths["sparse.layer0"]  # layer 1 ran on FastV's shorter sequence
     assert {r.stage for r in narrow_records if r.stage.startswith("sparse")} == {"sparse.layer0", "sparse.layer1"}
+
+
+def test_composes_with_mustdrop(llava_batch):
+    """MustDrop's three stages (encoder merge, prefill filter, decode KV cut) with an all-covering A-shape: equal to
+    MustDrop alone, and the layers after its drop run sparse on the shorter sequence."""
+    model, _ = tiny_llava(text_layers=4)
+
+    def mustdrop():
+        return vtoken.MustDrop(global_thr=0.011, individual_thr=0.01, layers=(1,))
+
+    wide = vtoken.SparsePrefill(pattern="a_shape", sink=0, window=10**6, **SMALL)
+    with torch.no_grad():
+        with vtoken.patched(model, mustdrop()):
+            ref = model(**llava_batch).logits
+            ref_tokens = model.generate(**llava_batch, max_new_tokens=3, do_sample=False)
+        with vtoken.patched(model, [mustdrop(), wide]) as handle:
+            logits = model(**llava_batch).logits
+            lengths = {r.stage: r.tokens_in for r in handle.records if r.stage.startswith("sparse") and r.image == 0}
+            tokens = model.generate(**llava_batch, max_new_tokens=3, do_sample=False)
+    assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+    assert sorted(lengths) == [f"sparse.layer{i}" for i in range(4)]
+    assert lengths["sparse.layer2"] < lengths["sparse.layer1"]
+
+
+def test_an_eager_language_model(llava, llava_batch):
+    """With eager attention the mask arrives additive (float); the sparse path reads it the same way, decoding
+    stays eager, and unpatch gives eager back."""
+    model = copy.deepcopy(llava[0])
+    model.set_attn_implementation("eager")
+    sink, window = 5, 40
+    lm_kwargs, _, _ = run_capturing_lm(llava[0], llava_batch)
+    with (
+        torch.no_grad(),
+        vtoken.patched(model, vtoken.SparsePrefill(pattern="a_shape", sink=sink, window=window, **SMALL)) as handle,
+    ):
+        assert model.config.text_config._attn_implementation == "vtoken_sparse_eager"
+        _, hidden, _ = run_capturing_lm(model, llava_batch)
+        records = handle.records
+        model.generate(**llava_batch, max_new_tokens=2, do_sample=False)
+    padding = llava_batch["attention_mask"]
+    assert_rows_close(hidden, stock_lm_with_mask(llava[0], lm_kwargs, a_shape_mask(padding, sink, window)), padding)
+    assert {r.stage for r in records} == {"sparse.layer0", "sparse.layer1"}
+    assert model.config.text_config._attn_implementation == "eager"
 
 
 def test_unpatch_restores_attention_implementation_and_outputs(llava, llava_batch):
