@@ -265,9 +265,9 @@ def llm_facts(model, inputs, methods, probe_layer) -> dict:
             if not any(isinstance(m, vtoken.SparsePrefill) for m in methods):
                 if methods:
                     with vtoken.patched(model, methods):
-                        model(**inputs)
+                        model(**inputs, logits_to_keep=1)  # not 64k x 152k logits
                 else:
-                    model(**inputs)
+                    model(**inputs, logits_to_keep=1)  # not 64k x 152k logits
                 return {"llm_tokens": seen["llm_tokens"], "density": None, "recall": None}
             with vtoken.patched(model, methods) as handle:
                 stage = handle.adapter._sparse
@@ -279,7 +279,7 @@ def llm_facts(model, inputs, methods, probe_layer) -> dict:
                     return stock(index, scale, q, k, v, key_valid, video, call)
 
                 stage._sparse = capture  # benchmark-only instance override, gone with the patch
-                model(**inputs)
+                model(**inputs, logits_to_keep=1)  # not 64k x 152k logits
                 records = [r for r in handle.records if "density" in r.extra]
                 method = next(m for m in methods if isinstance(m, vtoken.SparsePrefill))
                 recall = None

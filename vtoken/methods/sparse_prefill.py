@@ -59,7 +59,8 @@ class SparsePrefill(Method):
     64 otherwise). block_size: the tile in tokens (a power of two, 16..256; default 64). min_length: prompts
     shorter than this run the model's own dense attention (default 32768). layers: LLM layer indices made sparse
     (default all). backend: "auto" (Triton on CUDA, the PyTorch reference elsewhere), "triton" or "torch".
-    Decoding steps and prompts with a cached prefix always use the model's own attention.
+    Decoding steps and prompts with a cached prefix always use the model's own attention. Token indices (sink,
+    frames, blocks) count from each row's first real token: left padding does not move a row's pattern.
     """
 
     pattern: str = "vertical_slash"
