@@ -181,6 +181,11 @@ def qwen():
 
 
 @pytest.fixture(scope="module")
+def next_video():
+    return tiny_llava_next_video()
+
+
+@pytest.fixture(scope="module")
 def llava_batch(llava):
     from skimage import data
 
@@ -256,12 +261,14 @@ def assert_rows_close(got, want, padding):
     assert (got[real] - want[real]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen-image", "qwen-video"])
-def test_density_one_is_the_identity(family, llava, qwen, llava_batch):
-    model, processor = llava if family == "llava" else qwen
+@pytest.mark.parametrize("family", ["llava", "qwen-image", "qwen-video", "llava-next-video"])
+def test_density_one_is_the_identity(family, llava, qwen, next_video, llava_batch):
     if family == "llava":
-        inputs = llava_batch
+        model, inputs = llava[0], llava_batch
+    elif family == "llava-next-video":
+        model, inputs = next_video[0], video_inputs(next_video[1], frames=4)
     else:
+        model, processor = qwen
         inputs = qwen_image_inputs(processor) if family == "qwen-image" else qwen_video_inputs(processor)
     assert_identity(model, vtoken.SparsePrefill(density=1.0, **SMALL), inputs, max_new_tokens=3)
 
@@ -332,11 +339,6 @@ def test_vertical_slash_runs_sparse_and_records(llava, llava_batch):
     assert not bool(llava_batch["attention_mask"][0].all())  # row 0 is left-padded
     for row, (real, alone) in enumerate(singles):
         assert (logits[row, real] - alone).abs().max() <= 1e-4
-
-
-@pytest.fixture(scope="module")
-def next_video():
-    return tiny_llava_next_video()
 
 
 def video_case(family, qwen, next_video):
