@@ -41,7 +41,8 @@ from vtoken.records import Record
 from vtoken.timing import Stopwatch
 
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}  # original implementations we can stand in for
-_STAGES: weakref.WeakKeyDictionary[nn.Module, SparseAttention] = weakref.WeakKeyDictionary()
+# attention module -> its stage, both weakly held: a patched model dropped without `unpatch` is still freed
+_STAGES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[SparseAttention]] = weakref.WeakKeyDictionary()
 
 
 def sparse_attention_forward(
@@ -53,7 +54,8 @@ def sparse_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function: query [B, H, S, d], key/value [B, Hkv, S, d] -> ([B, S, H, d], None)."""
-    stage = _STAGES.get(module)
+    ref = _STAGES.get(module)
+    stage = ref() if ref is not None else None
     if stage is None:
         raise VTokenError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs vtoken's sparse attention but "
@@ -136,7 +138,7 @@ class SparseAttention:
                     configs.setdefault(id(sub), sub)
         self._saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs.values()]
         for module in self.attention_modules:
-            _STAGES[module] = self
+            _STAGES[module] = weakref.ref(self)
         self.model.set_attn_implementation({"text_config": _register(self.original)})
         self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
         self._hooks.append(self.lm.register_forward_hook(self._after_lm))
@@ -252,6 +254,7 @@ class SparseAttention:
             or module.training
             or kwargs.get("sliding_window") is not None
             or kwargs.get("output_attentions")
+            or kwargs.get("softcap") is not None
         ):
             return self._original(module, query, key, value, attention_mask, **kwargs)
         key_valid, ok = causal_padding(attention_mask, seq)
@@ -263,7 +266,9 @@ class SparseAttention:
             call.dense.append(f"layer {module.layer_idx}: its mask is not causal + key padding")
         if not ok:
             return self._original(module, query, key, value, attention_mask, **kwargs)
-        out = self._sparse(module.layer_idx, module.scaling, query, key, value, key_valid, video, call)
+        scale = kwargs.get("scaling")
+        scale = scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
+        out = self._sparse(module.layer_idx, scale, query, key, value, key_valid, video, call)
         return out.transpose(1, 2).contiguous(), None
 
     def _sparse(self, index, scale, q, k, v, key_valid, video, call) -> torch.Tensor:
