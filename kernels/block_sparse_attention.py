@@ -118,13 +118,16 @@ if triton is not None:
             k = tl.load(k_base + offs_k[:, None] * stride_ks + offs_d[None, :],
                         mask=in_seq[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            allowed = (offs_k[None, :] <= offs_m[:, None]) & in_seq[None, :]
-            local = (offs_k[None, :] < sink) | (offs_m[:, None] - offs_k[None, :] < window)
-            allowed = allowed & ((window <= 0) | local)
-            if HAS_VALID:
-                valid = tl.load(valid_ptr + b * stride_valid + offs_k, mask=in_seq, other=0) != 0
-                allowed = allowed & valid[None, :]
-            s = tl.where(allowed, s, float("-inf"))
+            # element masks only where they can bite: blocks crossing the diagonal or the end, padding, A-shape
+            below = kblock * BLOCK + BLOCK - 1 <= qblock * BLOCK
+            if HAS_VALID or (window > 0) or (not below) or (kblock * BLOCK + BLOCK > seq_len):
+                allowed = (offs_k[None, :] <= offs_m[:, None]) & in_seq[None, :]
+                local = (offs_k[None, :] < sink) | (offs_m[:, None] - offs_k[None, :] < window)
+                allowed = allowed & ((window <= 0) | local)
+                if HAS_VALID:
+                    valid = tl.load(valid_ptr + b * stride_valid + offs_k, mask=in_seq, other=0) != 0
+                    allowed = allowed & valid[None, :]
+                s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
             alpha = tl.exp(m_i - m_safe)

@@ -172,3 +172,25 @@ def test_triton_backend_inside_a_model_under_interpreter():
                             timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "model ok" in result.stdout
+
+
+@pytest.mark.parametrize("dtype, padded, block", [("bf16", False, 64), ("bf16", True, 64), ("fp32", True, 16)])
+def test_kernel_compiles_for_h100_without_a_gpu(dtype, padded, block):
+    """The interpreter does not check what the compiler rejects: compile ahead of time for sm_90 (ptxas ships with
+    triton), so a kernel that only runs interpreted cannot pass."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = importlib.import_module("vtoken.kernels.block_sparse_attention")._block_sparse_kernel
+    pointers = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], f"*{dtype}")
+    pointers.update(counts_ptr="*i32", index_ptr="*i32", valid_ptr="*i8" if padded else "*i32", scale="fp32")
+    constexprs = dict(HAS_VALID=padded, BLOCK=block, BLOCK_D=128, PRECISION="ieee" if dtype == "fp32" else "tf32")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
+    source = ASTSource(
+        fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    assert compiled.asm["cubin"]
