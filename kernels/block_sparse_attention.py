@@ -90,6 +90,7 @@ if triton is not None:
         stride_valid,
         HAS_VALID: tl.constexpr,
         BLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -99,7 +100,7 @@ if triton is not None:
         b, h = bh // heads, bh % heads
         kvh = h // group
         offs_m = qblock * BLOCK + tl.arange(0, BLOCK)
-        offs_n = tl.arange(0, BLOCK)
+        offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
@@ -113,30 +114,32 @@ if triton is not None:
         acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
         for t in range(0, count):
             kblock = tl.load(index_row + t)
-            offs_k = kblock * BLOCK + offs_n
-            in_seq = offs_k < seq_len
-            k = tl.load(k_base + offs_k[:, None] * stride_ks + offs_d[None, :],
-                        mask=in_seq[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            # element masks only where they can bite: blocks crossing the diagonal or the end, padding, A-shape
-            below = kblock * BLOCK + BLOCK - 1 <= qblock * BLOCK
-            if HAS_VALID or (window > 0) or (not below) or (kblock * BLOCK + BLOCK > seq_len):
-                allowed = (offs_k[None, :] <= offs_m[:, None]) & in_seq[None, :]
-                local = (offs_k[None, :] < sink) | (offs_m[:, None] - offs_k[None, :] < window)
-                allowed = allowed & ((window <= 0) | local)
-                if HAS_VALID:
-                    valid = tl.load(valid_ptr + b * stride_valid + offs_k, mask=in_seq, other=0) != 0
-                    allowed = allowed & valid[None, :]
-                s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + offs_k[:, None] * stride_vs + offs_d[None, :],
-                        mask=in_seq[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            for sub in tl.static_range(BLOCK // BLOCK_N):  # key tiles of BLOCK_N <= 64 keep registers in bounds
+                k_start = kblock * BLOCK + sub * BLOCK_N
+                offs_k = k_start + offs_n
+                in_seq = offs_k < seq_len
+                k = tl.load(k_base + offs_k[:, None] * stride_ks + offs_d[None, :],
+                            mask=in_seq[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                # element masks only where they can bite: tiles crossing the diagonal or the end, padding, A-shape
+                below = k_start + BLOCK_N - 1 <= qblock * BLOCK
+                if HAS_VALID or (window > 0) or (not below) or (k_start + BLOCK_N > seq_len):
+                    allowed = (offs_k[None, :] <= offs_m[:, None]) & in_seq[None, :]
+                    local = (offs_k[None, :] < sink) | (offs_m[:, None] - offs_k[None, :] < window)
+                    allowed = allowed & ((window <= 0) | local)
+                    if HAS_VALID:
+                        valid = tl.load(valid_ptr + b * stride_valid + offs_k, mask=in_seq, other=0) != 0
+                        allowed = allowed & valid[None, :]
+                    s = tl.where(allowed, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_base + offs_k[:, None] * stride_vs + offs_d[None, :],
+                            mask=in_seq[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that saw no key: acc is 0
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None] & d_ok[None, :])  # fmt: skip
@@ -156,7 +159,8 @@ def block_sparse_attention_triton(
 ) -> torch.Tensor:
     """Triton version of `block_sparse_attention_reference` (same signature and result).
 
-    `block_size` must be a power of two >= 16 (it is the kernel's tile in both directions)."""
+    `block_size` must be a power of two >= 16: the query tile, and the key tile up to 64 (larger key blocks are
+    read in tiles of 64, which keeps a 128 x 128 block from spilling registers)."""
     if triton is None:
         raise RuntimeError("triton is not installed; install vtoken[kernels]")
     batch, heads, seq_len, head_dim = q.shape
@@ -184,6 +188,7 @@ def block_sparse_attention_triton(
         valid.stride(0) if key_valid is not None else 0,
         HAS_VALID=key_valid is not None,
         BLOCK=block_size,
+        BLOCK_N=min(block_size, 64),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PRECISION=precision,
         num_warps=4 if block_size <= 64 else 8,
