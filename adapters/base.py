@@ -29,6 +29,7 @@ from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from .llm import LanguageModelStages
 from .prompt import compress_prompt, gather_columns, run_rows
+from .sparse_prefill import SparseAttention
 
 # signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
 # features for token-to-token similarity (default: the features methods select from)
@@ -81,7 +82,7 @@ class Adapter:
 
     layouts: ClassVar[tuple[str, ...]] = ("native",)
     # stages this family supports; "prefill"/"decode" need a 1-D RoPE decoder unless positions stay "original"
-    stages: ClassVar[tuple[str, ...]] = ("encoder", "prefill", "decode")
+    stages: ClassVar[tuple[str, ...]] = ("encoder", "prefill", "decode", "sparse")
     multi_axis_positions: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
@@ -234,7 +235,7 @@ class Adapter:
                 f"layout={self.layout!r} is not available for {type(self.model).__name__} ({self.family}); "
                 f"it has: {', '.join(self.layouts)}"
             )
-        for stage in ("encoder", "prefill", "decode"):
+        for stage in ("encoder", "prefill", "decode", "sparse"):
             acting = [m.name for m in self.methods if stage in m.stages]
             if len(acting) > 1:
                 raise VTokenError(
@@ -267,6 +268,8 @@ class Adapter:
             if layers is None or not hasattr(self.language_model, "rotary_emb"):
                 raise VTokenError(f"{prefill.name}: {type(self.language_model).__name__} has no decoder layers to hook")
             prefill.drop_layers(len(layers))  # raises if the drop points do not fit this depth
+        sparse = [m for m in self.methods if "sparse" in m.stages]
+        self._sparse = SparseAttention(self, sparse[0]) if sparse else None  # checks the model, installs nothing
 
     # ----------------------------------------------------------------- the prompt's text
     _questions: list[str] = []
@@ -311,8 +314,12 @@ class Adapter:
                 return self._patched_generate(*args, **kwargs)
 
             model.generate = generate
+        if self._sparse is not None:
+            self._sparse.install()
 
     def remove(self) -> None:
+        if getattr(self, "_sparse", None) is not None:
+            self._sparse.remove()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -8,8 +8,18 @@ from .attention_rows import (
     causal_rows_probs_reference,
     causal_rows_probs_triton,
 )
+from .block_sparse_attention import (
+    block_mask_from_plan,
+    block_sparse_attention,
+    block_sparse_attention_reference,
+    block_sparse_attention_triton,
+)
 
 __all__ = [
+    "block_mask_from_plan",
+    "block_sparse_attention",
+    "block_sparse_attention_reference",
+    "block_sparse_attention_triton",
     "attention_row_probs",
     "attention_row_probs_reference",
     "attention_row_probs_triton",

@@ -33,6 +33,7 @@ from .methods import (
     PrefillMethod,
     Random,
     ScoreMethod,
+    SparsePrefill,
 )
 from .question import remember_tokenizer
 from .records import Record
@@ -62,6 +63,7 @@ __all__ = [
     "MustDrop",
     "Random",
     "Pool",
+    "SparsePrefill",
     "Method",
     "EncoderMethod",
     "PrefillMethod",

@@ -24,6 +24,9 @@ class Record:
         unpads after selecting); None when every pick reached the LLM (selected == tokens_out).
     extra: stage-specific numbers, e.g. "layer_average" (visual tokens averaged over all LLM layers, on prefill
         records) and "cache_lengths" (tokens each LLM layer's KV cache holds, on "decode.kv" records).
+    The sparse stage ("sparse.layerK") records "density" (share of causal key blocks computed), "estimation_ms"
+        and "attention_ms" (whole batch), tokens_in = tokens_out = the row's tokens; a "sparse" record with
+        extra["dense"] says why a prefill (or a layer) ran the model's own attention instead.
     LLM stages ("prefill.layerK", "decode.kv") record one entry per batch row: `image` is the row, `crop` is 0.
     seconds: time spent computing scores and selecting, this crop's share of its batch (read lazily: on CUDA the
         first read waits for the timed work, never the forward itself).
@@ -59,6 +62,16 @@ def summarize(records: list[Record]) -> str:
             f"{r.seconds * 1e3:>8.2f}"
         )
     for stage in dict.fromkeys(r.stage for r in records):  # one total per stage, in the order they ran
+        if stage.startswith("sparse"):  # sparse prefill keeps every token: say how much attention it computed
+            rows = [r for r in records if r.stage == stage]
+            if "density" in rows[0].extra:
+                density = sum(r.extra["density"] for r in rows) / len(rows)
+                ms = rows[0].extra["estimation_ms"], rows[0].extra["attention_ms"]
+                lines.append(f"{stage}: {density:.1%} of causal attention blocks computed, estimation {ms[0]:.2f} ms, "
+                             f"attention {ms[1]:.2f} ms")  # fmt: skip
+            else:
+                lines.extend(f"{stage}: {r.extra['dense']}" for r in rows)
+            continue
         tin = sum(r.tokens_in for r in records if r.stage == stage)
         tout = sum(r.tokens_out for r in records if r.stage == stage)
         lines.append(f"{stage}: {tin} -> {tout} visual tokens ({tout / max(tin, 1):.1%} kept)")

@@ -40,7 +40,10 @@ def supported_models() -> dict[str, list[str]]:
 
 def method_class(name: str) -> type[Method] | None:
     """The registered method class of `name` (case, '-' and '_' ignored), or None."""
-    return METHODS.get(name.lower().replace("-", "").replace("_", "")) if isinstance(name, str) else None
+    if not isinstance(name, str):
+        return None
+    key = name.lower().replace("-", "").replace("_", "")
+    return next((cls for known, cls in METHODS.items() if known.replace("_", "") == key), None)
 
 
 def make_method(name: str, **params: Any) -> Method:

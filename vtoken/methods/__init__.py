@@ -9,6 +9,7 @@ from .mmtok import MMTok
 from .mustdrop import MustDrop
 from .pool import Pool
 from .random import Random
+from .sparse_prefill import SparsePrefill
 
 __all__ = [
     "Method",
@@ -23,4 +24,5 @@ __all__ = [
     "MustDrop",
     "Pool",
     "Random",
+    "SparsePrefill",
 ]

@@ -1,0 +1,384 @@
+"""The "sparse" stage: block-sparse attention in the LLM prefill, through transformers' own attention hook.
+
+transformers 5.x looks every decoder layer's attention function up by name (`AttentionInterface`), and the mask
+builder by the same name (`AttentionMaskInterface`; without it `create_causal_mask` returns None). We register
+one function under "vtoken_sparse_<original>" with the original's mask builder, and switch only the LLM to it
+(`set_attn_implementation({"text_config": name})`); `remove()` switches back and restores the configs' stored
+implementation exactly. Nothing else of the model is touched: no module forward is replaced.
+
+The function runs the model's own attention (the original implementation, with the mask it was given) unless the
+call is a prefill (as many queries as keys: no cached prefix, no decoding step) of at least `min_length` tokens on
+a sparse layer, with the usual causal + key-padding mask. Then it plans (`SparsePrefill.plan`) and runs
+`vtoken.kernels.block_sparse_attention` on rows aligned to start at column 0 (left padding moved to the end and
+back, so a padded batch plans like its rows one by one). When a prefill-stage method (FastV, MustDrop) has
+shortened the sequence, the layers after the drop receive its mask and are planned on the shorter sequence.
+
+Per-call state (records, the call's frame layout for "grid") lives in a `threading.local`, so threads calling one
+patched model at once do not mix their calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import PreTrainedModel
+from vtoken.kernels import block_sparse_attention, block_sparse_attention_reference
+
+from vtoken.errors import VTokenError
+from vtoken.methods.sparse_prefill import SparsePrefill
+from vtoken.records import Record
+from vtoken.timing import Stopwatch
+
+MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}  # original implementations we can stand in for
+# attention module -> its stage, both weakly held: a patched model dropped without `unpatch` is still freed
+_STAGES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[SparseAttention]] = weakref.WeakKeyDictionary()
+
+
+def sparse_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: query [B, H, S, d], key/value [B, Hkv, S, d] -> ([B, S, H, d], None)."""
+    ref = _STAGES.get(module)
+    stage = ref() if ref is not None else None
+    if stage is None:
+        raise VTokenError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs vtoken's sparse attention but "
+            "is not part of a model patched with sparse_prefill (a copy of a patched model?); patch the model itself"
+        )
+    return stage.attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register(original: str) -> str:
+    name = f"vtoken_sparse_{original}"
+    AttentionInterface.register(name, sparse_attention_forward)
+    AttentionMaskInterface.register(name, MASKS[original])
+    return name
+
+
+@dataclass
+class _Layer:
+    """What one sparse layer of one prefill did (numbers read when the LLM returns)."""
+
+    index: int
+    counts: torch.Tensor  # [B, H, Qb] key blocks computed
+    real_blocks: torch.Tensor  # [B] query blocks holding real tokens
+    lengths: torch.Tensor  # [B] real tokens
+    estimate: Stopwatch
+    attention: Stopwatch
+
+
+@dataclass
+class _Call:
+    """One LLM prefill on one thread."""
+
+    length: int
+    video: tuple[torch.Tensor, torch.Tensor] | None = None  # grid: (span [B, 2], stride [B]) in LLM columns
+    layers: list[_Layer] = field(default_factory=list)
+    dense: list[str] = field(default_factory=list)  # why some layers ran the model's own attention
+
+
+class SparseAttention:
+    """Installs one `SparsePrefill` on one model (through its adapter)."""
+
+    def __init__(self, adapter, method: SparsePrefill):
+        self.adapter = adapter
+        self.method = method
+        self.model = adapter.model
+        self.lm = adapter.language_model
+        layers = getattr(self.lm, "layers", None)
+        if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+            raise VTokenError(f"sparse_prefill: {type(self.lm).__name__} has no decoder layers with self_attn")
+        self.attention_modules = [layer.self_attn for layer in layers]
+        self.sparse_layers = frozenset(method.check_layers(len(layers)))
+        self.original = self.lm.config._attn_implementation
+        if self.original not in MASKS:
+            raise VTokenError(
+                f"sparse_prefill stands in for the LLM's 'sdpa' or 'eager' attention; this model's LLM uses "
+                f"{self.original!r}: load it with attn_implementation='sdpa'"
+            )
+        device = next(self.lm.parameters()).device
+        if method.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise VTokenError(f"sparse_prefill: backend='triton' needs the LLM on a CUDA device; it is on {device}")
+        if method.pattern == "grid" and not any(m.name == "video" for m in adapter.modalities):
+            raise VTokenError(
+                f"sparse_prefill: pattern='grid' follows video frames, which {adapter.family} does not take; use "
+                "'a_shape' or 'vertical_slash'"
+            )
+        self._local = threading.local()
+        self._hooks: list = []
+        self._saved: list[tuple[Any, Any]] = []
+        self._stock_generate = None
+
+    # ----------------------------------------------------------------- install / remove
+    def install(self) -> None:
+        configs = {id(self.model.config): self.model.config}
+        for sub in self.model.modules():
+            if isinstance(sub, PreTrainedModel):
+                configs.setdefault(id(sub.config), sub.config)
+        for config in list(configs.values()):
+            for key in getattr(config, "sub_configs", {}):
+                sub = getattr(config, key, None)
+                if sub is not None:
+                    configs.setdefault(id(sub), sub)
+        self._saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs.values()]
+        for module in self.attention_modules:
+            _STAGES[module] = weakref.ref(self)
+        self.model.set_attn_implementation({"text_config": _register(self.original)})
+        self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
+        self._hooks.append(self.lm.register_forward_hook(self._after_lm))
+        if self.method.pattern == "grid":
+            self._hooks.append(self.model.register_forward_pre_hook(self._frames_hook, with_kwargs=True, prepend=True))
+            self._hooks.append(self.model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
+            stock = self.model.generate
+            self._stock_generate = stock
+
+            @functools.wraps(stock)
+            def generate(*args: Any, **kwargs: Any) -> Any:
+                self._local.generate_frames = self._frames_of(kwargs)
+                try:
+                    return stock(*args, **kwargs)
+                finally:
+                    self._local.generate_frames = None
+
+            self.model.generate = generate
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._stock_generate is not None:
+            self.model.generate = self._stock_generate
+            self._stock_generate = None
+        for module in self.attention_modules:
+            _STAGES.pop(module, None)
+        if self._saved:
+            self.model.set_attn_implementation({"text_config": self.original})
+            for config, internal in self._saved:  # exactly what each config stored before
+                config._attn_implementation_internal = internal
+            self._saved = []
+
+    # ----------------------------------------------------------------- per call
+    def _before_lm(self, module, args, kwargs) -> None:
+        embeds = kwargs.get("inputs_embeds")
+        shape = embeds.shape[:2] if embeds is not None else kwargs["input_ids"].shape
+        cache = kwargs.get("past_key_values")
+        past = cache.get_seq_length() if cache is not None else 0
+        call = _Call(int(shape[1])) if past == 0 else None
+        if call is not None and self.method.pattern == "grid":
+            call.video = self._video_layout(tuple(shape))
+        self._local.call = call
+
+    def _after_lm(self, module, args, output) -> None:
+        call, self._local.call = getattr(self._local, "call", None), None
+        if call is None:
+            return
+        records = self._records(call)
+        if records:
+            self.adapter.records = self.adapter.records + records
+
+    def _records(self, call: _Call) -> list[Record]:
+        method = self.method
+        if method.is_identity:
+            return [self._note("dense: density=1.0 computes every block, so the model's own attention runs")]
+        if call.length < method.min_length:
+            reason = f"dense: the prompt's {call.length} tokens are fewer than min_length={method.min_length}"
+            return [self._note(reason)]
+        records = [self._note(f"dense: {reason}") for reason in dict.fromkeys(call.dense)]
+        for layer in call.layers:
+            blocks = layer.real_blocks
+            qb = torch.arange(layer.counts.shape[-1], device=blocks.device)
+            real = qb[None, :] < blocks[:, None]  # [B, Qb]
+            computed = (layer.counts.sum(1) * real).sum(1).double()
+            causal = blocks.double() * (blocks.double() + 1) / 2 * layer.counts.shape[1]
+            density = (computed / causal.clamp(min=1)).tolist()
+            lengths = layer.lengths.tolist()
+            rows = len(lengths)
+            extra = dict(pattern=method.pattern, block_size=method.block_size)
+            extra.update(estimation_ms=layer.estimate.seconds * 1e3, attention_ms=layer.attention.seconds * 1e3)
+            records += [
+                Record(
+                    f"sparse.layer{layer.index}",
+                    method.name,
+                    image=row,
+                    crop=0,
+                    tokens_in=lengths[row],
+                    tokens_out=lengths[row],
+                    kept=None,
+                    grid=(1, lengths[row]),
+                    timer=layer.estimate,
+                    share=1 / rows,
+                    extra=dict(extra, density=density[row]),
+                )  # fmt: skip
+                for row in range(rows)
+            ]
+        return records
+
+    def _note(self, reason: str) -> Record:
+        timer = Stopwatch(torch.device("cpu")).start().stop()
+        return Record("sparse", self.method.name, image=0, crop=0, tokens_in=0, tokens_out=0, kept=None,
+                      grid=(1, 0), timer=timer, share=0.0, extra={"dense": reason})  # fmt: skip
+
+    # ----------------------------------------------------------------- the attention function
+    def _original(self, module, query, key, value, attention_mask, **kwargs):
+        if self.original == "sdpa":
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    def attend(self, module, query, key, value, attention_mask, **kwargs):
+        call = getattr(self._local, "call", None)
+        method = self.method
+        seq = query.shape[2]
+        if (
+            call is None
+            or method.is_identity
+            or module.layer_idx not in self.sparse_layers
+            or seq != key.shape[2]
+            or seq < method.min_length
+            or module.training
+            or kwargs.get("sliding_window") is not None
+            or kwargs.get("output_attentions")
+            or kwargs.get("softcap") is not None
+        ):
+            return self._original(module, query, key, value, attention_mask, **kwargs)
+        key_valid, ok = causal_padding(attention_mask, seq)
+        video = call.video
+        if ok and method.pattern == "grid" and (video is None or seq != call.length):
+            call.dense.append(f"layer {module.layer_idx}: no frame layout for this sequence (grid)")
+            ok = False
+        elif not ok:
+            call.dense.append(f"layer {module.layer_idx}: its mask is not causal + key padding")
+        if not ok:
+            return self._original(module, query, key, value, attention_mask, **kwargs)
+        scale = kwargs.get("scaling")
+        scale = scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
+        out = self._sparse(module.layer_idx, scale, query, key, value, key_valid, video, call)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _sparse(self, index, scale, q, k, v, key_valid, video, call) -> torch.Tensor:
+        """[B, H, S, d] attention of one prefill layer under the method's plan."""
+        method = self.method
+        batch, _, seq, _ = q.shape
+        shift = None
+        if key_valid is not None:
+            shift = key_valid.long().argmax(1)  # first real column of each row
+            if bool((shift > 0).any()):
+                q, k, v, key_valid = (_roll(x, shift) for x in (q, k, v, key_valid))
+                if video is not None:
+                    video = (video[0] - shift[:, None], video[1])
+            else:
+                shift = None
+            lengths = key_valid.sum(1)
+            last = torch.where(key_valid, torch.arange(seq, device=q.device), -1).amax(1) + 1
+        else:
+            lengths = last = torch.full((batch,), seq, device=q.device)
+        estimate = Stopwatch(q.device).start()
+        counts, index_, window = method.plan(q, k, key_valid, scale, video)
+        real_blocks = -(-last // method.block_size)
+        blocks = torch.arange(counts.shape[-1], device=q.device)
+        counts = counts * (blocks[None, None, :] < real_blocks[:, None, None])  # no work on all-padding blocks
+        estimate.stop()
+        attention = Stopwatch(q.device).start()
+        args = (q, k, v, counts, index_, method.block_size, scale, key_valid, method.sink if window else 0, window)
+        if method.backend == "torch":
+            out = block_sparse_attention_reference(*args)
+        elif method.backend == "triton":
+            from vtoken.kernels import block_sparse_attention_triton
+
+            out = block_sparse_attention_triton(*args)
+        else:
+            out = block_sparse_attention(*args)
+        attention.stop()
+        if shift is not None:
+            out = _roll(out, -shift)
+            columns = torch.arange(seq, device=q.device)
+            out = out.masked_fill((columns[None, :] < shift[:, None])[:, None, :, None], 0.0)  # rows seeing nothing
+        call.layers.append(_Layer(index, counts, real_blocks, lengths, estimate, attention))
+        return out
+
+    # ----------------------------------------------------------------- grid: the call's frame layout
+    def _frames_of(self, kwargs: dict) -> list[int] | None:
+        """Frames of every video in a call's inputs (None: no video)."""
+        grid = kwargs.get("video_grid_thw")
+        if grid is not None:
+            return [int(t) for t in torch.as_tensor(grid)[:, 0].tolist()]
+        pixels = kwargs.get("pixel_values_videos")
+        if isinstance(pixels, torch.Tensor) and pixels.dim() == 5:
+            return [pixels.shape[1]] * pixels.shape[0]
+        return None
+
+    def _frames_hook(self, module, args, kwargs) -> None:
+        if getattr(self._local, "generate_frames", None) is None:
+            self._local.frames = self._frames_of(kwargs)
+        else:
+            self._local.frames = self._local.generate_frames
+
+    def _ids_hook(self, module, args, kwargs) -> None:
+        self._local.ids = kwargs.get("input_ids")
+
+    def _video_layout(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(span [B, 2], stride [B]) of the video tokens in this LLM call, from its input_ids and frame counts."""
+        ids, frames = getattr(self._local, "ids", None), getattr(self._local, "frames", None)
+        if ids is None or frames is None or tuple(ids.shape) != shape:
+            return None
+        video_id = getattr(self.model.config, "video_token_id", None)
+        if video_id is None:
+            video_id = getattr(self.model.config, "video_token_index", None)
+        is_video = ids == video_id
+        count = is_video.sum(1)
+        with_video = (count > 0).nonzero().squeeze(1).tolist()
+        if not with_video or len(with_video) % len(frames):
+            return None
+        per_row = torch.zeros(shape[0], dtype=torch.long)
+        per_row[with_video] = torch.tensor(frames).repeat_interleave(len(with_video) // len(frames))
+        columns = torch.arange(shape[1], device=ids.device)
+        start = torch.where(is_video, columns, shape[1]).amin(1)
+        end = torch.where(is_video, columns + 1, 0).amax(1)
+        stride = count.cpu() // per_row.clamp(min=1)
+        if bool(((end - start).cpu() != count.cpu()).any()):  # a row with several video runs
+            return None
+        return torch.stack([start, end.clamp(min=start)], 1), stride.to(ids.device)
+
+
+def causal_padding(mask: torch.Tensor | None, seq: int) -> tuple[torch.Tensor | None, bool]:
+    """Read a layer's mask as causal + key padding: (key_valid [B, S] or None for no padding, whether the mask is
+    exactly that). Accepts None (plain causal), a 4-D boolean mask (sdpa) or a 4-D additive float mask (eager)."""
+    if mask is None:
+        return None, True
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (seq, seq):
+        return None, False
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    key_valid = allowed[:, 0, -1, :]  # the last row is causal-complete
+    rows = torch.arange(seq, device=mask.device)
+    for start in range(0, seq, 4096):  # compare in slices: no second S x S tensor
+        stop = min(start + 4096, seq)
+        want = (rows[None, :] <= rows[start:stop, None])[None] & key_valid[:, None, :]
+        if not torch.equal(allowed[:, 0, start:stop], want):
+            return None, False
+    return (None if bool(key_valid.all()) else key_valid), True
+
+
+def _roll(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x [B, ..., S, ...] (S at dim 2 for 4-D, dim 1 for 2-D) with row b rolled left by shift[b]."""
+    dim = 2 if x.dim() == 4 else 1
+    seq = x.shape[dim]
+    index = (torch.arange(seq, device=x.device)[None, :] + shift[:, None]) % seq  # [B, S]
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = seq
+    return x.gather(dim, index.view(shape).expand_as(x))

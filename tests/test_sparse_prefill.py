@@ -1,0 +1,522 @@
+"""Sparse prefill: plan builders on controlled inputs, and the method inside tiny LLaVA-1.5 and Qwen2-VL (images,
+M-RoPE, video) against the stock language model run with the equivalent 4-D boolean mask."""
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_identity, inputs_for, video_inputs
+from PIL import Image
+from vtoken.kernels import block_mask_from_plan
+
+import vtoken
+from vtoken.methods.sparse_prefill import (
+    a_shape_blocks,
+    a_shape_plan,
+    density_blocks,
+    grid_blocks,
+    line_blocks,
+    plan_from_block_mask,
+    prefill_bound,
+    vertical_slash_scores,
+)
+from vtoken.zoo import tiny_llava, tiny_llava_next_video, tiny_qwen2_vl
+
+SMALL = dict(block_size=16, min_length=16)  # tiny prompts (~600 tokens) run sparse
+
+
+# --------------------------------------------------------------------- construction
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(pattern="diagonal"),
+        dict(density=0.0),
+        dict(density=1.5),
+        dict(density=True),
+        dict(density="0.1"),
+        dict(density=0.2, vertical=10),
+        dict(vertical=-1),
+        dict(vertical=0, slash=0),
+        dict(pattern="a_shape", density=0.5),
+        dict(pattern="grid", slash=4),
+        dict(sink=-1),
+        dict(window=0),
+        dict(block_size=48),
+        dict(block_size=8),
+        dict(min_length=0),
+        dict(layers="all"),
+        dict(layers=[0, -1]),
+        dict(layers=[]),
+        dict(backend="cuda"),
+    ],
+)
+def test_bad_values_fail_at_construction(params):
+    with pytest.raises(vtoken.VTokenError):
+        vtoken.SparsePrefill(**params)
+
+
+def test_registered_by_name():
+    method = vtoken.make_method("sparse_prefill", pattern="a_shape", window=32)
+    assert isinstance(method, vtoken.SparsePrefill) and method.local == 32
+    assert "sparse_prefill" in vtoken.available_methods()
+    assert vtoken.SparsePrefill().min_length == 32768 and vtoken.SparsePrefill(density=1.0).is_identity
+
+
+def test_prefill_bound():
+    assert prefill_bound(0.4, 0.1) == pytest.approx(1 / 0.64)
+    assert prefill_bound(0.73, 1.0) == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------- plan builders
+def test_a_shape_blocks_cover_exactly_the_needed_blocks():
+    seq, block, sink, window = 150, 16, 5, 40
+    mask = a_shape_blocks(seq, block, sink, window)
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    wanted = (j <= i) & ((j < sink) | (i - j < window))
+    n = mask.shape[0]
+    by_block = torch.zeros(n, n, dtype=torch.bool)  # brute force: a block is needed iff it holds a wanted pair
+    for qb in range(n):
+        for kb in range(n):
+            by_block[qb, kb] = wanted[qb * block : (qb + 1) * block, kb * block : (kb + 1) * block].any()
+    assert torch.equal(mask, by_block)
+    counts, index = a_shape_plan(seq, block, sink, window)  # built directly: the same plan
+    assert torch.equal(counts, plan_from_block_mask(mask)[0]) and torch.equal(
+        block_mask_from_plan(counts, index, n), mask
+    )
+
+
+def test_plan_round_trip_and_garbage_free():
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(2, 3, 7, 7, generator=g) > 0.5) & torch.ones(7, 7, dtype=torch.bool).tril()
+    counts, index = plan_from_block_mask(mask)
+    assert torch.equal(block_mask_from_plan(counts, index, 7), mask)
+    listed = torch.arange(index.shape[-1]) < counts[..., None]
+    ascending = index[..., 1:] > index[..., :-1]
+    assert bool((ascending | ~listed[..., 1:]).all())
+
+
+def planted(seq=192, dim=32, column=37, offset=21, heads=2):
+    """q, k where every query splits its attention between key `column` (a vertical line) and the key `offset`
+    positions before it (a slash): a RoPE-like multi-frequency rotation peaks only at relative offset `offset`,
+    and one extra direction is shared by the queries and key `column` alone, at the same logit."""
+    freqs = 2 * torch.pi * 2.0 ** torch.arange(9) / 512
+
+    def rotation(position):
+        angle = position.float()[:, None] * freqs
+        return torch.cat([angle.cos(), angle.sin()], dim=-1) * 2  # logit 4 * 9 = 36 at the peak
+
+    q = torch.zeros(1, heads, seq, dim)
+    k = torch.zeros(1, heads, seq, dim)
+    q[..., :18] = rotation(torch.arange(seq))
+    k[..., :18] = rotation(torch.arange(seq) + offset)
+    k[..., column, :18] = 0.0
+    q[..., 20], k[..., column, 20] = 6.0, 6.0  # logit 36
+    return q, k, column, offset
+
+
+def test_planted_vertical_and_slash_are_recovered():
+    q, k, column, offset = planted()
+    seq, block = q.shape[2], 16
+    rows = torch.arange(seq - 64, seq)[None]
+    vertical, slash = vertical_slash_scores(q, k, rows, None, 1.0)
+    assert vertical.shape == slash.shape == (1, 2, seq)
+    assert bool((vertical.argmax(-1) == column).all()) and bool((slash.argmax(-1) == offset).all())
+    mandatory = a_shape_blocks(seq, block, 16, 16)
+    # line mode from row `column` on; density mode once a row's budget exceeds its mandatory blocks + 2
+    for mask, first_row in (
+        (line_blocks(vertical, slash, block, 1, 1, mandatory), column),
+        (density_blocks(vertical, slash, block, 0.6, mandatory), 8 * block),
+    ):
+        n = mask.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        assert not bool((mask & ~causal).any())  # nothing above the diagonal
+        assert bool(mask[..., :, 0].all()) and bool(mask.diagonal(dim1=-2, dim2=-1).all())  # sink, diagonal
+        for i in range(first_row, seq):  # rows read the line's block and their slash key's block
+            assert bool(mask[..., i // block, column // block].all())
+            assert bool(mask[..., i // block, (i - offset) // block].all())
+
+
+def test_density_blocks_keep_the_fraction_of_each_row():
+    g = torch.Generator().manual_seed(1)
+    seq, block, density = 300, 16, 0.25
+    vertical, slash = torch.rand(1, 2, seq, generator=g), torch.rand(1, 2, seq, generator=g)
+    mandatory = a_shape_blocks(seq, block, 16, 16)
+    mask = density_blocks(vertical, slash, block, density, mandatory)
+    n = mask.shape[-1]
+    want = torch.maximum(torch.ceil(density * (torch.arange(n) + 1.0)).long(), mandatory.sum(-1))
+    assert torch.equal(mask.sum(-1), want.expand(1, 2, n))
+    assert bool((mask | ~mandatory).all())
+
+
+def test_grid_blocks_follow_frames():
+    seq, block, start, stride, frames = 512, 16, 24, 96, 4
+    end = start + stride * frames
+    mask = grid_blocks(seq, block, torch.tensor([[start, end]]), torch.tensor([stride]), 0, 16)[0]
+    n = mask.shape[0]
+    assert not bool((mask & ~torch.ones(n, n, dtype=torch.bool).tril()).any())
+    for i in range(start, end):
+        qb = i // block
+        if qb * block < start or (qb + 1) * block > end:
+            assert bool(mask[qb, : qb + 1].all())  # a block holding text stays dense
+            continue
+        for earlier in range(i - stride, start - 1, -stride):  # the same spatial position in every earlier frame
+            assert bool(mask[qb, earlier // block])
+        assert bool(mask[qb, (start - 1) // block])  # the text before the video
+    assert bool(mask[(end + 1) // block, : (end + 1) // block + 1].all())  # the question after the video
+    inside = [qb for qb in range(n) if qb * block >= start and (qb + 1) * block <= end]
+    assert mask[inside].sum() < 0.5 * sum(qb + 1 for qb in inside)  # and the video rows are sparse
+
+
+# --------------------------------------------------------------------- inside models
+@pytest.fixture(scope="module")
+def llava():
+    return tiny_llava()
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return tiny_qwen2_vl()
+
+
+@pytest.fixture(scope="module")
+def next_video():
+    return tiny_llava_next_video()
+
+
+@pytest.fixture(scope="module")
+def llava_batch(llava):
+    from skimage import data
+
+    images = [Image.fromarray(data.astronaut()), Image.fromarray(data.coffee())]
+    return inputs_for(llava[1], images, ["what is it?", "what is in the image? answer with one word."])
+
+
+def qwen_video_inputs(processor, frames=8):
+    """One 224 x 224 clip: frames / 2 temporal groups of 8 x 8 merged tokens."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+    clip = [Image.fromarray(np.roll(base, 8 * i, axis=1)) for i in range(frames)]
+    content = [{"type": "video"}, {"type": "text", "text": "what happens?"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return processor(videos=[clip], text=[prompt], return_tensors="pt")
+
+
+def qwen_image_inputs(processor):
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in [(336, 280), (224, 224)]]
+    prompts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}], add_generation_prompt=True
+        )
+        for q in ["what is it?", "describe the picture in detail please"]
+    ]
+    return processor(images=images, text=prompts, return_tensors="pt", padding=True)
+
+
+def run_capturing_lm(model, inputs):
+    """One forward; returns the LLM's keyword inputs and its last hidden state."""
+    seen = {}
+
+    def before(module, args, kwargs):
+        seen["kwargs"] = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
+
+    def after(module, args, output):
+        seen["hidden"] = output.last_hidden_state
+
+    hooks = [
+        model.model.language_model.register_forward_pre_hook(before, with_kwargs=True),
+        model.model.language_model.register_forward_hook(after),
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["kwargs"], seen["hidden"], logits
+
+
+def stock_lm_with_mask(model, lm_kwargs, mask):
+    """The unpatched language model on the captured inputs with an explicit 4-D boolean mask [B, 1, L, L]."""
+    with torch.no_grad():
+        out = model.model.language_model(**dict(lm_kwargs, attention_mask=mask), use_cache=False)
+    return out.last_hidden_state
+
+
+def a_shape_mask(padding, sink, window):
+    """[B, 1, L, L] bool: causal, key padding, and j - first < sink or i - j < window (first: each row's first
+    real column, so a left-padded row has the same pattern as the row alone)."""
+    length = padding.shape[1]
+    valid = padding.bool()
+    first = valid.long().argmax(1)[:, None, None]
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    allowed = (j <= i) & ((j - first < sink) | (i - j < window))
+    return (allowed & valid[:, None, :])[:, None]
+
+
+def assert_rows_close(got, want, padding):
+    real = padding.bool()
+    assert (got[real] - want[real]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen-image", "qwen-video", "llava-next-video"])
+def test_density_one_is_the_identity(family, llava, qwen, next_video, llava_batch):
+    if family == "llava":
+        model, inputs = llava[0], llava_batch
+    elif family == "llava-next-video":
+        model, inputs = next_video[0], video_inputs(next_video[1], frames=4)
+    else:
+        model, processor = qwen
+        inputs = qwen_image_inputs(processor) if family == "qwen-image" else qwen_video_inputs(processor)
+    assert_identity(model, vtoken.SparsePrefill(density=1.0, **SMALL), inputs, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen-image"])
+def test_a_shape_equals_the_language_model_with_its_mask(family, llava, qwen, llava_batch):
+    model, processor = llava if family == "llava" else qwen
+    inputs = llava_batch if family == "llava" else qwen_image_inputs(processor)
+    sink, window = 5, 40
+    lm_kwargs, _, _ = run_capturing_lm(model, inputs)
+    with vtoken.patched(model, vtoken.SparsePrefill(pattern="a_shape", sink=sink, window=window, **SMALL)) as handle:
+        _, hidden, _ = run_capturing_lm(model, inputs)
+    padding = inputs["attention_mask"]
+    assert bool((padding == 0).any())  # the batch is padded
+    want = stock_lm_with_mask(model, lm_kwargs, a_shape_mask(padding, sink, window))
+    assert_rows_close(hidden, want, padding)
+    layers = sorted({r.stage for r in handle.records})
+    assert layers == ["sparse.layer0", "sparse.layer1"]
+    assert all(0 < r.extra["density"] <= 1 and r.tokens_in == int(padding[r.image].sum()) for r in handle.records)
+    assert min(r.extra["density"] for r in handle.records) < 0.9
+    assert "of causal attention blocks computed" in handle.summary()
+
+
+def test_generate_continues_after_a_sparse_prefill(llava, llava_batch):
+    model, _ = llava
+    inputs = {k: v[:1] for k, v in llava_batch.items()}
+    inputs["input_ids"] = inputs["input_ids"][:, inputs["attention_mask"][0].bool()]  # drop row 0's padding
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    sink, window, steps = 3, 50, 4
+    method = vtoken.SparsePrefill(pattern="a_shape", sink=sink, window=window, **SMALL)
+    with torch.no_grad(), vtoken.patched(model, method):
+        out = model.generate(**inputs, max_new_tokens=steps, do_sample=False)
+    # reference: the stock LM on prompt + generated tokens, prompt rows A-shaped, new rows dense
+    lm_kwargs, _, _ = run_capturing_lm(model, inputs)
+    embeds = lm_kwargs["inputs_embeds"]
+    length = embeds.shape[1]
+    tokens = []
+    for _ in range(steps):
+        total = embeds.shape[1]
+        mask = torch.ones(total, total, dtype=torch.bool).tril()
+        mask[:length, :length] = a_shape_mask(torch.ones(1, length), sink, window)[0, 0]
+        with torch.no_grad():
+            hidden = model.model.language_model(inputs_embeds=embeds, attention_mask=mask[None, None]).last_hidden_state
+            token = model.lm_head(hidden[:, -1]).argmax(-1)
+        tokens.append(int(token))
+        embeds = torch.cat([embeds, model.get_input_embeddings()(token)[:, None]], dim=1)
+    assert out[0, length:].tolist() == tokens
+
+
+def test_vertical_slash_runs_sparse_and_records(llava, llava_batch):
+    """Estimated plans, planned per row from its first real token: a left-padded batch gives each row's logits
+    run alone."""
+    model, _ = llava
+    with torch.no_grad():
+        ref = model(**llava_batch).logits
+        with vtoken.patched(model, vtoken.SparsePrefill(density=0.3, sink=16, window=16, **SMALL)) as handle:
+            logits = model(**llava_batch).logits
+            records = handle.records
+            singles = []
+            for row in range(2):
+                real = llava_batch["attention_mask"][row].bool()
+                one = dict(input_ids=llava_batch["input_ids"][row : row + 1, real],
+                           pixel_values=llava_batch["pixel_values"][row : row + 1])  # fmt: skip
+                singles.append((real, model(**one).logits[0]))
+    assert torch.isfinite(logits).all() and not torch.equal(logits, ref)
+    assert {r.stage for r in records} == {"sparse.layer0", "sparse.layer1"}
+    assert all(0.3 <= r.extra["density"] < 0.6 and r.extra["estimation_ms"] > 0 for r in records)
+    assert not bool(llava_batch["attention_mask"][0].all())  # row 0 is left-padded
+    for row, (real, alone) in enumerate(singles):
+        assert (logits[row, real] - alone).abs().max() <= 1e-4
+
+
+def video_case(family, qwen, next_video):
+    """(model, inputs, frames) of one prompt with one clip."""
+    if family == "qwen2-vl":
+        model, processor = qwen
+        inputs = qwen_video_inputs(processor)
+        return model, inputs, int(inputs["video_grid_thw"][0, 0])
+    model, processor = next_video
+    return model, video_inputs(processor, frames=4), 4
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "llava-next-video"])
+def test_grid_on_video_equals_the_language_model_with_its_block_mask(family, qwen, next_video):
+    model, inputs, frames = video_case(family, qwen, next_video)
+    ids = inputs["input_ids"][0]
+    video = (ids == model.config.video_token_id).nonzero().squeeze(1)
+    start, end, stride = int(video[0]), int(video[-1]) + 1, len(video) // frames
+    block, window = 16, 16
+    lm_kwargs, _, _ = run_capturing_lm(model, inputs)
+    method = vtoken.SparsePrefill(pattern="grid", sink=0, window=window, block_size=block, min_length=16)
+    with vtoken.patched(model, method) as handle:
+        _, hidden, _ = run_capturing_lm(model, inputs)
+        records = handle.records
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=2, do_sample=False)  # generate finds the frames too
+        generate_records = handle.records
+    blocks = grid_blocks(len(ids), block, torch.tensor([[start, end]]), torch.tensor([stride]), 0, window)
+    mask = blocks.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, : len(ids), : len(ids)]
+    mask &= torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+    want = stock_lm_with_mask(model, lm_kwargs, mask[:, None])
+    assert (hidden - want).abs().max() <= 1e-5
+    for seen in (records, generate_records):
+        assert [r.stage for r in seen] == ["sparse.layer0", "sparse.layer1"]
+        assert all(r.extra["density"] < 0.9 for r in seen)
+
+
+def test_grid_after_per_frame_pruning(next_video):
+    """An encoder-stage method keeping k tokens per frame: the grid's stride becomes k."""
+    model, processor = next_video
+    inputs = video_inputs(processor, frames=4)
+    method = vtoken.SparsePrefill(pattern="grid", sink=0, window=16, block_size=16, min_length=16)
+    with torch.no_grad(), vtoken.patched(model, [vtoken.Random(budget=0.5), method]) as handle:
+        model(**inputs)
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    stages = [r.stage for r in handle.records]
+    assert stages.count("encoder") == 4 and stages[-2:] == ["sparse.layer0", "sparse.layer1"]
+
+
+def test_composes_with_fastervlm_and_fastv(llava, llava_batch):
+    """With a window covering the whole prompt, A-shape is exact causal attention computed by the sparse path: the
+    composed run must equal FasterVLM + FastV alone, in every layer after FastV's drop too (its mask respected)."""
+    model, _ = llava
+    pruning = [vtoken.FasterVLM(budget=0.5), vtoken.FastV(layer=0, keep=0.5)]
+    with torch.no_grad():
+        with vtoken.patched(model, pruning):
+            ref = model(**llava_batch).logits
+            ref_tokens = model.generate(**llava_batch, max_new_tokens=3, do_sample=False)
+        wide = vtoken.SparsePrefill(pattern="a_shape", sink=0, window=10**6, **SMALL)
+        with vtoken.patched(model, [*pruning, wide]) as handle:
+            logits = model(**llava_batch).logits
+            records = handle.records
+            tokens = model.generate(**llava_batch, max_new_tokens=3, do_sample=False)
+        narrow = vtoken.SparsePrefill(pattern="a_shape", sink=4, window=32, **SMALL)
+        with vtoken.patched(model, [vtoken.FastV(layer=0, keep=0.5), narrow]) as handle:
+            model(**llava_batch)
+            narrow_records = handle.records
+    assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+    stages = [r.stage for r in records]
+    assert "encoder" in stages and "prefill.layer0" in stages
+    lengths = {r.stage: r.tokens_in for r in records if r.stage.startswith("sparse") and r.image == 0}
+    assert set(lengths) == {"sparse.layer0", "sparse.layer1"}  # no layer fell back to dense
+    assert lengths["sparse.layer1"] < lengths["sparse.layer0"]  # layer 1 ran on FastV's shorter sequence
+    assert {r.stage for r in narrow_records if r.stage.startswith("sparse")} == {"sparse.layer0", "sparse.layer1"}
+
+
+def test_composes_with_mustdrop(llava_batch):
+    """MustDrop's three stages (encoder merge, prefill filter, decode KV cut) with an all-covering A-shape: equal to
+    MustDrop alone, and the layers after its drop run sparse on the shorter sequence."""
+    model, _ = tiny_llava(text_layers=4)
+
+    def mustdrop():
+        return vtoken.MustDrop(global_thr=0.011, individual_thr=0.01, layers=(1,))
+
+    wide = vtoken.SparsePrefill(pattern="a_shape", sink=0, window=10**6, **SMALL)
+    with torch.no_grad():
+        with vtoken.patched(model, mustdrop()):
+            ref = model(**llava_batch).logits
+            ref_tokens = model.generate(**llava_batch, max_new_tokens=3, do_sample=False)
+        with vtoken.patched(model, [mustdrop(), wide]) as handle:
+            logits = model(**llava_batch).logits
+            lengths = {r.stage: r.tokens_in for r in handle.records if r.stage.startswith("sparse") and r.image == 0}
+            tokens = model.generate(**llava_batch, max_new_tokens=3, do_sample=False)
+    assert (logits - ref).abs().max() <= 1e-5 and torch.equal(tokens, ref_tokens)
+    assert sorted(lengths) == [f"sparse.layer{i}" for i in range(4)]
+    assert lengths["sparse.layer2"] < lengths["sparse.layer1"]
+
+
+def test_an_eager_language_model(llava, llava_batch):
+    """With eager attention the mask arrives additive (float); the sparse path reads it the same way, decoding
+    stays eager, and unpatch gives eager back."""
+    model = copy.deepcopy(llava[0])
+    model.set_attn_implementation("eager")
+    sink, window = 5, 40
+    lm_kwargs, _, _ = run_capturing_lm(llava[0], llava_batch)
+    with (
+        torch.no_grad(),
+        vtoken.patched(model, vtoken.SparsePrefill(pattern="a_shape", sink=sink, window=window, **SMALL)) as handle,
+    ):
+        assert model.config.text_config._attn_implementation == "vtoken_sparse_eager"
+        _, hidden, _ = run_capturing_lm(model, llava_batch)
+        records = handle.records
+        model.generate(**llava_batch, max_new_tokens=2, do_sample=False)
+    padding = llava_batch["attention_mask"]
+    assert_rows_close(hidden, stock_lm_with_mask(llava[0], lm_kwargs, a_shape_mask(padding, sink, window)), padding)
+    assert {r.stage for r in records} == {"sparse.layer0", "sparse.layer1"}
+    assert model.config.text_config._attn_implementation == "eager"
+
+
+def test_unpatch_restores_attention_implementation_and_outputs(llava, llava_batch):
+    model, _ = llava
+    configs = [model.config, model.config.text_config, model.config.vision_config]
+    before = [c._attn_implementation_internal for c in configs]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model(**llava_batch).logits
+        vtoken.patch(model, vtoken.SparsePrefill(pattern="a_shape", window=32, **SMALL))
+        assert model.config.text_config._attn_implementation == "vtoken_sparse_sdpa"
+        assert model.config.vision_config._attn_implementation == before[2]
+        vtoken.unpatch(model)
+        after = model(**llava_batch).logits
+    assert [c._attn_implementation_internal for c in configs] == before
+    assert torch.equal(after, ref)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_short_prompts_and_decoding_run_the_models_own_attention(llava, llava_batch):
+    model, _ = llava
+    with torch.no_grad():
+        ref = model(**llava_batch).logits
+        with vtoken.patched(model, vtoken.SparsePrefill(pattern="a_shape", window=8, block_size=16)) as handle:
+            logits = model(**llava_batch).logits  # ~600 tokens < the default min_length
+    assert torch.equal(logits, ref)
+    assert [r.extra["dense"] for r in handle.records] == [
+        f"dense: the prompt's {llava_batch['input_ids'].shape[1]} tokens are fewer than min_length=32768"
+    ]
+
+
+def test_clear_errors_leave_the_model_unpatched(llava, qwen):
+    model, _ = llava
+    cases = [
+        vtoken.SparsePrefill(pattern="grid"),  # LLaVA-1.5 takes no video
+        vtoken.SparsePrefill(layers=[5]),  # a 2-layer LLM
+        vtoken.SparsePrefill(backend="triton"),  # a CPU model without the interpreter
+        [vtoken.SparsePrefill(), vtoken.SparsePrefill(pattern="a_shape")],
+    ]
+    for method in cases:
+        with pytest.raises(vtoken.VTokenError):
+            vtoken.patch(model, method)
+        assert vtoken.handle_of(model) is None
+        assert model.config.text_config._attn_implementation == "sdpa"
+
+
+def test_threads_calling_one_patched_model(llava, llava_batch):
+    model, _ = llava
+    first = {k: v[:1] for k, v in llava_batch.items()}
+    second = {k: v[1:] for k, v in llava_batch.items()}
+    with torch.no_grad(), vtoken.patched(model, vtoken.SparsePrefill(pattern="a_shape", window=40, **SMALL)):
+        want = [model(**first).logits, model(**second).logits]
+        got = [None, None]
+
+        def work(slot, inputs):
+            with torch.no_grad():
+                got[slot] = model(**inputs).logits
+
+        threads = [threading.Thread(target=work, args=(i, x)) for i, x in enumerate([first, second] * 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
