@@ -477,7 +477,7 @@ class Adapter:
         if state.in_generate:  # generate already works on the shrunk prompt
             self._note_visual(kwargs)
             return None
-        state.labels = None
+        state.labels, state.final_columns = None, None
         if self._llm_stages is not None:
             self._refuse_static_cache(None, kwargs.get("past_key_values"))
         kwargs = self._forward_kwargs(kwargs)

@@ -9,6 +9,7 @@ starts with no calls made.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -80,6 +81,10 @@ class PatchedGenerate:
         if not self.adapter.installed:
             return self.adapter.stock_generate(*args, **kwargs)
         return self.adapter._patched_generate(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.adapter.stock_generate)
 
     def __repr__(self) -> str:
         return f"<vtoken-patched generate of {type(self.adapter.model).__name__}>"

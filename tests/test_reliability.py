@@ -92,7 +92,7 @@ def test_threads_generate_as_sequential_calls(llava4, prompts, name):
         assert records == alone[i][1]
 
 
-@pytest.mark.parametrize("name", ["fastervlm", "mustdrop"])
+@pytest.mark.parametrize("name", list(METHODS))
 def test_thread_in_generate_and_thread_in_forward(llava4, prompts, name):
     """One thread in generate while another calls model(...): both give what they give alone."""
     model, _ = llava4

@@ -24,7 +24,8 @@ class Record:
         unpads after selecting); None when every pick reached the LLM (selected == tokens_out).
     extra: stage-specific numbers, e.g. "layer_average" (visual tokens averaged over all LLM layers, on prefill
         records) and "cache_lengths" (tokens each LLM layer's KV cache holds, on "decode.kv" records).
-    LLM stages ("prefill.layerK", "decode.kv") record one entry per batch row: `image` is the row, `crop` is 0.
+    LLM stages ("prefill.layerK", "decode.kv") record one entry per batch row: `image` is the row, `crop` is 0,
+        and `kept` indexes the row's own visual tokens as the LLM received them (whatever the padding).
     seconds: time spent computing scores and selecting, this crop's share of its batch (read lazily: on CUDA the
         first read waits for the timed work, never the forward itself).
     """
