@@ -249,6 +249,7 @@ def test_llm_stage_records_index_each_rows_own_visual_tokens(llava4, photos, nam
             model(**single)
             alone.append([r for r in handle.records if r.stage.startswith("prefill")])
     assert {r.image for r in records} == {0, 1}
+    assert any(r.tokens_out < r.tokens_in for r in records)
     for record in records:
         assert len(record.kept) == record.tokens_out
         assert record.tokens_out == 0 or int(record.kept.max()) < record.tokens_in or record.stage != "prefill"
@@ -265,12 +266,14 @@ def test_labels_give_the_loss_over_the_kept_sequence(llava4, prompts, name):
     """With labels, the loss is the model's loss over the sequence the last layers ran on: the kept columns'
     labels (visual tokens have label -100), computed here by hand from the records."""
     model, _ = llava4
-    inputs = prompts[1]
+    inputs = prompts[0]
     image = model.config.image_token_id
     labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == image, -100)
     with vtoken.patched(model, METHODS[name]()) as handle, torch.no_grad():
         out = model(**inputs, labels=labels)
-        final = [r for r in handle.records if r.stage.startswith("prefill")][-1].tokens_out
+        prefill = [r for r in handle.records if r.stage.startswith("prefill")]
+        final = prefill[-1].tokens_out
+    assert final < prefill[0].tokens_in  # the prefill dropped tokens
     ids = inputs["input_ids"][0]
     first, last = (ids == image).nonzero()[[0, -1], 0].tolist()
     kept = torch.cat([labels[0, :first], torch.full((final,), -100), labels[0, last + 1 :]])
