@@ -482,7 +482,8 @@ class Adapter:
             self._refuse_static_cache(None, kwargs.get("past_key_values"))
         kwargs = self._forward_kwargs(kwargs)
         if self._llm_stages is not None and kwargs.get("labels") is not None:
-            state.labels = kwargs.pop("labels")  # applied to the kept columns in `_post_forward`
+            # applied to the kept columns in `_post_forward` (with the Trainer's token count, if given)
+            state.labels = kwargs.pop("labels"), kwargs.get("num_items_in_batch")
         self._note_visual(kwargs)
         return (), kwargs
 
@@ -490,14 +491,18 @@ class Adapter:
         """With an LLM stage, the loss of a forward given labels: the model's own loss function over the sequence
         the last decoder layers ran on (the kept columns; a dropped column takes its label with it)."""
         state = self._state
-        labels, state.labels = state.labels, None
-        if labels is None or state.in_generate:
+        given, state.labels = state.labels, None
+        if given is None or state.in_generate:
             return None
+        labels, num_items = given
         columns = state.final_columns
         if columns is not None:
             labels = gather_columns(labels, columns, -100)
         logits = output["logits"] if isinstance(output, dict) else output[0]
-        loss = self.model.loss_function(logits=logits, labels=labels.to(logits.device), vocab_size=logits.shape[-1])
+        extra = {} if num_items is None else {"num_items_in_batch": num_items}
+        loss = self.model.loss_function(
+            logits=logits, labels=labels.to(logits.device), vocab_size=logits.shape[-1], **extra
+        )
         if isinstance(output, dict):
             return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
         return (loss, *output)

@@ -113,6 +113,24 @@ def test_thread_in_generate_and_thread_in_forward(llava4, prompts, name):
     assert all(torch.equal(out, logits) for out in seen["forward"])
 
 
+def test_records_of_a_thread_that_made_no_call(llava4, prompts):
+    """A thread that made no call reads the most recent call of any thread; a calling thread reads its own."""
+    model, _ = llava4
+    with vtoken.patched(model, METHODS["fastervlm"]()) as handle, torch.no_grad():
+        seen = {}
+
+        def call(t):
+            model(**prompts[t])
+            seen[t] = summary_of(handle.records)
+
+        run_threads(lambda t: call(0), threads=1)
+        assert summary_of(handle.records) == seen[0]  # this thread made no call
+        model(**prompts[1])
+        run_threads(lambda t: call(2), threads=1)
+        assert summary_of(handle.records) != seen[2]  # this thread's own call
+        assert seen[0] != seen[2]
+
+
 # ----------------------------------------------------------------------------------------------- 2. padding
 @pytest.mark.parametrize("name", list(METHODS))
 def test_right_and_left_padding_give_the_rows_alone(llava4, cases, prompts, name):
