@@ -583,22 +583,31 @@ class Adapter:
             finally:
                 state.in_generate = False
         original_ids = kwargs.get("input_ids")
-        max_length = kwargs.get("max_length")
-        if max_length is not None and kwargs.get("max_new_tokens") is None and original_ids.shape[1] >= max_length:
+        max_length = self._max_length(kwargs)
+        if max_length is not None and original_ids.shape[1] >= max_length:
             raise InputError(  # the stock check, with the caller's lengths (not the shrunk prompt's)
                 f"Input length of input_ids is {original_ids.shape[1]}, but `max_length` is set to {max_length}. "
                 "This can lead to unexpected behavior. You should consider increasing `max_length` or, better yet, "
                 "setting `max_new_tokens`."
             )
         kwargs, changed = self.prepare(kwargs)
-        if changed and max_length is not None:
-            kwargs["max_length"] -= original_ids.shape[1] - kwargs["input_ids"].shape[1]
+        if changed and max_length is not None:  # max_length counts the caller's prompt
+            kwargs["max_length"] = max_length - (original_ids.shape[1] - kwargs["input_ids"].shape[1])
         state.in_generate = True
         try:
             out = self.stock_generate(**kwargs)
         finally:
             state.in_generate = False
         return _restore_prompt(out, original_ids, kwargs["input_ids"].shape[1]) if changed else out
+
+    def _max_length(self, kwargs: dict[str, Any]) -> int | None:
+        """The `max_length` set for this call (by it, its generation config or the model's), which stock generate
+        counts the caller's prompt in; None when `max_new_tokens` is set or none is (20 new tokens by default)."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        if kwargs.get("max_new_tokens", config.max_new_tokens) is not None:
+            return None
+        length = kwargs.get("max_length", config.max_length)
+        return length if length is not None else self.model.generation_config.max_length
 
     def _llm_generate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """generate kwargs with an LLM stage: static caches refused at the start; `use_cache=False` runs with the

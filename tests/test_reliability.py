@@ -2,6 +2,7 @@
 records, labels and static caches. Every test compares against the same call made alone, an independently
 patched model, the stock model or a loss computed by hand."""
 
+import contextlib
 import copy
 import io
 import threading
@@ -326,16 +327,27 @@ def test_encoder_methods_work_with_a_static_cache(llava4, prompts):
     assert torch.equal(static, dynamic)
 
 
-def test_max_length_shorter_than_the_prompt_reports_the_callers_lengths(llava4, prompts):
+def test_max_length_counts_the_callers_prompt(llava4, prompts):
+    """max_length (given, or from the model's generation config) counts the caller's prompt: a patched model stops
+    where the stock one does, and one shorter than the prompt fails with the stock message, naming the caller's
+    lengths."""
     model, _ = llava4
     length = prompts[0]["input_ids"].shape[1]
-    with torch.no_grad(), pytest.raises(ValueError) as stock:
-        model.generate(**prompts[0], max_length=length - 10, do_sample=False)
-    with vtoken.patched(model, METHODS["fastervlm"]()), torch.no_grad():
-        with pytest.raises(ValueError) as patched:
-            model.generate(**prompts[0], max_length=length - 10, do_sample=False)
-    assert str(length) in str(stock.value)
-    assert str(patched.value) == str(stock.value)
+    errors, outputs = [], []
+    config = model.generation_config
+    for patched in (False, True):
+        with vtoken.patched(model, METHODS["fastervlm"]()) if patched else contextlib.nullcontext(), torch.no_grad():
+            with pytest.raises(ValueError) as error:
+                model.generate(**prompts[0], do_sample=False, max_length=length - 10)
+            errors.append(str(error.value))
+            outputs.append(model.generate(**prompts[0], do_sample=False, max_length=length + 3).shape[1])
+            config.max_length = length + 2
+            try:
+                outputs.append(model.generate(**prompts[0], do_sample=False).shape[1])
+            finally:
+                config.max_length = None
+    assert str(length) in errors[0] and errors[0] == errors[1]
+    assert outputs == [length + 3, length + 2] * 2
 
 
 # ----------------------------------------------------------------------------------------------- 10. pickling
