@@ -372,10 +372,6 @@ class Adapter:
             return self._own_generate
         return type(self.model).generate.__get__(self.model)
 
-    @property
-    def _stock_generate(self) -> Any:
-        return self.stock_generate
-
     # ----------------------------------------------------------------- the shared encode + shrink step
     def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Encode every visual input in `kwargs`, shrink the prompt, and return model kwargs for the stock code
