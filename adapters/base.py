@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers import DynamicCache
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
@@ -30,6 +32,7 @@ from vtoken.tokens import Selection, TextQuery, VisualTokens
 from .llm import LanguageModelStages
 from .prompt import compress_prompt, gather_columns, run_rows
 from .sparse_prefill import SparseAttention
+from .state import CallState, PatchedGenerate, PerThread
 
 # signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
 # features for token-to-token similarity (default: the features methods select from)
@@ -89,12 +92,50 @@ class Adapter:
         self.model = model
         self.methods = methods
         self.layout = layout
-        self.records: list[Record] = []
         self._hook = None
+        self._post_hook = None
         self._llm_stages: LanguageModelStages | None = None
-        self._visual: torch.Tensor | None = None  # [B, L] visual tokens of the LLM's current input
-        self._protected: torch.Tensor | None = None  # [B, L] of the shrunk prompt: tokens no LLM stage may drop
+        self._calls = PerThread(CallState)  # per-call state, one per thread (hooks run in the calling thread)
+        self._latest: list[Record] = []  # records of the most recent call of any thread
+        self.installed = False
+        self._own_generate = None  # an instance-level generate the model had before patch (restored by remove)
         self.validate()
+
+    # ----------------------------------------------------------------- per-call state
+    @property
+    def _state(self) -> CallState:
+        """The calling thread's call state."""
+        return self._calls.get()
+
+    @property
+    def records(self) -> list[Record]:
+        """The records of the calling thread's most recent call (a thread that made none: the most recent call of
+        any thread)."""
+        state = self._state
+        return state.records if state.called else self._latest
+
+    @records.setter
+    def records(self, value: list[Record]) -> None:
+        state = self._state
+        state.records, state.called = value, True
+        self._latest = value  # one reference swap: readers see either list, whole
+
+    @property
+    def _visual(self) -> torch.Tensor | None:
+        """[B, L] visual tokens of this thread's current LLM input."""
+        return self._state.visual
+
+    @property
+    def _protected(self) -> torch.Tensor | None:
+        """[B, L] tokens of this thread's shrunk prompt that no LLM stage may drop."""
+        return self._state.protected
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For copy.deepcopy and pickling: a copy keeps the patch, not the calls made (records hold timers)."""
+        state = dict(self.__dict__)
+        state["_latest"] = []
+        state.pop("_generate_signature", None)
+        return state
 
     # ----------------------------------------------------------------- family-specific
     @classmethod
@@ -141,7 +182,7 @@ class Adapter:
         if "vision_features" in requires and "vision_features" not in tokens.signals:
             tokens.signals["vision_features"] = tokens.features
         if "question" in requires:
-            tokens.question = TextQuery(self._questions, self.family, self.embed_text)
+            tokens.question = TextQuery(self._state.questions, self.family, self.embed_text)
         tokens.signals = {k: v() if callable(v) else v for k, v in tokens.signals.items()}
         selection = self.encoder_method.select(tokens)
         timer.stop()
@@ -272,7 +313,6 @@ class Adapter:
         self._sparse = SparseAttention(self, sparse[0]) if sparse else None  # checks the model, installs nothing
 
     # ----------------------------------------------------------------- the prompt's text
-    _questions: list[str] = []
     _tokenizer = None
 
     def item_questions(self, kwargs: dict[str, Any], modality: Modality, run_lengths: list[int]) -> list[str]:
@@ -298,35 +338,46 @@ class Adapter:
         return embeddings(ids.to(embeddings.weight.device))
 
     # ----------------------------------------------------------------- install / remove
+    # Every hook is a bound method of a picklable object: a patched model deep-copies (the copy's hooks are bound
+    # to the copy's adapter) and pickles.
     def install(self) -> None:
         model = self.model
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.prefill_method is not None:
             self._llm_stages = LanguageModelStages(self, self.prefill_method)
             self._llm_stages.install()
+            self._post_hook = model.register_forward_hook(self._post_forward)
+        self.installed = True
         if hasattr(model, "generate"):
-            stock = model.generate
-            self._generate_signature = inspect.signature(stock)
-            self._stock_generate = stock
-
-            @functools.wraps(stock)
-            def generate(*args: Any, **kwargs: Any) -> Any:
-                return self._patched_generate(*args, **kwargs)
-
-            model.generate = generate
+            self._own_generate = model.__dict__.get("generate")
+            model.generate = PatchedGenerate(self)
         if self._sparse is not None:
             self._sparse.install()
 
     def remove(self) -> None:
         if getattr(self, "_sparse", None) is not None:
             self._sparse.remove()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self.installed = False
+        for name in ("_hook", "_post_hook"):
+            if getattr(self, name) is not None:
+                getattr(self, name).remove()
+                setattr(self, name, None)
         if self._llm_stages is not None:
             self._llm_stages.remove()
             self._llm_stages = None
-        self.model.__dict__.pop("generate", None)
+        generate = self.model.__dict__.get("generate")
+        if isinstance(generate, PatchedGenerate) and generate.adapter is self:  # not one the user set since
+            if self._own_generate is None:
+                del self.model.__dict__["generate"]
+            else:
+                self.model.__dict__["generate"] = self._own_generate
+
+    @property
+    def stock_generate(self) -> Any:
+        """The generate the model had before patch: the user's own instance-level one, else the class's."""
+        if self._own_generate is not None:
+            return self._own_generate
+        return type(self.model).generate.__get__(self.model)
 
     # ----------------------------------------------------------------- the shared encode + shrink step
     def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -346,7 +397,7 @@ class Adapter:
             encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
             run_lengths = self.plan(modality, pixel_values, **encoder_kwargs)
             if "question" in self.encoder_method.requires:
-                self._questions = self.item_questions(kwargs, modality, run_lengths)
+                self._state.questions = self.item_questions(kwargs, modality, run_lengths)
             shrink = functools.partial(
                 compress_prompt,
                 kwargs["input_ids"],
@@ -388,12 +439,13 @@ class Adapter:
                     if kwargs.get(key) is not None:
                         kwargs[key] = gather_columns(kwargs[key], compressed.index, fill)
         self.records = records
-        self._protected = None
+        state = self._state
+        state.protected = None
         if protected_parts:
             ids = kwargs["input_ids"]
-            self._protected = torch.zeros_like(ids, dtype=torch.bool)
+            state.protected = torch.zeros_like(ids, dtype=torch.bool)
             for modality, flags in protected_parts.items():
-                self._protected[ids == self.placeholder_id(modality)] = flags.to(ids.device)
+                state.protected[ids == self.placeholder_id(modality)] = flags.to(ids.device)
         kwargs["mm_encoder_outputs"] = mm
         return self.after_shrinking(kwargs), changed
 
@@ -402,12 +454,12 @@ class Adapter:
         """Remember which tokens of this forward's `input_ids` are visual, for the LLM stages."""
         ids = kwargs.get("input_ids")
         if self._llm_stages is None or ids is None:
-            self._visual = None
+            self._state.visual = None
             return
         visual = torch.zeros_like(ids, dtype=torch.bool)
         for modality in self.modalities:
             visual |= ids == self.placeholder_id(modality)
-        self._visual = visual
+        self._state.visual = visual
 
     def visual_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
         """[B, L] visual tokens of the LLM input of this shape (None if the forward's input_ids were not seen)."""
@@ -415,7 +467,7 @@ class Adapter:
 
     def protected_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
         """[B, L] tokens an encoder stage protected (rows repeated for beams / return sequences), or None."""
-        protected = self._protected
+        protected = self._state.protected
         if protected is None or protected.shape[1] != shape[1] or shape[0] % protected.shape[0]:
             return None
         return protected.repeat_interleave(shape[0] // protected.shape[0], dim=0)
@@ -424,12 +476,51 @@ class Adapter:
         if args:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
             kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
-        if self._in_generate:  # generate already works on the shrunk prompt
+        state = self._state
+        if state.in_generate:  # generate already works on the shrunk prompt
             self._note_visual(kwargs)
             return None
+        state.labels, state.final_columns = None, None
+        if self._llm_stages is not None:
+            self._refuse_static_cache(None, kwargs.get("past_key_values"))
         kwargs = self._forward_kwargs(kwargs)
+        if self._llm_stages is not None and kwargs.get("labels") is not None:
+            # applied to the kept columns in `_post_forward` (with the Trainer's token count, if given)
+            state.labels = kwargs.pop("labels"), kwargs.get("num_items_in_batch")
         self._note_visual(kwargs)
         return (), kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """With an LLM stage, the loss of a forward given labels: the model's own loss function over the sequence
+        the last decoder layers ran on (the kept columns; a dropped column takes its label with it)."""
+        state = self._state
+        given, state.labels = state.labels, None
+        if given is None or state.in_generate:
+            return None
+        labels, num_items = given
+        columns = state.final_columns
+        if columns is not None:
+            labels = gather_columns(labels, columns, -100)
+        logits = output["logits"] if isinstance(output, dict) else output[0]
+        extra = {} if num_items is None else {"num_items_in_batch": num_items}
+        loss = self.model.loss_function(
+            logits=logits, labels=labels.to(logits.device), vocab_size=logits.shape[-1], **extra
+        )
+        if isinstance(output, dict):
+            return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
+        return (loss, *output)
+
+    def _refuse_static_cache(self, implementation: str | None, cache: Any) -> None:
+        """LLM stages give each layer's cache its own length: only a DynamicCache can hold that."""
+        if implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or (
+            cache is not None and not isinstance(cache, DynamicCache)
+        ):
+            got = f"cache_implementation={implementation!r}" if cache is None else type(cache).__name__
+            raise InputError(
+                f"{self.prefill_method.name} drops tokens inside the LLM, so its layers' caches hold different "
+                f"lengths, which needs a DynamicCache (the default); got {got}. A static cache works with "
+                "encoder-stage methods only"
+            )
 
     def _forward_kwargs(self, kwargs: dict) -> dict:
         """What the stock forward of a plain `model(...)` call gets: the shrunk prompt and pre-encoded features,
@@ -437,16 +528,16 @@ class Adapter:
         if not self.present(kwargs):
             continued = self._continue_decoding(kwargs)
             if continued is None:
-                self.records, self._last_prompt = [], None
+                self.records, self._state.last_prompt = [], None
             return continued or kwargs
         if self.encoder_method is None:  # LLM stages only: the stock encoder runs
-            self.records, self._last_prompt, self._protected = [], None, None
+            self.records, self._state.last_prompt, self._state.protected = [], None, None
             return kwargs
         original_len = kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else None
         caller_mask = kwargs.get("attention_mask")
         kwargs, changed = self.prepare(kwargs)
         shrunk = (kwargs["input_ids"].shape[1], kwargs.get("attention_mask"))
-        self._last_prompt = (original_len, caller_mask, *shrunk) if changed else None
+        self._state.last_prompt = (original_len, caller_mask, *shrunk) if changed else None
         return kwargs
 
     def _continue_decoding(self, kwargs: dict) -> dict | None:
@@ -457,9 +548,10 @@ class Adapter:
         the new tokens. Returns None when the call is not such a step.
         """
         cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
-        if self._last_prompt is None or cache is None or mask is None or mask.dim() != 2:
+        last_prompt = self._state.last_prompt
+        if last_prompt is None or cache is None or mask is None or mask.dim() != 2:
             return None
-        original_len, caller_mask, new_len, prompt_mask = self._last_prompt
+        original_len, caller_mask, new_len, prompt_mask = last_prompt
         new_ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         past = cache.get_seq_length()
         if new_ids is None or mask.shape[0] != (caller_mask.shape[0] if caller_mask is not None else mask.shape[0]):
@@ -475,33 +567,61 @@ class Adapter:
         positions = self.decode_positions(kwargs, mask, lost, past)
         return dict(kwargs, attention_mask=mask, position_ids=positions)
 
-    _in_generate = False
-    # (original length, caller's mask, shrunk length, shrunk mask) of the last pruned model(...) call
-    _last_prompt = None
-
     @torch.no_grad()
     def _patched_generate(self, *args: Any, **kwargs: Any) -> Any:
+        if "_generate_signature" not in self.__dict__:
+            self._generate_signature = inspect.signature(self.stock_generate)
         bound = self._generate_signature.bind_partial(*args, **kwargs).arguments
         kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
         if isinstance(kwargs.get("inputs"), torch.Tensor) and kwargs.get("input_ids") is None:
             kwargs["input_ids"] = kwargs.pop("inputs")
+        if self._llm_stages is not None:
+            kwargs = self._llm_generate_kwargs(kwargs)
+        state = self._state
         if not self.present(kwargs) or self.encoder_method is None:
-            self.records, self._protected = [], None
-            self._in_generate = True
+            self.records, state.protected = [], None
+            state.in_generate = True
             try:
-                return self._stock_generate(**kwargs)
+                return self.stock_generate(**kwargs)
             finally:
-                self._in_generate = False
+                state.in_generate = False
         original_ids = kwargs.get("input_ids")
+        max_length = self._max_length(kwargs)
+        if max_length is not None and original_ids.shape[1] >= max_length:
+            raise InputError(  # the stock check, with the caller's lengths (not the shrunk prompt's)
+                f"Input length of input_ids is {original_ids.shape[1]}, but `max_length` is set to {max_length}. "
+                "This can lead to unexpected behavior. You should consider increasing `max_length` or, better yet, "
+                "setting `max_new_tokens`."
+            )
         kwargs, changed = self.prepare(kwargs)
-        if changed and kwargs.get("max_length") is not None:
-            kwargs["max_length"] -= original_ids.shape[1] - kwargs["input_ids"].shape[1]
-        self._in_generate = True
+        if changed and max_length is not None:  # max_length counts the caller's prompt
+            kwargs["max_length"] = max_length - (original_ids.shape[1] - kwargs["input_ids"].shape[1])
+        state.in_generate = True
         try:
-            out = self._stock_generate(**kwargs)
+            out = self.stock_generate(**kwargs)
         finally:
-            self._in_generate = False
+            state.in_generate = False
         return _restore_prompt(out, original_ids, kwargs["input_ids"].shape[1]) if changed else out
+
+    def _max_length(self, kwargs: dict[str, Any]) -> int | None:
+        """The `max_length` set for this call (by it, its generation config or the model's), which stock generate
+        counts the caller's prompt in; None when `max_new_tokens` is set or none is (20 new tokens by default)."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        if kwargs.get("max_new_tokens", config.max_new_tokens) is not None:
+            return None
+        length = kwargs.get("max_length", config.max_length)
+        return length if length is not None else self.model.generation_config.max_length
+
+    def _llm_generate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """generate kwargs with an LLM stage: static caches refused at the start; `use_cache=False` runs with the
+        cache. The LLM stages decide once, from the prompt, and the decode stage is defined on the per-layer cache,
+        so the cached run is what the call means (re-running the pruned prompt at every step would re-decide)."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+        self._refuse_static_cache(implementation, kwargs.get("past_key_values"))
+        if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+            kwargs = dict(kwargs, use_cache=True)
+        return kwargs
 
 
 def _restore_prompt(out: Any, original_ids: torch.Tensor, shrunk_length: int) -> Any:

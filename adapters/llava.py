@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
@@ -142,8 +143,11 @@ class LlavaAdapter(Adapter):
         longest. Returns features [C, N', Dv], signals [C, N'] and which tokens are real [C, N']."""
         method = self.encoder_method
         merge_layer = self.tower.encoder.layers[method.merge_after_layer]
+        thread = threading.get_ident()
 
-        def merge(module, args, output: torch.Tensor) -> torch.Tensor:  # [c, 1 + N, D], [CLS] first
+        def merge(module, args, output: torch.Tensor) -> torch.Tensor | None:  # [c, 1 + N, D], [CLS] first
+            if threading.get_ident() != thread:  # another thread's call through the same tower
+                return None
             plan = method.plan_merge(output[:, 1:], self.grid)
             return torch.cat([output[:, :1], plan.apply(output[:, 1:])], dim=1)
 

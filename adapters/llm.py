@@ -14,6 +14,7 @@ Every layer's cache is described by a `LayerView`: which prompt columns it holds
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from vtoken.methods.base import PrefillMethod
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
 from vtoken.tokens import LayerTokens
+
+from .state import PerThread
 
 
 @dataclass
@@ -74,12 +77,15 @@ class LayerView:
         return found.masked_fill(other.column < 0, -1)
 
 
-def _left_packed(keep: torch.Tensor) -> torch.Tensor:
-    """[B, C] bool -> [B, C'] indices of the kept slots of each row, left-padded with -1 (C' = most kept)."""
+def _left_packed(keep: torch.Tensor, right: bool = False) -> torch.Tensor:
+    """[B, C] bool -> [B, C'] indices of the kept slots of each row, left-padded with -1 (C' = most kept), or
+    right-padded with `right`."""
     counts = keep.sum(1)
     width = int(counts.max())
     order = torch.sort((~keep).long(), dim=1, stable=True).indices[:, :width]  # kept slots first, in order
     rank = torch.arange(width, device=keep.device)
+    if right:
+        return order.masked_fill(rank >= counts[:, None], -1)
     shift = (width - counts)[:, None]
     slots = torch.full_like(order, -1)
     valid = rank < counts[:, None]
@@ -95,13 +101,27 @@ class QueryKeyProbe:
         self.attention = attention
         module = sys.modules[type(attention).__module__]
         self._rotary = getattr(module, "apply_rotary_pos_emb", None)
-        self.active = False
-        self._store: dict[str, Any] = {}
+        self._captures = PerThread(_Captures)  # per thread: hooks run in the calling thread
         self._hooks = [
             attention.register_forward_pre_hook(self._on_input, with_kwargs=True),
-            attention.q_proj.register_forward_hook(lambda m, a, out: self._keep("q", out)),
-            attention.k_proj.register_forward_hook(lambda m, a, out: self._keep("k", out)),
+            attention.q_proj.register_forward_hook(functools.partial(self._on_output, "q")),
+            attention.k_proj.register_forward_hook(functools.partial(self._on_output, "k")),
         ]
+
+    @property
+    def active(self) -> bool:
+        return self._captures.get().active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._captures.get().active = value
+
+    @property
+    def _store(self) -> dict[str, Any]:
+        return self._captures.get().store
+
+    def _on_output(self, name: str, module, args, output) -> None:
+        self._keep(name, output)
 
     def _keep(self, name: str, value: Any) -> None:
         if self.active:
@@ -131,6 +151,14 @@ class QueryKeyProbe:
         return causal_rows_probs(q, k, rows, key_valid, self.attention.scaling)
 
 
+class _Captures:
+    """One thread's captures of a `QueryKeyProbe`."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.store: dict[str, Any] = {}
+
+
 @dataclass
 class _Overrides:
     """Keyword arguments a group of layers gets instead of the LLM's own (None: keep the LLM's)."""
@@ -151,6 +179,8 @@ class _Prefill:
     views: list[LayerView] = field(default_factory=list)
     overrides: _Overrides | None = None
     records: list[Record] = field(default_factory=list)
+    right: bool = False  # the batch is right-padded: rows that keep fewer tokens are re-padded on the right
+    visual_rank: Any = None  # [B, L] rank of each prompt column among its row's visual tokens
 
 
 def _take_columns(x: torch.Tensor, column: torch.Tensor, dim: int) -> torch.Tensor:
@@ -175,27 +205,32 @@ class LanguageModelStages:
         self.renumber = method.positions == "renumber"
         self._hooks: list = []
         self._probes: dict[int, QueryKeyProbe] = {}
-        self._prefill: _Prefill | None = None
-        self._views: list[LayerView | None] | None = None  # per layer, what its cache holds (None: the prompt)
-        self._prompt_length = 0
-        self._decode: dict[int, _Overrides] = {}
+        # per call, in the adapter's per-thread `CallState`: `prefill` (a `_Prefill` while one runs), `views` (per
+        # layer, what its cache holds; None: the prompt), `decode` (per layer, its overrides in a decoding step),
+        # `prompt_length`, and `final_columns` (the prompt columns the last layers ran on)
+
+    @property
+    def _call(self):
+        """The calling thread's call state (hooks run in the thread that called the model)."""
+        return self.adapter._state
 
     # ----------------------------------------------------------------- install / remove
     def install(self) -> None:
         self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
         self._hooks.append(self.lm.register_forward_hook(self._after_lm))
         for index, layer in enumerate(self.layers):
-            self._hooks.append(layer.register_forward_pre_hook(self._layer_input(index), with_kwargs=True))
+            hook = functools.partial(self._layer_input, index)
+            self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
         for index in self.drop_layers:
             self._probes[index] = QueryKeyProbe(self.layers[index].self_attn)
-            self._hooks.append(self.layers[index].register_forward_hook(self._layer_output(index)))
+            self._hooks.append(self.layers[index].register_forward_hook(functools.partial(self._layer_output, index)))
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         for probe in self._probes.values():
             probe.remove()
-        self._hooks, self._probes, self._prefill, self._views = [], {}, None, None
+        self._hooks, self._probes = [], {}
 
     # ----------------------------------------------------------------- the LLM call
     def _before_lm(self, module, args, kwargs) -> None:
@@ -204,15 +239,16 @@ class LanguageModelStages:
             embeds = self.lm.embed_tokens(kwargs["input_ids"])  # its shape, dtype and device are read
         cache = kwargs.get("past_key_values")
         past = cache.get_seq_length() if cache is not None else 0
-        self._prefill, self._decode = None, {}
+        call = self._call
+        call.prefill, call.decode = None, {}
         if embeds is None:
-            self._views = None
+            call.views = None
         elif past == 0:
-            self._views = None
+            call.views, call.final_columns = None, None
             visual = self.adapter.visual_mask_for(tuple(embeds.shape[:2]))
             if visual is not None and bool(visual.any()):
                 self._start_prefill(embeds, kwargs, visual, cache)
-        elif self._views is not None:
+        elif call.views is not None:
             self._start_decode(embeds, kwargs, cache, past)
 
     def _start_prefill(self, embeds, kwargs, visual, cache) -> None:
@@ -230,8 +266,9 @@ class LanguageModelStages:
         view = LayerView(column, mask, positions, visual.to(device) & (mask != 0),
                          None if protected is None else protected.to(device),
                          torch.zeros(batch, dtype=torch.long, device=device))  # fmt: skip
-        self._prompt_length = length
-        self._prefill = _Prefill(view, cache)
+        self._call.prompt_length = length
+        right = bool((mask[:, -1] == 0).any())  # right-padded: keep the padding on that side
+        self._call.prefill = _Prefill(view, cache, right=right, visual_rank=view.visual.long().cumsum(1) - 1)
         for probe in self._probes.values():
             probe.active = True
 
@@ -241,7 +278,8 @@ class LanguageModelStages:
         full = past + steps
         if mask is None:
             mask = torch.ones(batch, full, dtype=torch.long, device=embeds.device)
-        if mask.dim() != 2 or mask.shape[1] != full or past < self._prompt_length:
+        call = self._call
+        if mask.dim() != 2 or mask.shape[1] != full or past < call.prompt_length:
             raise InputError(
                 f"a decoding step after {self.method.name}'s pruned prefill needs a 2-D attention_mask covering "
                 f"the prompt and every token since ({full} columns here, as generate() passes it); got "
@@ -250,9 +288,9 @@ class LanguageModelStages:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(past, full, device=embeds.device).expand(batch, -1)
-        new_columns = mask[:, self._prompt_length :].long()
+        new_columns = mask[:, call.prompt_length :].long()
         done: dict[int, _Overrides] = {}
-        for index, view in enumerate(self._views):
+        for index, view in enumerate(call.views):
             if view is None:
                 continue
             if id(view) not in done:
@@ -264,7 +302,7 @@ class LanguageModelStages:
                     view_positions,
                     self.lm.rotary_emb(embeds, position_ids=view_positions) if self.renumber else None,
                 )
-            self._decode[index] = done[id(view)]
+            call.decode[index] = done[id(view)]
 
     def _mask(self, hidden, mask, positions, cache, layer) -> Any:
         """The causal + padding mask of `layer`, in its attention implementation's format."""
@@ -277,43 +315,42 @@ class LanguageModelStages:
             layer_idx=layer,
         )
 
-    def _layer_input(self, index: int):
-        def hook(module, args, kwargs):
-            state = self._prefill
-            if state is not None:
-                if state.rotary is None:  # the first layer sees the prompt's own tables
-                    state.rotary, state.position_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
-                state.views.append(state.view)
-                overrides = state.overrides
-            else:
-                overrides = self._decode.get(index)
-            if overrides is None:
-                return None
-            kwargs = dict(kwargs, attention_mask=overrides.attention_mask)
-            if kwargs.get("position_ids") is not None:
-                kwargs["position_ids"] = overrides.position_ids
-            if overrides.position_embeddings is not None:
-                kwargs["position_embeddings"] = overrides.position_embeddings
-            return args, kwargs
+    def _layer_input(self, index: int, module, args, kwargs):
+        """Pre-hook of decoder layer `index`: the mask, positions and rotary tables of the sequence it runs on."""
+        call = self._call
+        state = call.prefill
+        if state is not None:
+            if state.rotary is None:  # the first layer sees the prompt's own tables
+                state.rotary, state.position_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
+            state.views.append(state.view)
+            overrides = state.overrides
+        else:
+            overrides = call.decode.get(index)
+        if overrides is None:
+            return None
+        kwargs = dict(kwargs, attention_mask=overrides.attention_mask)
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = overrides.position_ids
+        if overrides.position_embeddings is not None:
+            kwargs["position_embeddings"] = overrides.position_embeddings
+        return args, kwargs
 
-        return hook
-
-    def _layer_output(self, index: int):
-        def hook(module, args, output):
-            if self._prefill is None:
-                return None
-            hidden = output[0] if isinstance(output, tuple) else output
-            hidden = self._drop(index, hidden)
-            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-        return hook
+    def _layer_output(self, index: int, module, args, output):
+        """Hook after drop layer `index`: the hidden states of the kept tokens."""
+        if self._call.prefill is None:
+            return None
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = self._drop(index, hidden)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
     # ----------------------------------------------------------------- one drop point
     def _query_rows(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, R] sequence indices of the method's query rows and [B, R] which are real."""
         batch, length = view.mask.shape
-        if self.method.query_rows == "last":
-            return torch.full((batch, 1), length - 1, device=view.mask.device), view.mask[:, -1:] != 0
+        if self.method.query_rows == "last":  # each row's own last real token (right padding: not the last column)
+            columns = torch.arange(length, device=view.mask.device).expand(batch, -1)
+            last = columns.masked_fill(view.mask == 0, -1).amax(1, keepdim=True)
+            return last.clamp(min=0), last >= 0
         after_first = view.visual.long().cumsum(1) > 0
         text = (view.mask != 0) & ~view.visual & after_first
         if not bool(text.any()):
@@ -322,7 +359,7 @@ class LanguageModelStages:
         return slots.clamp(min=0), slots >= 0
 
     def _drop(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        state = self._prefill
+        state = self._call.prefill
         view = state.view
         timer = Stopwatch(hidden.device).start()
         rows, row_valid = self._query_rows(view)
@@ -339,10 +376,12 @@ class LanguageModelStages:
             keep_visual |= protected
         keep = (view.mask != 0) & ~view.visual
         keep.scatter_(1, slots, keep.gather(1, slots) | keep_visual)
-        new_slots = _left_packed(keep)
+        new_slots = _left_packed(keep, right=state.right)
         new_view = view.gather(new_slots, self.renumber)
         timer.stop()
-        state.records += self._records(layer, tokens, keep_visual, timer)
+        # kept: each row's kept tokens as ranks among the visual tokens the LLM received in that row
+        ranks = state.visual_rank.gather(1, view.column.gather(1, slots).clamp(min=0))
+        state.records += self._records(layer, tokens, keep_visual, ranks, timer)
         state.view = new_view
         hidden = _take_columns(hidden, new_slots, 1).masked_fill((new_slots < 0)[:, :, None], 0.0)
         state.overrides = self._overrides_for(hidden, new_view, state, layer + 1)
@@ -360,7 +399,10 @@ class LanguageModelStages:
         mask = self._mask(hidden, view.mask, positions, state.cache, layer)
         return _Overrides(mask, positions, rotary)
 
-    def _records(self, layer: int, tokens: LayerTokens, keep: torch.Tensor, timer: Stopwatch) -> list[Record]:
+    def _records(
+        self, layer: int, tokens: LayerTokens, keep: torch.Tensor, ranks: torch.Tensor, timer: Stopwatch
+    ) -> list[Record]:
+        """One record per row; keep / ranks: [B, V] over each row's (left-packed) visual slots."""
         counts, kept = tokens.counts, keep.sum(1).tolist()
         return [
             Record(
@@ -370,7 +412,7 @@ class LanguageModelStages:
                 crop=0,
                 tokens_in=counts[row],
                 tokens_out=kept[row],
-                kept=keep[row, : counts[row]].nonzero().squeeze(1),
+                kept=ranks[row][keep[row] & tokens.valid[row]],
                 grid=(1, counts[row]),
                 timer=timer,
                 share=1 / len(counts),
@@ -380,10 +422,11 @@ class LanguageModelStages:
 
     # ----------------------------------------------------------------- after the prefill: the decode stage
     def _after_lm(self, module, args, output) -> None:
-        state = self._prefill
+        call = self._call
+        state = call.prefill
         if state is None:
             return
-        self._prefill = None
+        call.prefill = None
         for probe in self._probes.values():
             probe.active = False
         first = state.views[0]
@@ -401,7 +444,8 @@ class LanguageModelStages:
                 if record.stage.startswith("prefill"):
                     record.extra["layer_average"] = average[record.image]
         self.adapter.records = self.adapter.records + records
-        self._views = views if state.cache is not None else None
+        call.views = views if state.cache is not None else None
+        call.final_columns = state.view.column
 
     def _cut(self, state: _Prefill, views: list[LayerView | None]) -> list[Record]:
         """Cut the caches of `cut_layers` to the visual tokens in the final view (output-aware KV cut)."""

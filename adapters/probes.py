@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 from vtoken.kernels import attention_row_probs
@@ -13,7 +15,8 @@ class ClsAttentionProbe:
     Hooks the layer's q_proj and k_proj outputs (no extra matmul, no `output_attentions`) and computes only the
     [CLS] query row: O(S * d) per head instead of the S x S map. Use as a context manager around the tower call;
     `scores` is then [B, S - 1]. `projections`: the submodules whose outputs are the query and key the attention
-    uses, e.g. ("q_norm", "k_norm") for towers that normalise q and k after projecting them (QK-norm).
+    uses, e.g. ("q_norm", "k_norm") for towers that normalise q and k after projecting them (QK-norm). Only the
+    thread that entered it is captured (another thread may run the same tower at the same time).
     """
 
     def __init__(self, attention: nn.Module, cls_index: int = 0, projections: tuple[str, str] = ("q_proj", "k_proj")):
@@ -29,14 +32,18 @@ class ClsAttentionProbe:
         self._query: torch.Tensor | None = None
         self._keys: torch.Tensor | None = None
         self._hooks: list = []
+        self._thread: int | None = None
 
     def _on_query(self, module, args, output):
-        self._query = output[:, self.cls_index]
+        if threading.get_ident() == self._thread:
+            self._query = output[:, self.cls_index]
 
     def _on_keys(self, module, args, output):
-        self._keys = output
+        if threading.get_ident() == self._thread:
+            self._keys = output
 
     def __enter__(self) -> ClsAttentionProbe:
+        self._thread = threading.get_ident()
         self._hooks = [
             getattr(self.attention, self.projections[0]).register_forward_hook(self._on_query),
             getattr(self.attention, self.projections[1]).register_forward_hook(self._on_keys),

@@ -107,8 +107,9 @@ class QwenVLAdapter(Adapter):
         """The stock [4, B, L] positions of the unpruned prompt, to be gathered for the kept tokens."""
         for modality in self.present(kwargs):
             self._grids(modality, kwargs[modality.pixel_key], kwargs.get(GRID_KEYS[modality.name]))
-        self._new_grids: dict[str, list[tuple[int, int, int]]] = {"image": [], "video": []}
-        self._seconds_per_grid = kwargs.get("second_per_grid_ts")
+        extras = self._state.family  # per call (and thread): the grids a resizing method hands back
+        extras["new_grids"] = {"image": [], "video": []}
+        extras["seconds_per_grid"] = kwargs.get("second_per_grid_ts")
         if kwargs.get("position_ids") is not None or self.resizes_grids:
             if kwargs.get("mm_token_type_ids") is None:
                 self._rope_positions(kwargs, {})  # raises the clear error
@@ -121,10 +122,12 @@ class QwenVLAdapter(Adapter):
         For resized grids, the positions are the stock ones of the shrunk prompt with the smaller grids."""
         mask = kwargs.get("attention_mask")
         if self.resizes_grids:
+            extras = self._state.family
             grids = {
-                f"{name}_grid_thw": torch.tensor(sizes) if sizes else None for name, sizes in self._new_grids.items()
+                f"{name}_grid_thw": torch.tensor(sizes) if sizes else None
+                for name, sizes in extras["new_grids"].items()
             }
-            grids["second_per_grid_ts"] = self._seconds_per_grid
+            grids["second_per_grid_ts"] = extras["seconds_per_grid"]
             positions = self._rope_positions(kwargs, grids)
         else:
             positions = kwargs["position_ids"]
@@ -169,7 +172,9 @@ class QwenVLAdapter(Adapter):
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
             selection, timer = self.select(crops)
             out_grid = selection.grid or grid
-            self._new_grids[modality.name].append((frames, out_grid[0] * self.merge, out_grid[1] * self.merge))
+            self._state.family["new_grids"][modality.name].append(
+                (frames, out_grid[0] * self.merge, out_grid[1] * self.merge)
+            )
             features.append(selection.gather_flat(per_frame))
             offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
             records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)

@@ -26,7 +26,8 @@ class PatchHandle:
 
     @property
     def records(self) -> list[Record]:
-        """One `Record` per crop (or frame) per stage, from the most recent `model(...)` / `generate(...)`."""
+        """One `Record` per crop (or frame) per stage, from the calling thread's most recent `model(...)` /
+        `generate(...)` (in a thread that made no call: the most recent call of any thread)."""
         return self.adapter.records
 
     def summary(self) -> str:

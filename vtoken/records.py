@@ -27,7 +27,8 @@ class Record:
     The sparse stage ("sparse.layerK") records "density" (share of causal key blocks computed), "estimation_ms"
         and "attention_ms" (whole batch), tokens_in = tokens_out = the row's tokens; a "sparse" record with
         extra["dense"] says why a prefill (or a layer) ran the model's own attention instead.
-    LLM stages ("prefill.layerK", "decode.kv") record one entry per batch row: `image` is the row, `crop` is 0.
+    LLM stages ("prefill.layerK", "decode.kv") record one entry per batch row: `image` is the row, `crop` is 0,
+        and `kept` indexes the row's own visual tokens as the LLM received them (whatever the padding).
     seconds: time spent computing scores and selecting, this crop's share of its batch (read lazily: on CUDA the
         first read waits for the timed work, never the forward itself).
     """

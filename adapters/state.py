@@ -1,0 +1,90 @@
+"""Per-call state of a patched model, one per thread, and the picklable wrapper around `model.generate`.
+
+A patched model may be called from several threads at once (a server, a Gradio app). Everything a call leaves for
+its own hooks to read (the visual-token mask, the protected key set, the LLM stages' views, probe captures) lives
+in a `CallState` of the calling thread: hooks run in the thread that called the model, so they read their own
+call's state, and no call sees another's. A `PerThread` holder survives `copy.deepcopy` and pickling: a copy
+starts with no calls made.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any
+
+
+class PerThread:
+    """One `factory()` object per thread, made on first use; copies and unpickled objects start empty."""
+
+    def __init__(self, factory: Any):
+        self._factory = factory
+        self._local = threading.local()
+
+    def get(self) -> Any:
+        value = getattr(self._local, "value", None)
+        if value is None:
+            value = self._local.value = self._factory()
+        return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_factory": self._factory}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._factory = state["_factory"]
+        self._local = threading.local()
+
+
+class CallState:
+    """What one thread's current (or most recent) call on a patched model keeps.
+
+    records: the records of the thread's most recent call (`called`: whether the thread made one).
+    visual / protected: [B, L] visual tokens of the LLM's current input / tokens an encoder stage protected.
+    in_generate: the thread is inside the patched generate (its forwards already get the shrunk prompt).
+    last_prompt: (original length, caller's mask, shrunk length, shrunk mask) of the last pruned model(...) call.
+    questions: the prompt question of every image of the call (methods that read the question).
+    labels: labels of a plain forward with an LLM stage, applied to the kept columns after the forward.
+    prefill / views / decode / prompt_length / final_columns: the LLM stages' state (see `adapters/llm.py`).
+    family: per-family extras (e.g. Qwen's resized grids).
+    """
+
+    def __init__(self) -> None:
+        self.records: list = []
+        self.called = False
+        self.visual = None
+        self.protected = None
+        self.in_generate = False
+        self.last_prompt = None
+        self.questions: list[str] = []
+        self.labels = None
+        self.prefill = None
+        self.views = None
+        self.decode: dict = {}
+        self.prompt_length = 0
+        self.final_columns = None
+        self.family: dict[str, Any] = {}
+
+
+class PatchedGenerate:
+    """What `model.generate` is while patched: hands the call to the adapter. Once the adapter is removed, a
+    reference taken while patched calls the generate the model had before (no pruning). A small class rather than
+    a closure, so that a patched model deep-copies (the copy's wrapper is bound to the copy's adapter) and pickles.
+    """
+
+    __name__ = "generate"
+
+    def __init__(self, adapter: Any):
+        self.adapter = adapter
+        self.__doc__ = getattr(adapter.stock_generate, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.adapter.installed:
+            return self.adapter.stock_generate(*args, **kwargs)
+        return self.adapter._patched_generate(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.adapter.stock_generate)
+
+    def __repr__(self) -> str:
+        return f"<vtoken-patched generate of {type(self.adapter.model).__name__}>"

@@ -1,0 +1,376 @@
+"""Reliability under real use (issue 16): threads, both padding sides, copies, pickling, use_cache, batch
+records, labels and static caches. Every test compares against the same call made alone, an independently
+patched model, the stock model or a loss computed by hand."""
+
+import contextlib
+import copy
+import io
+import threading
+
+import pytest
+import torch
+from conftest import inputs_for
+from transformers import StaticCache
+
+import vtoken
+from vtoken.zoo import build_prompt, tiny_llava
+
+METHODS = {
+    "fastervlm": lambda: vtoken.FasterVLM(budget=0.25),
+    "fastv": lambda: vtoken.FastV(layer=2, keep=0.25),
+    "mustdrop": lambda: vtoken.MustDrop(layers=(1, 2), global_thr=0.0025, individual_thr=0.02),
+}
+GREEDY = dict(max_new_tokens=4, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def llava4():
+    """The tiny LLaVA-1.5 with a 4-layer LLM: deep enough for FastV at layer 2 and MustDrop at layers 1, 2."""
+    return tiny_llava(text_layers=4)
+
+
+@pytest.fixture(scope="module")
+def cases(photos):
+    """(image, question) of three prompts of different lengths."""
+    return [
+        (photos["astronaut"], "what is in the image?"),
+        (photos["coffee"], "describe the colours of this picture in a few words, please."),
+        (photos["rocket"], "is it day or night?"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def prompts(llava4, cases):
+    """Processor inputs of the three prompts, one by one."""
+    return [inputs_for(llava4[1], [image], [question]) for image, question in cases]
+
+
+def summary_of(records):
+    return [(r.stage, r.image, r.crop, r.tokens_in, r.tokens_out, None if r.kept is None else r.kept.tolist())
+            for r in records]  # fmt: skip
+
+
+def run_threads(work, threads=2):
+    """Run `work(t)` in `threads` threads at once; re-raise the first exception any of them raised."""
+    errors = []
+
+    def target(t):
+        try:
+            work(t)
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            errors.append(error)
+
+    pool = [threading.Thread(target=target, args=(t,)) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+# ----------------------------------------------------------------------------------------------- 1. threads
+@pytest.mark.parametrize("name", list(METHODS))
+def test_threads_generate_as_sequential_calls(llava4, prompts, name):
+    """Two threads calling generate on one patched model get exactly the tokens and records of the same calls
+    made alone (each thread reads its own most recent call's records)."""
+    model, _ = llava4
+    with vtoken.patched(model, METHODS[name]()) as handle, torch.no_grad():
+        alone = []
+        for inputs in prompts:
+            alone.append((model.generate(**inputs, **GREEDY), summary_of(handle.records)))
+        results = {}
+
+        def work(t):
+            for round_ in range(2):
+                for i, inputs in enumerate(prompts):
+                    results[t, round_, i] = model.generate(**inputs, **GREEDY), summary_of(handle.records)
+
+        run_threads(work)
+    assert len(results) == 2 * 2 * len(prompts)
+    for (_, _, i), (tokens, records) in results.items():
+        assert torch.equal(tokens, alone[i][0])
+        assert records == alone[i][1]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_thread_in_generate_and_thread_in_forward(llava4, prompts, name):
+    """One thread in generate while another calls model(...): both give what they give alone."""
+    model, _ = llava4
+    with vtoken.patched(model, METHODS[name]()), torch.no_grad():
+        tokens = model.generate(**prompts[0], **GREEDY)
+        logits = model(**prompts[1]).logits
+        seen = {"generate": [], "forward": []}
+
+        def work(t):
+            for _ in range(3):
+                if t == 0:
+                    seen["generate"].append(model.generate(**prompts[0], **GREEDY))
+                else:
+                    seen["forward"].append(model(**prompts[1]).logits)
+
+        run_threads(work)
+    assert all(torch.equal(out, tokens) for out in seen["generate"])
+    assert all(torch.equal(out, logits) for out in seen["forward"])
+
+
+def test_records_of_a_thread_that_made_no_call(llava4, prompts):
+    """A thread that made no call reads the most recent call of any thread; a calling thread reads its own."""
+    model, _ = llava4
+    with vtoken.patched(model, METHODS["fastervlm"]()) as handle, torch.no_grad():
+        seen = {}
+
+        def call(t):
+            model(**prompts[t])
+            seen[t] = summary_of(handle.records)
+
+        run_threads(lambda t: call(0), threads=1)
+        assert summary_of(handle.records) == seen[0]  # this thread made no call
+        model(**prompts[1])
+        run_threads(lambda t: call(2), threads=1)
+        assert summary_of(handle.records) != seen[2]  # this thread's own call
+        assert seen[0] != seen[2]
+
+
+# ----------------------------------------------------------------------------------------------- 2. padding
+@pytest.mark.parametrize("name", list(METHODS))
+def test_right_and_left_padding_give_the_rows_alone(llava4, cases, prompts, name):
+    """A padded batch's logits, per row, equal the row run alone, with the batch padded on either side (the
+    output keeps the batch's padding side); the records too."""
+    model, processor = llava4
+    rows = prompts[:2]
+    batch = {}
+    texts = [build_prompt(processor, question) for _, question in cases[:2]]
+    for side in ("left", "right"):
+        inputs = processor(images=[image for image, _ in cases[:2]], text=texts, return_tensors="pt", padding=True,
+                           padding_side=side)  # fmt: skip
+        assert (inputs["attention_mask"][:, -1 if side == "right" else 0] == 0).any()
+        batch[side] = inputs
+    with vtoken.patched(model, METHODS[name]()) as handle, torch.no_grad():
+        alone = []
+        for inputs in rows:
+            alone.append((model(**inputs).logits[0], summary_of(handle.records)))
+        for side, inputs in batch.items():
+            positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            logits = model(**inputs, position_ids=positions).logits
+            records = summary_of(handle.records)
+            for row, (expected, expected_records) in enumerate(alone):
+                width = expected.shape[0]
+                got = logits[row, :width] if side == "right" else logits[row, -width:]
+                assert (got - expected).abs().max() <= 1e-4, (side, row)
+                mine = [r[:1] + r[2:] for r in records if r[1] == row]  # one image per row: image == row
+                assert mine == [r[:1] + r[2:] for r in expected_records], (side, row)
+
+
+# ----------------------------------------------------------------------------------------------- 3. copies
+def _perturbed(model):
+    """A deep copy of the unpatched `model` with its LM head changed (so that it generates differently)."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.add_(torch.randn(twin.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    return twin
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        out = model.generate(**inputs, **GREEDY, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.cat(out.logits)
+
+
+def test_deepcopy_of_a_patched_model_is_patched_on_its_own(llava4, prompts):
+    """The copy prunes with its own weights and records (as a copy patched independently); the original's
+    records stay those of its own last call, and unpatching the copy leaves the original patched."""
+    model, _ = llava4
+    reference = _perturbed(model)
+    with vtoken.patched(reference, METHODS["fastv"]()):
+        expected = _logits(reference, prompts[0])
+    with vtoken.patched(model, METHODS["fastv"]()) as handle:
+        own = _logits(model, prompts[1])
+        own_records = summary_of(handle.records)
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin.lm_head.weight.copy_(reference.lm_head.weight)
+        got = _logits(twin, prompts[0])
+        assert summary_of(handle.records) == own_records
+        twin_handle = vtoken.handle_of(twin)
+        assert twin_handle is not None and twin_handle.adapter.model is twin
+        assert [r.tokens_in for r in twin_handle.records if r.stage.startswith("prefill")] == [576]
+        vtoken.unpatch(twin)
+        assert torch.equal(_logits(model, prompts[1])[0], own[0])
+    assert torch.equal(got[0], expected[0]) and (got[1] - expected[1]).abs().max() <= 1e-5
+    assert "generate" not in twin.__dict__
+
+
+def test_stale_generate_reference_stops_pruning_after_unpatch(llava4, prompts):
+    model, _ = llava4
+    stock = _logits(model, prompts[0])
+    with vtoken.patched(model, METHODS["fastervlm"]()):
+        stale = model.generate
+        pruned = _logits(model, prompts[0])
+    assert not torch.allclose(pruned[1], stock[1])  # the method changes this prompt's logits
+    with torch.no_grad():
+        out = stale(**prompts[0], **GREEDY, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, stock[0]) and torch.equal(torch.cat(out.logits), stock[1])
+
+
+def test_users_own_generate_is_kept_and_restored(llava4, prompts):
+    """An instance-level generate the user set before patch is what the patched model calls, and unpatch puts it
+    back (rather than deleting it)."""
+    model, _ = llava4
+    calls = []
+    stock = model.generate
+
+    def own(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return stock(*args, **kwargs)
+
+    model.generate = own
+    try:
+        with vtoken.patched(model, METHODS["fastervlm"]()), torch.no_grad():
+            model.generate(**prompts[0], **GREEDY)
+        assert len(calls) == 1 and calls[0] < prompts[0]["input_ids"].shape[1]  # it got the shrunk prompt
+        assert model.__dict__.get("generate") is own
+    finally:
+        model.__dict__.pop("generate", None)
+
+
+# ----------------------------------------------------------------------------------------------- 5. use_cache
+@pytest.mark.parametrize("name", list(METHODS))
+def test_use_cache_false_changes_nothing(llava4, prompts, name):
+    model, _ = llava4
+    with vtoken.patched(model, METHODS[name]()) as handle, torch.no_grad():
+        cached = model.generate(**prompts[0], **GREEDY, output_logits=True, return_dict_in_generate=True)
+        records = summary_of(handle.records)
+        uncached = model.generate(**prompts[0], **GREEDY, use_cache=False, output_logits=True,
+                                  return_dict_in_generate=True)  # fmt: skip
+        assert summary_of(handle.records) == records
+    assert torch.equal(uncached.sequences, cached.sequences)
+    assert (torch.cat(uncached.logits) - torch.cat(cached.logits)).abs().max() <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------- 6. batch records
+@pytest.mark.parametrize("name", ["fastv", "mustdrop"])
+def test_llm_stage_records_index_each_rows_own_visual_tokens(llava4, photos, name):
+    """Rows with two images (1,152 visual tokens) and one image (576): every LLM-stage record's `kept` has
+    `tokens_out` entries, indexes the row's own visual tokens, and equals the row's record run alone."""
+    model, processor = llava4
+    texts = [build_prompt(processor, "what differs between these?", num_images=2),
+             build_prompt(processor, "what is this?")]  # fmt: skip
+    images = [photos["astronaut"], photos["coffee"], photos["rocket"]]
+    batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    singles = [processor(images=images[:2], text=texts[:1], return_tensors="pt"),
+               processor(images=images[2:], text=texts[1:], return_tensors="pt")]  # fmt: skip
+    with vtoken.patched(model, METHODS[name]()) as handle, torch.no_grad():
+        model(**batched)
+        records = [r for r in handle.records if r.stage.startswith("prefill")]
+        alone = []
+        for single in singles:
+            model(**single)
+            alone.append([r for r in handle.records if r.stage.startswith("prefill")])
+    assert {r.image for r in records} == {0, 1}
+    assert any(r.tokens_out < r.tokens_in for r in records)
+    for record in records:
+        assert len(record.kept) == record.tokens_out
+        assert record.tokens_out == 0 or int(record.kept.max()) < record.tokens_in or record.stage != "prefill"
+        (same,) = [r for r in alone[record.image] if r.stage == record.stage]
+        assert (record.tokens_in, record.tokens_out) == (same.tokens_in, same.tokens_out)
+        assert record.kept.tolist() == same.kept.tolist()
+    if name == "fastv":
+        assert [r.tokens_in for r in records] == [1152, 576]
+
+
+# ----------------------------------------------------------------------------------------------- 7. labels
+@pytest.mark.parametrize("name", ["fastv", "mustdrop"])
+def test_labels_give_the_loss_over_the_kept_sequence(llava4, prompts, name):
+    """With labels, the loss is the model's loss over the sequence the last layers ran on: the kept columns'
+    labels (visual tokens have label -100), computed here by hand from the records."""
+    model, _ = llava4
+    inputs = prompts[0]
+    image = model.config.image_token_id
+    labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == image, -100)
+    with vtoken.patched(model, METHODS[name]()) as handle, torch.no_grad():
+        out = model(**inputs, labels=labels)
+        prefill = [r for r in handle.records if r.stage.startswith("prefill")]
+        final = prefill[-1].tokens_out
+    assert final < prefill[0].tokens_in  # the prefill dropped tokens
+    ids = inputs["input_ids"][0]
+    first, last = (ids == image).nonzero()[[0, -1], 0].tolist()
+    kept = torch.cat([labels[0, :first], torch.full((final,), -100), labels[0, last + 1 :]])
+    assert out.logits.shape[1] == len(kept) < len(ids)
+    expected = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), kept[1:], ignore_index=-100)
+    assert abs(float(out.loss) - float(expected)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------- 8. static caches
+@pytest.mark.parametrize("name", ["fastv", "mustdrop"])
+def test_static_cache_is_refused_before_anything_runs(llava4, prompts, name):
+    model, _ = llava4
+    calls = []
+    hook = model.model.language_model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with vtoken.patched(model, METHODS[name]()), torch.no_grad():
+            with pytest.raises(vtoken.InputError, match="static"):
+                model.generate(**prompts[0], **GREEDY, cache_implementation="static")
+            cache = StaticCache(config=model.config.get_text_config(), max_cache_len=1024)
+            with pytest.raises(vtoken.InputError, match="StaticCache"):
+                model(**prompts[0], past_key_values=cache, use_cache=True)
+    finally:
+        hook.remove()
+    assert calls == []
+
+
+def test_encoder_methods_work_with_a_static_cache(llava4, prompts):
+    model, _ = llava4
+    with vtoken.patched(model, METHODS["fastervlm"]()), torch.no_grad():
+        dynamic = model.generate(**prompts[0], **GREEDY)
+        static = model.generate(**prompts[0], **GREEDY, cache_implementation="static")
+    assert torch.equal(static, dynamic)
+
+
+def test_max_length_counts_the_callers_prompt(llava4, prompts):
+    """max_length (given, or from the model's generation config) counts the caller's prompt: a patched model stops
+    where the stock one does, and one shorter than the prompt fails with the stock message, naming the caller's
+    lengths."""
+    model, _ = llava4
+    length = prompts[0]["input_ids"].shape[1]
+    errors, outputs = [], []
+    config = model.generation_config
+    for patched in (False, True):
+        with vtoken.patched(model, METHODS["fastervlm"]()) if patched else contextlib.nullcontext(), torch.no_grad():
+            with pytest.raises(ValueError) as error:
+                model.generate(**prompts[0], do_sample=False, max_length=length - 10)
+            errors.append(str(error.value))
+            outputs.append(model.generate(**prompts[0], do_sample=False, max_length=length + 3).shape[1])
+            config.max_length = length + 2
+            try:
+                outputs.append(model.generate(**prompts[0], do_sample=False).shape[1])
+            finally:
+                config.max_length = None
+    assert str(length) in errors[0] and errors[0] == errors[1]
+    assert outputs == [length + 3, length + 2] * 2
+
+
+# ----------------------------------------------------------------------------------------------- 10. pickling
+def test_a_patched_model_pickles_and_the_copy_is_patched_on_its_own(prompts):
+    """torch.save / torch.load round trip of a patched model: the loaded copy is patched on its own (same outputs
+    and records as the original, its own handle), and unpatching it gives the stock model. (A fresh model: in
+    transformers 5.23 the first call installs output-capturing hooks that the stock model cannot pickle either.)"""
+    model, _ = tiny_llava(text_layers=4)
+    with vtoken.patched(model, METHODS["mustdrop"]()) as handle:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        expected = _logits(model, prompts[0])
+        records = summary_of(handle.records)
+        twin = vtoken.handle_of(loaded)
+        assert twin is not None and twin is not handle and twin.adapter.model is loaded
+        got = _logits(loaded, prompts[0])
+        assert torch.equal(got[0], expected[0]) and (got[1] - expected[1]).abs().max() <= 1e-5
+        assert summary_of(twin.records) == records
+        vtoken.unpatch(loaded)
+        assert vtoken.handle_of(model) is handle
+    stock = _logits(model, prompts[0])
+    assert not torch.allclose(stock[1], expected[1])
+    unpatched = _logits(loaded, prompts[0])
+    assert torch.equal(unpatched[0], stock[0]) and torch.equal(unpatched[1], stock[1])
