@@ -20,6 +20,7 @@ from PIL import Image
 from ..applicability import applicable_layouts, fitting_params, llm_depth
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image, load_video
+from ..overlay import titled
 from ..records import summarize
 from ..registry import available_methods, method_class
 from ..zoo import BUILTIN_MODELS, MINI, TINY_MODELS, load
@@ -35,6 +36,10 @@ RANDOM_WEIGHTS_NOTE = (
 # (scene index, question type, method, budget)
 CHANGED_ANSWERS = ((0, "colour", "random", 0.1), (26, "shape", "random", 0.1), (44, "read", "random", 0.1))
 
+CSS = """
+#vtoken-error { border: 2px solid #d33; background: #fff0f0; padding: 8px 12px; border-radius: 6px; }
+#vtoken-sweep-error { border: 2px solid #d33; background: #fff0f0; padding: 8px 12px; border-radius: 6px; }
+"""
 _LOCK = threading.Lock()  # one model call at a time: patching is in place
 _MODELS: dict[str, tuple] = {}
 _OFFERED: dict[str, dict] = {}
@@ -87,7 +92,8 @@ def model_note(name: str) -> str:
 
 
 def _first_clause(reason: str) -> str:
-    return reason.split("; ")[0]
+    """The gist of a refusal: "method 'x' needs the signal(s) [...]" without what the model provides."""
+    return reason.split("; ")[0].split(", which")[0].removeprefix(f"method {reason.split()[1]} ").strip()
 
 
 # ----------------------------------------------------------------- per-method controls
@@ -305,7 +311,8 @@ def run_comparison(
             if (outcome.adapter is None or outcome.adapter.encoder_method is None) and layout_of not in probes:
                 probes[layout_of] = views.probe_records(model, inputs, layout_of)
             picture, note = views.picture(outcome, model, processor, inputs, image, clip, probes.get(layout_of))
-            pictures.append((picture, f"{outcome.label}: {note}" if note else outcome.label))
+            caption = f"{outcome.label}: {note}" if note else outcome.label
+            pictures.append((titled(picture, caption, width=max(40, picture.width // 6)), caption))
     base = outcomes[0].ttft
     check = expected is not None and expected[0] == question
     rows = []
@@ -405,7 +412,9 @@ def build_demo(start_model: str = MINI):
                     question = gr.Textbox(value=start["question"], label="question")
                     expected = gr.Markdown(start["expected_text"])
                 with gr.Column(scale=3):
-                    methods = gr.CheckboxGroup(start["methods"], value=start["ticked"], label="methods")
+                    methods = gr.CheckboxGroup(
+                        start["methods"], value=start["ticked"], label="methods", elem_id="vtoken-methods"
+                    )
                     compose = gr.CheckboxGroup(start["composable"], value=[],
                                                label="compose: add to every encoder method (LLM stages)")  # fmt: skip
                     layout = gr.Radio(start["layouts"], value="native", label="layout (anyres)",
@@ -422,7 +431,7 @@ def build_demo(start_model: str = MINI):
                         max_new = gr.Slider(1, 64, value=16, step=1, label="max new tokens")
                     run_button = gr.Button("Run", variant="primary")
             error = gr.Markdown(visible=False, elem_id="vtoken-error")
-            table = gr.Dataframe(headers=HEADERS, label="results", wrap=True)
+            table = gr.Dataframe(headers=HEADERS, label="results", wrap=True, elem_id="vtoken-results")
             gallery = gr.Gallery(label="what was kept (first image or video)", columns=2, height="auto",
                                  object_fit="contain", elem_id="vtoken-kept")  # fmt: skip
             chart = gr.Plot(label="visual tokens per stage")
@@ -448,7 +457,8 @@ def build_demo(start_model: str = MINI):
 
         def cleared(message: str | None = None) -> list:
             shown = gr.update(value=f"**Error:** {message}", visible=True) if message else gr.update(visible=False)
-            return [shown, gr.update(value=None), gr.update(value=None), gr.update(value=None), gr.update(value="")]
+            return [shown, gr.update(value=None, headers=HEADERS), gr.update(value=None), gr.update(value=None),
+                    gr.update(value="")]  # fmt: skip
 
         def on_run(*values, progress=gr.Progress()):  # noqa: B008 (how Gradio injects progress)
             (name, kind_, image_, video_, frames_, question_, methods_, compose_, layout_, repeats_, max_new_,
@@ -647,4 +657,4 @@ def launch(model: str = MINI, host: str = "127.0.0.1", port: int = 7860, share: 
         import gradio  # noqa: F401
     except ImportError as err:
         raise VTokenError("the demo needs gradio: pip install 'vtoken[demo]'") from err
-    return build_demo(model).launch(server_name=host, server_port=port, share=share, **kwargs)
+    return build_demo(model).launch(server_name=host, server_port=port, share=share, css=CSS, **kwargs)
