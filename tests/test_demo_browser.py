@@ -126,5 +126,17 @@ def test_the_page_in_a_browser(browser, url):
     page.get_by_text("vtoken_example_clip").wait_for()  # the clip is in the video box
     run_and_wait(page, 1)
     assert "frames" in page.locator("#vtoken-kept").inner_text() or page.locator("#vtoken-kept img").count() >= 2
+
+    page.get_by_role("tab", name="Budget sweep (vtoken-mini)").click()  # the sweep, small: 10 questions, 1 point
+    for box, keep in (("#vtoken-sweep-methods", "random"), ("#vtoken-budgets", "10%")):
+        boxes = page.locator(f"{box} input[type=checkbox]")
+        for i in range(boxes.count()):
+            boxes.nth(i).set_checked(boxes.nth(i).get_attribute("name") == keep)
+    page.get_by_label("questions").last.fill("10")
+    page.get_by_role("button", name="Run sweep").click()
+    page.locator("#vtoken-sweep").get_by_text("unpruned - ").wait_for()  # progress while it runs
+    page.locator("#vtoken-sweep").get_by_text("10%", exact=True).wait_for()  # the point: random at 10 %
+    assert "random" in page.locator("#vtoken-sweep").inner_text()
+    assert_no_error(page)
     page.screenshot(path=os.environ.get("VTOKEN_DEMO_SCREENSHOT", "/dev/null"), full_page=True)
     page.close()

@@ -369,6 +369,7 @@ def sweep_figure(base: float, points: list[runs.SweepPoint]):
         ax.plot([p.tokens for p in mine], [p.accuracy for p in mine], "o-", label=method)
     ax.axhline(base, color="black", ls=":", label="unpruned (144 tokens)")
     ax.set_xscale("log")
+    ax.set_xticks([7, 14, 36, 72, 144], labels=["7", "14", "36", "72", "144"])
     ax.set_xlabel("visual tokens kept (of 144)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1.02)
@@ -444,13 +445,16 @@ def build_demo(start_model: str = MINI):
             )
             sweepable = [m for m in offered_names(MINI, "image") if m != "mustdrop"]
             sweep_methods = gr.CheckboxGroup(sweepable, value=[m for m in ("fastervlm", "random") if m in sweepable],
+                                             elem_id="vtoken-sweep-methods",
                                              label="methods to sweep")  # fmt: skip
-            budgets = gr.CheckboxGroup(["50%", "25%", "10%", "5%"], value=["50%", "25%", "10%", "5%"], label="budgets")
+            budgets = gr.CheckboxGroup(["50%", "25%", "10%", "5%"], value=["50%", "25%", "10%", "5%"], label="budgets",
+                                       elem_id="vtoken-budgets")  # fmt: skip
             questions = gr.Slider(10, 250, value=50, step=10, label="questions")
             sweep_button = gr.Button("Run sweep", variant="primary")
             sweep_error = gr.Markdown(visible=False, elem_id="vtoken-sweep-error")
             sweep_plot = gr.Plot(label="accuracy vs visual tokens kept")
-            sweep_table = gr.Dataframe(headers=["method", "budget", "tokens kept", "accuracy"], label="sweep")
+            sweep_table = gr.Dataframe(headers=["method", "budget", "tokens kept", "accuracy"], label="sweep",
+                                       elem_id="vtoken-sweep")  # fmt: skip
 
         # ------------------------------------------------------------- events
         outputs = [error, table, gallery, chart, records]
