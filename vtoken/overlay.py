@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 
 def model_view(pixel_values: torch.Tensor, mean, std) -> Image.Image:
@@ -108,17 +108,3 @@ def _colour_groups(owner: np.ndarray, count: int) -> np.ndarray:
         used = {int(colours[n]) for n in neighbours[g] if n < g}
         colours[g] = next(c for c in range(len(GROUP_TINTS)) if c not in used) if len(used) < len(GROUP_TINTS) else 0
     return colours
-
-
-def titled(image: Image.Image, title: str, lines: int = 2, width: int = 60) -> Image.Image:
-    """`image` under a white band with `title` (wrapped to `lines` lines of about `width` characters)."""
-    import textwrap
-
-    wrapped = textwrap.wrap(title, width)[:lines] or [""]
-    band = 6 + 14 * len(wrapped)
-    out = Image.new("RGB", (max(image.width, 8 * max(len(w) for w in wrapped)), image.height + band), "white")
-    draw = ImageDraw.Draw(out)
-    for i, line in enumerate(wrapped):
-        draw.text((4, 3 + 14 * i), line, fill=(20, 20, 20))
-    out.paste(image, (0, band))
-    return out

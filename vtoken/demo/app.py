@@ -20,7 +20,6 @@ from PIL import Image
 from ..applicability import applicable_layouts, fitting_params, llm_depth
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image, load_video
-from ..overlay import titled
 from ..records import summarize
 from ..registry import available_methods, method_class
 from ..zoo import BUILTIN_MODELS, MINI, TINY_MODELS, load
@@ -311,8 +310,7 @@ def run_comparison(
             if (outcome.adapter is None or outcome.adapter.encoder_method is None) and layout_of not in probes:
                 probes[layout_of] = views.probe_records(model, inputs, layout_of)
             picture, note = views.picture(outcome, model, processor, inputs, image, clip, probes.get(layout_of))
-            caption = f"{outcome.label}: {note}" if note else outcome.label
-            pictures.append((titled(picture, caption, width=max(40, picture.width // 6)), caption))
+            pictures.append((picture, f"{outcome.label}: {note}" if note else outcome.label))
     base = outcomes[0].ttft
     check = expected is not None and expected[0] == question
     rows = []
@@ -338,7 +336,7 @@ def tokens_figure(chart: list[tuple[str, str, int]]):
 
     labels = list(dict.fromkeys(c for c, _, _ in chart))
     fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(labels)))
-    stages = list(dict.fromkeys(s for _, s, _ in chart))
+    stages = sorted(dict.fromkeys(s for _, s, _ in chart), key=_stage_order)
     height = 0.8 / max(len(stages), 1)
     for j, stage in enumerate(stages):
         ys, ns = [], []
@@ -351,10 +349,19 @@ def tokens_figure(chart: list[tuple[str, str, int]]):
     ax.set_yticks(range(len(labels)), labels=[lab if len(lab) < 48 else lab[:45] + "..." for lab in labels])
     ax.invert_yaxis()
     ax.set_xlabel("visual tokens (first image or video)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _stage_order(stage: str) -> tuple:
+    """input, then encoder stages, then the LLM's drop layers in depth order."""
+    if stage == "input":
+        return (0, 0, stage)
+    if stage.startswith("prefill.layer"):
+        return (2, int(stage.removeprefix("prefill.layer")), stage)
+    return (1, 0, stage)
 
 
 def sweep_figure(base: float, points: list[runs.SweepPoint]):
@@ -433,8 +440,8 @@ def build_demo(start_model: str = MINI):
                     run_button = gr.Button("Run", variant="primary")
             error = gr.Markdown(visible=False, elem_id="vtoken-error")
             table = gr.Dataframe(headers=HEADERS, label="results", wrap=True, elem_id="vtoken-results")
-            gallery = gr.Gallery(label="what was kept (first image or video)", columns=2, height="auto",
-                                 object_fit="contain", elem_id="vtoken-kept")  # fmt: skip
+            gallery = gr.Gallery(label="what was kept (first image or video)", columns=3, object_fit="contain",
+                                 elem_id="vtoken-kept")  # fmt: skip
             chart = gr.Plot(label="visual tokens per stage")
             records = gr.Code(label="records", language=None, lines=8)
 
