@@ -7,7 +7,7 @@ import torch
 
 import vtoken
 from vtoken.applicability import applicable_methods, fitting_params, llm_depth
-from vtoken.demo import app, runs, views
+from vtoken.demo import app, controls, runs, views
 from vtoken.images import example_image
 from vtoken.registry import available_methods
 from vtoken.zoo import BUILTIN_MODELS, MINI
@@ -17,7 +17,7 @@ def control_values(model_name: str, budget: float | None = None) -> list:
     """The controls' starting values, as the page shows them for `model_name` (every `budget` set to `budget`)."""
     defaults = app.model_state(model_name)["defaults"]
     values = []
-    for control in app.control_specs():
+    for control in controls.control_specs():
         value = defaults.get(control.method, {}).get(control.param)
         if control.param == "budget" and budget is not None:
             value = budget
@@ -67,7 +67,9 @@ def test_every_offered_method_runs_on_every_builtin_model(name):
         assert len(pictures) == len(rows) and all(p.width > 0 for p, _ in pictures)
         # the answers are the model's own under each configuration, patched by hand
         inputs = runs.prepare_inputs(model, processor, "what is it?", *_input(kind, video))
-        configs = app.configurations(model, methods, [], "native", app.method_params(app.control_specs(), values))
+        configs = app.configurations(
+            model, methods, [], "native", controls.method_params(controls.control_specs(), values)
+        )
         for row, config in zip(rows[1:], configs, strict=True):
             with torch.inference_mode(), vtoken.patched(model, config.build(), layout=config.layout):
                 out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
@@ -121,7 +123,7 @@ def test_inputs_methods_cannot_take_are_not_offered():
 
 def test_mustdrop_on_llava_next_takes_its_official_layout():
     model, _ = app.get_model("tiny-llava-next")
-    params = {"mustdrop": app.default_params(model, "mustdrop")}
+    params = {"mustdrop": controls.default_params(model, "mustdrop")}
     (config,) = app.configurations(model, ["mustdrop"], [], "native", params)
     assert config.layout == "official" and "layout=official" in config.label
 
@@ -180,7 +182,7 @@ def test_errors_are_readable_and_raised_before_any_generation(monkeypatch):
         app.run_comparison("tiny-llava", "image", image, None, 2, "what?", [], [], "native", 1, 2, values)
     with pytest.raises(vtoken.InputError, match="no video"):
         app.run_comparison("tiny-llava", "video", image, None, 2, "what?", ["random"], [], "native", 1, 2, values)
-    layer = [i for i, c in enumerate(app.control_specs()) if (c.method, c.param) == ("fastv", "layer")][0]
+    layer = [i for i, c in enumerate(controls.control_specs()) if (c.method, c.param) == ("fastv", "layer")][0]
     values[layer] = 5  # beyond the 2-layer LLM: FastV names the depth
     with pytest.raises(vtoken.VTokenError, match="fastv.*this LLM has 2 layers"):
         app.run_comparison("tiny-llava", "image", image, None, 2, "what?", ["random", "fastv"], [], "native", 1, 2,
@@ -213,13 +215,13 @@ def test_an_mp4_upload_uses_all_its_sampled_frames(tmp_path):
 
 
 def test_free_parameters_and_layers_parse_or_say_why():
-    assert app.parse_free("x", "budget=0.5, scope='image'") == {"budget": 0.5, "scope": "image"}
+    assert controls.parse_free("x", "budget=0.5, scope='image'") == {"budget": 0.5, "scope": "image"}
     with pytest.raises(vtoken.InputError, match="not key=value"):
-        app.parse_free("x", "budget")
-    control = app.Control("mustdrop", "layers", "layers")
-    assert app.control_value(control, "0, 2") == (True, (0, 2))
+        controls.parse_free("x", "budget")
+    control = controls.Control("mustdrop", "layers", "layers")
+    assert controls.control_value(control, "0, 2") == (True, (0, 2))
     with pytest.raises(vtoken.InputError, match="mustdrop layers"):
-        app.control_value(control, "two")
+        controls.control_value(control, "two")
 
 
 def test_examples_where_pruning_changes_the_answer_do():
