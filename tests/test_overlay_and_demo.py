@@ -1,13 +1,8 @@
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 from conftest import inputs_for
 
 from vtoken.overlay import kept_overlay, model_view
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "demo"))
 
 
 def test_model_view_inverts_the_processor_normalisation(llava, photos):
@@ -30,38 +25,34 @@ def test_overlay_dims_exactly_the_dropped_patches():
     assert np.asarray(kept_overlay(image, None, (2, 4))).tolist() == np.asarray(image).tolist()
 
 
-def test_demo_compare_reports_answers_and_kept_tokens(llava, photos):
-    from app import compare
+def test_token_picture_dims_dropped_cells_and_tints_each_group():
+    from PIL import Image
 
-    model, processor = llava
-    result = compare(model, processor, photos["coffee"], "what is in the image?", "fastervlm", 0.25, max_new_tokens=3)
-    assert result["patched"]["records"][0].tokens_out == 144
-    assert result["overlay"].size == (336, 336)
-    assert "576 -> 144" in result["summary"]
-    assert isinstance(result["unpatched"]["answer"], str)
+    from vtoken.overlay import token_picture
 
-
-def test_demo_compare_on_other_families():
-    from app import compare
-
-    from vtoken.zoo import TINY_MODELS
-
-    for name in ("tiny-qwen2-vl", "tiny-llava-next", "tiny-internvl", "tiny-gemma3"):
-        model, processor = TINY_MODELS[name]()
-        image = __import__("vtoken.images", fromlist=["example_image"]).example_image(300)
-        result = compare(model, processor, image, "what?", "random", 0.25, max_new_tokens=2)
-        assert result["overlay"].size[0] > 0 and "kept" in result["summary"]
+    image = Image.new("RGB", (40, 20), (100, 100, 100))
+    keep = np.array([True, False, True, True, True, True, True, True])
+    out = np.asarray(token_picture(image, (2, 4), keep, dim=0.5))
+    assert (out[:10, 10:20] == 50).all() and (out[:10, :10] == 100).all()  # cell 1 dimmed, cell 0 not
+    groups = [np.array([0, 1]), np.array([2, 3]), np.array([4, 5, 6, 7])]
+    out = np.asarray(token_picture(image, (2, 4), groups=groups), dtype=np.int32)
+    inner = {g: tuple(out[y, x]) for g, (y, x) in enumerate([(5, 5), (5, 25), (15, 5)])}  # inside each group
+    assert len(set(inner.values())) == 3  # neighbouring groups differ in colour
+    assert tuple(out[15, 35]) == inner[2]  # one group, one colour
+    assert (out[:, 20] == 255).all(-1)[:9].all()  # a line where groups 0 and 1 meet
 
 
-def test_demo_opens_on_vtoken_minis_example():
-    from app import compare, starting_example
+def test_mosaic_places_tiles_in_rows():
+    from PIL import Image
 
-    from vtoken.mini import example
-    from vtoken.zoo import load
+    from vtoken.overlay import mosaic
 
-    model, processor = load("vtoken-mini")
-    image, question = starting_example("vtoken-mini")
-    assert question == example()[1]
-    result = compare(model, processor, image, question, "fastervlm", 0.25, max_new_tokens=3)
-    assert result["unpatched"]["answer"] == example()[2]  # the answer the scene was drawn with
-    assert result["overlay"].size == (192, 192) and "144 -> 36" in result["summary"]
+    red, blue = Image.new("RGB", (10, 5), "red"), Image.new("RGB", (4, 8), "blue")
+    out = mosaic([[red, blue], [blue]], gap=2)
+    assert out.size == (16, 8 + 2 + 8)
+    pixels = np.asarray(out)
+    assert (
+        tuple(pixels[0, 0]) == (255, 0, 0)
+        and tuple(pixels[0, 12]) == (0, 0, 255)
+        and tuple(pixels[10, 0]) == (0, 0, 255)
+    )

@@ -9,6 +9,7 @@ vtoken.unpatch(model)
 
 from . import adapters as _adapters  # noqa: F401  (registers the adapters)
 from .api import PatchHandle, handle_of, patch, patched, unpatch
+from .applicability import applicable_methods
 from .budget import tokens_to_keep
 from .errors import (
     AlreadyPatchedError,
@@ -51,6 +52,7 @@ __all__ = [
     "handle_of",
     "PatchHandle",
     "available_methods",
+    "applicable_methods",
     "make_method",
     "supported_models",
     "tokens_to_keep",

@@ -202,6 +202,20 @@ def list_all(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=MINI, help=f"built-in ({', '.join(BUILTIN_MODELS)}) or checkpoint dir")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="also serve through a public Gradio share link")
+
+
+def demo(args: argparse.Namespace) -> int:
+    from .demo.app import launch
+
+    launch(args.model, args.host, args.port, args.share)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtoken", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.sweep import add_parser as add_eval_parser  # lmms-eval is imported only when `vtoken eval` runs
 
     add_eval_parser(sub)
+    p = sub.add_parser("demo", help="the Gradio demo in a browser (needs pip install 'vtoken[demo]')")
+    demo_arguments(p)
+    p.set_defaults(func=demo)
     return parser
 
 

@@ -1,0 +1,75 @@
+"""Which methods apply to a loaded model, with parameters that fit it (e.g. drop layers within its LLM's depth).
+
+`applicable_methods(model)` asks the model's adapter to validate every registered method, exactly as `patch` does
+before installing anything, so its verdicts are `patch`'s own (and its reasons `patch`'s error messages).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .api import _find_adapter
+from .errors import VTokenError
+from .methods.random import Random
+from .registry import available_methods, make_method
+
+# MustDrop's official drop layers (a 32-layer LLaMA); shallower LLMs keep those that fit
+MUSTDROP_LAYERS = (2, 6, 10, 14)
+
+
+def llm_depth(model: nn.Module) -> int:
+    """Decoder layers of the model's LLM (what LLM-stage drop points index)."""
+    adapter = _find_adapter(model)(model, [Random()], "native")
+    return len(adapter.language_model.layers)
+
+
+def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
+    """Parameters a method needs beyond its defaults to fit `model`: LLM drop points within the LLM's depth
+    (FastV's layer 2 and MustDrop's layers (2, 6, 10, 14) need an LLM of at least 4 and 16 layers)."""
+    if name not in ("fastv", "mustdrop"):
+        return {}
+    last = llm_depth(model) - 2  # a drop after the last layer saves nothing
+    if last < 0:
+        return {}  # a one-layer LLM: the method says why it cannot apply
+    if name == "fastv":
+        return {"layer": min(2, last)}
+    return {"layers": tuple(k for k in MUSTDROP_LAYERS if k <= last) or (last,)}
+
+
+def applicable_layouts(model: nn.Module, method: str, **params: Any) -> list[str]:
+    """The layouts (see `vtoken.patch`) in which `method` (with `params`, else fitting ones) applies to `model`."""
+    adapter = _find_adapter(model)
+    instance = make_method(method, **(params or fitting_params(model, method)))
+    layouts = []
+    for layout in adapter.layouts:
+        try:
+            adapter(model, [instance], layout)  # validates only; installs nothing
+        except VTokenError:
+            continue
+        layouts.append(layout)
+    return layouts
+
+
+def applicable_methods(model: nn.Module) -> dict[str, str | None]:
+    """Every registered method -> None if it applies to `model` (in at least one layout, with `fitting_params`),
+    else the reason it cannot (the message `vtoken.patch` would raise)."""
+    adapter = _find_adapter(model)
+    verdicts: dict[str, str | None] = {}
+    for name in available_methods():
+        try:
+            method = make_method(name, **fitting_params(model, name))
+        except VTokenError as err:
+            verdicts[name] = str(err)
+            continue
+        reasons = []
+        for layout in adapter.layouts:
+            try:
+                adapter(model, [method], layout)
+            except VTokenError as err:
+                reasons.append(str(err))
+                continue
+            break
+        verdicts[name] = reasons[0] if len(reasons) == len(adapter.layouts) else None
+    return verdicts

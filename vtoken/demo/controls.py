@@ -1,0 +1,144 @@
+"""Each method's own controls on the page: which parameters, their starting values on a model, and how the values
+the page sends back become method parameters (bad text gives an `InputError` naming the control)."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..applicability import fitting_params
+from ..errors import InputError
+from ..registry import available_methods, method_class
+
+
+@dataclass
+class Control:
+    """One parameter control: method, parameter name, how the UI value becomes the parameter."""
+
+    method: str
+    param: str
+    kind: str  # "float", "int", "choice", "optional_int", "optional_float", "layers", "free"
+
+
+def control_specs() -> list[Control]:
+    """The controls of every registered method: budget and scope for encoder methods, each method's own knobs, and
+    a free `key=value` box for methods without a dedicated form (e.g. ones added later)."""
+    specs = []
+    for name in available_methods():
+        cls = method_class(name)
+        names = {f.name for f in fields(cls)}
+        known = {
+            "fastv": [("layer", "int"), ("keep", "float")],
+            "mustdrop": [
+                ("layers", "layers"),
+                ("global_thr", "float"),
+                ("individual_thr", "float"),
+                ("merge_threshold", "float"),
+                ("key_rate", "float"),
+            ],  # fmt: skip
+            "hired": [("budget", "float"), ("alpha", "float"), ("partition", "choice")],
+            "mmtok": [("budget", "float"), ("scope", "choice"), ("alpha", "float")],
+            "fourier": [("budget", "float"), ("reserve", "optional_int"), ("ratio", "optional_float")],
+        }.get(name)
+        if known is None and {"budget", "scope"} <= names:
+            known = [("budget", "float"), ("scope", "choice")]
+        if known is None:
+            known = [("params", "free")]
+        specs += [Control(name, param, kind) for param, kind in known]
+    return specs
+
+
+def default_params(model, name: str) -> dict[str, Any]:
+    """The demo's starting values for method `name` on `model`: the method's defaults, drop layers that fit the
+    LLM, and MustDrop thresholds that drop tokens (its own defaults drop none in the prefill)."""
+    params = {f.name: f.default for f in fields(method_class(name)) if f.init and not callable(f.default)}
+    params.update(fitting_params(model, name))
+    if name == "mustdrop":
+        params.update(global_thr=0.01, individual_thr=0.01)
+    return params
+
+
+def control_value(control: Control, value: Any) -> tuple[bool, Any]:
+    """(set it?, parameter value) from a UI value; raises InputError naming the control on bad text."""
+    if control.kind == "int":
+        return True, int(value)
+    if control.kind == "float":
+        return True, float(value)
+    if control.kind == "choice":
+        return True, value
+    if control.kind == "optional_int":
+        return (value is not None and int(value) > 0), (int(value) if value else None)
+    if control.kind == "optional_float":
+        return (value is not None and float(value) > 0), (float(value) if value else None)
+    if control.kind == "layers":
+        try:
+            layers = tuple(int(x) for x in str(value).replace(",", " ").split())
+        except ValueError:
+            raise InputError(f"{control.method} layers {value!r}: expected LLM layer numbers, e.g. 2, 6") from None
+        if not layers:
+            raise InputError(f"{control.method} layers: give at least one LLM layer number, e.g. 2")
+        return True, layers
+    return False, value  # "free": parsed by parse_free
+
+
+def parse_free(method: str, text: str) -> dict[str, Any]:
+    """`key=value, key=value` (Python literals) -> parameters."""
+    params = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise InputError(f"{method} parameters: {part!r} is not key=value (e.g. budget=0.25)")
+        try:
+            params[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            params[key.strip()] = value.strip()
+    return params
+
+
+def method_params(specs: list[Control], values: list[Any]) -> dict[str, dict[str, Any]]:
+    params: dict[str, dict[str, Any]] = {}
+    for control, value in zip(specs, values, strict=True):
+        mine = params.setdefault(control.method, {})
+        if control.kind == "free":
+            mine.update(parse_free(control.method, value))
+            continue
+        use, parameter = control_value(control, value)
+        if use:
+            mine[control.param] = parameter
+    return params
+
+
+def make_control(gr, control: Control, defaults: dict[str, Any]):
+    """The Gradio component of one control, labelled "<method> <parameter>"."""
+    label = f"{control.method} {control.param}"
+    value = defaults.get(control.param)
+    cls = method_class(control.method)
+    if control.kind == "float":
+        top = 1.0 if control.param in ("budget", "keep", "alpha", "key_rate", "merge_threshold") else None
+        if top is None:
+            return gr.Number(value=value, label=label)
+        return gr.Slider(0.01 if control.param in ("budget", "keep") else 0.0, top, value=value, step=0.01,
+                         label=label)  # fmt: skip
+    if control.kind == "int":
+        return gr.Slider(0, max(int(value or 0), 1), value=value, step=1, label=label)
+    if control.kind == "choice":
+        options = {"scope": list(getattr(cls, "scopes", ("crop",))), "partition": ["bands", "tiles"]}[control.param]
+        return gr.Radio(options, value=value if value in options else options[0], label=label)
+    if control.kind == "optional_int":
+        return gr.Number(value=0, precision=0, label=f"{label} (0: unset; side of the kept grid)")
+    if control.kind == "optional_float":
+        return gr.Slider(0.0, 1.0, value=0.0, step=0.01, label=f"{label} (0: unset; per-axis fraction)")
+    if control.kind == "layers":
+        return gr.Textbox(value=", ".join(map(str, value or ())), label=f"{label} (LLM layers, e.g. 2, 6)")
+    return gr.Textbox(value="", label=f"{control.method} parameters (key=value, comma-separated)")
+
+
+def control_update(gr, control: Control, defaults: dict[str, Any]):
+    """Defaults that fit a newly loaded model: FastV's layer slider spans its LLM, MustDrop's layers fit it."""
+    if control.kind == "int" and control.param == "layer":
+        value = defaults.get("layer", 0)
+        return gr.update(maximum=max(value, 1), value=value)
+    if control.kind == "layers":
+        return gr.update(value=", ".join(map(str, defaults.get("layers", ()))))
+    return gr.update()

@@ -1,0 +1,262 @@
+"""What the demo computes, without any UI: inputs, configurations checked before anything runs, answers, time to
+first token, records, and the budget sweep on vtoken-mini."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .. import api
+from ..applicability import applicable_layouts, applicable_methods, fitting_params
+from ..cli import _time_to_first_token as time_to_first_token
+from ..cli import llm_tokens
+from ..errors import InputError, VTokenError
+from ..images import example_clip, example_image
+from ..methods.base import Method
+from ..records import Record
+from ..registry import make_method, method_class
+from ..zoo import build_prompt
+
+Progress = Callable[[float, str], None]
+
+
+def video_capable(model) -> bool:
+    """Whether the model's adapter takes videos."""
+    return any(m.name == "video" for m in api._find_adapter(model).modalities)
+
+
+def prepare_inputs(model, processor, question: str, image: Image.Image | None = None, frames: list | None = None):
+    """The processor's batch for one question about one image or one video (a list of frames), pixels in the
+    model's dtype. Refuses empty input with an `InputError` saying what is missing."""
+    if not question or not question.strip():
+        raise InputError("the question is empty; type a question about the image or video")
+    if image is None and not frames:
+        raise InputError("no image or video given; upload one, or pick an example")
+    if frames:
+        if not video_capable(model):
+            raise InputError(f"{type(model).__name__} takes no videos; upload an image, or pick a video model")
+        prompt = build_prompt(processor, question.strip(), num_images=0, num_videos=1)
+        inputs = processor(text=[prompt], videos=[frames], return_tensors="pt")
+    else:
+        prompt = build_prompt(processor, question.strip())
+        inputs = processor(text=[prompt], images=[image.convert("RGB")], return_tensors="pt")
+    inputs = inputs.to(model.device)
+    for key, value in inputs.items():
+        if value.is_floating_point():
+            inputs[key] = value.to(model.dtype)
+    return inputs
+
+
+@dataclass
+class Config:
+    """One configuration: methods (one per stage) with their parameters, and the anyres layout."""
+
+    methods: list[str]
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    layout: str = "native"
+
+    @property
+    def label(self) -> str:
+        parts = []
+        for name in self.methods:
+            defaults = {f.name: f.default for f in fields(method_class(name))}
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in self.params.get(name, {}).items()
+                              if k in ("budget", "keep", "layer") or defaults.get(k) != v)  # fmt: skip
+            parts.append(f"{name}({shown})" if shown else name)
+        return " + ".join(parts) + (f" [layout={self.layout}]" if self.layout != "native" else "")
+
+    def build(self) -> list[Method]:
+        return [make_method(name, **self.params.get(name, {})) for name in self.methods]
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(map(str, value)) + ")"
+    return str(value)
+
+
+@dataclass
+class Outcome:
+    """One column of the comparison."""
+
+    label: str
+    answer: str
+    ttft: float
+    records: list[Record]
+    tokens: tuple[int, int]  # visual tokens reaching the LLM, and after its last shortening stage
+    adapter: Any = None  # the patch's adapter (layout helpers for the pictures); None unpatched
+    merges: list = field(default_factory=list)  # MustDrop's merge plans, one per encoder batch
+
+
+def check_configs(model, configs: list[Config], inputs) -> None:
+    """Patch with every configuration and run its encoder stage on `inputs`: a method that cannot apply, or an
+    input a method cannot take, raises here, before any generation (message prefixed by the configuration)."""
+    for config in configs:
+        try:
+            with api.patched(model, config.build(), layout=config.layout) as handle:
+                if handle.adapter.encoder_method is not None and handle.adapter.present(inputs):
+                    handle.adapter.prepare(dict(inputs))
+        except VTokenError as err:
+            raise type(err)(f"{config.label}: {err}") from err
+
+
+def _answer(model, processor, inputs, max_new_tokens: int) -> str:
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0].strip()
+
+
+def _recording_merges(methods: list[Method]) -> list:
+    """Record the merge plans of a method that merges inside the tower (MustDrop), for the pictures."""
+    plans: list = []
+    for method in methods:
+        planner = getattr(method, "plan_merge", None)
+        if planner is not None:
+
+            def record(*args, _planner=planner, **kwargs):
+                plan = _planner(*args, **kwargs)
+                plans.append(plan)
+                return plan
+
+            object.__setattr__(method, "plan_merge", record)  # this instance only
+    return plans
+
+
+@torch.inference_mode()
+def compare(
+    model,
+    processor,
+    inputs,
+    configs: list[Config],
+    repeats: int = 3,
+    max_new_tokens: int = 16,
+    progress: Progress | None = None,
+) -> list[Outcome]:
+    """The unpatched model, then every configuration: greedy answer, time to first token (one-token `generate`,
+    warmed up, median of `repeats`: the CLI's measure) and records. Call `check_configs` first."""
+    visual = sum(int((inputs["input_ids"] == t).sum()) for t in _placeholder_ids(model))
+    steps = len(configs) + 1
+    say = progress or (lambda fraction, text: None)
+    say(0.0, "unpatched")
+    outcomes = [
+        Outcome(
+            "unpatched",
+            _answer(model, processor, inputs, max_new_tokens),
+            time_to_first_token(model, inputs, repeats),
+            [],
+            (visual, visual),
+        )
+    ]
+    for i, config in enumerate(configs, 1):
+        say(i / steps, config.label)
+        methods = config.build()
+        merges = _recording_merges(methods)
+        with api.patched(model, methods, layout=config.layout) as handle:
+            answer = _answer(model, processor, inputs, max_new_tokens)
+            records = list(handle.records)
+            kept_merges = list(merges)
+            ttft = time_to_first_token(model, inputs, repeats)
+            tokens = llm_tokens(records) if records else (visual, visual)
+            outcomes.append(Outcome(config.label, answer, ttft, records, tokens, handle.adapter, kept_merges))
+    say(1.0, "done")
+    return outcomes
+
+
+def _placeholder_ids(model) -> list[int]:
+    adapter = api._find_adapter(model)
+    ids = {getattr(model.config, m.placeholder_attr, None) for m in adapter.modalities}
+    return [i for i in ids if i is not None]
+
+
+def stage_tokens(outcome: Outcome) -> list[tuple[str, int]]:
+    """(stage, visual tokens after it) for a chart: the input, then every stage that shortens the sequence."""
+    rows = [("input", outcome.tokens[0])]
+    for stage in dict.fromkeys(r.stage for r in outcome.records):
+        if stage in ("encoder.keyset", "decode.kv"):
+            continue
+        rows.append((stage, sum(r.tokens_out for r in outcome.records if r.stage == stage)))
+    return rows
+
+
+# ----------------------------------------------------------------- which methods the demo offers
+
+
+def offered_methods(model, processor) -> dict[str, dict[str, str | None]]:
+    """Per input kind ("image", and "video" on video models): method -> None if it applies to that input on this
+    model, else why not. Model-level checks are `applicable_methods`; input-level ones (e.g. Fourier-VLM on anyres
+    images) run the method's encoder stage on a small example input."""
+    verdicts = applicable_methods(model)
+    kinds = {"image": dict(image=example_image(336))}
+    if video_capable(model):
+        kinds["video"] = dict(frames=example_clip(2, 112))
+    offered = {}
+    for kind, given in kinds.items():
+        inputs = prepare_inputs(model, processor, "what is in the image?", **given)
+        out = {}
+        for name, reason in verdicts.items():
+            if reason is None and "encoder" in method_class(name).stages:
+                params = fitting_params(model, name)
+                layout = applicable_layouts(model, name, **params)[0]
+                try:
+                    check_configs(model, [Config([name], {name: params}, layout)], inputs)
+                except VTokenError as err:
+                    reason = str(err)
+            out[name] = reason
+        offered[kind] = out
+    return offered
+
+
+# ----------------------------------------------------------------- the budget sweep on vtoken-mini
+
+
+@dataclass
+class SweepPoint:
+    method: str
+    budget: float
+    tokens: float
+    accuracy: float
+
+
+def sweep(
+    model,
+    processor,
+    methods: list[str],
+    budgets: list[float],
+    questions: int = 50,
+    progress: Progress | None = None,
+) -> tuple[float, list[SweepPoint]]:
+    """Accuracy on `questions` procedural test questions of vtoken-mini (the benchmark's question set) unpruned,
+    and for every method at every budget (its `budget`, FastV's `keep`): (unpruned accuracy, points)."""
+    from ..mini import vqa
+    from ..mini.evaluate import evaluate
+
+    if not methods or not budgets:
+        raise InputError("pick at least one method and one budget for the sweep")
+    pairs = vqa.question_set("test", questions)
+    say = progress or (lambda fraction, text: None)
+    total = 1 + len(methods) * len(budgets)
+    say(0.0, "unpruned")
+    base = evaluate(model, processor, pairs).accuracy()["all"]
+    points, step = [], 1
+    for method in methods:
+        knob = "keep" if "budget" not in _fields(method) else "budget"
+        if knob not in _fields(method):
+            raise InputError(f"{method} has no token budget (its knobs are thresholds); sweep another method")
+        for budget in budgets:
+            say(step / total, f"{method} at {budget:.0%}")
+            step += 1
+            with api.patched(model, method, **{knob: budget}):
+                result = evaluate(model, processor, pairs)
+            points.append(SweepPoint(method, budget, statistics.mean(result.tokens), result.accuracy()["all"]))
+    say(1.0, "done")
+    return base, points
+
+
+def _fields(method: str) -> set[str]:
+    return {f.name for f in fields(method_class(method))}
