@@ -48,8 +48,8 @@ def test_applicable_methods_are_exactly_those_patch_accepts(name):
         assert (reason is None) == (len(errors) < len(adapter.layouts)), (name, method, reason, errors)
         if reason is not None:
             assert reason == errors[0]
-    if llm_depth(model) < 16:  # MustDrop's own default layers (2, 6, 10, 14) need 16; the fitted ones apply
-        assert verdicts["fastv"] is None
+    if llm_depth(model) < 16 and adapter.family != "gemma3":  # Gemma 3 refuses LLM stages whatever the layer
+        assert verdicts["fastv"] is None  # FastV's default layer 2 may not fit; the fitted one applies
 
 
 @pytest.mark.parametrize("name", BUILTIN_MODELS)
@@ -76,7 +76,10 @@ def test_every_offered_method_runs_on_every_builtin_model(name):
             text = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
             assert row[1] == text.strip(), (name, kind, row[0])
             before, after = map(int, row[4].split(" -> "))
-            assert after < before, (name, kind, row)  # every default configuration reduces the visual tokens
+            if config.methods == ["sparse_prefill"]:  # keeps every token; skips attention work instead
+                assert after == before, (name, kind, row)
+                continue
+            assert after < before, (name, kind, row)  # every other default configuration reduces the visual tokens
             picture = np.asarray(pictures[rows.index(row)][0], dtype=np.int32)
             unpatched = np.asarray(pictures[0][0], dtype=np.int32)
             drawn = picture.shape == unpatched.shape and np.abs(picture - unpatched).mean() > 1

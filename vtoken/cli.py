@@ -14,7 +14,7 @@ import torch
 from . import api
 from .errors import InputError, VTokenError
 from .images import example_image, load_image, load_video
-from .registry import ADAPTERS, available_methods, make_method, method_class, supported_models
+from .registry import available_methods, make_method, method_class, supported_models
 from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
 
 DEFAULT_PROMPT = "What is in the image?"
@@ -66,7 +66,8 @@ def method_params(name: str, budget: float | int) -> dict:
 
 def llm_tokens(records) -> tuple[int, int]:
     """Visual tokens before the first stage and after the last that shortens the LLM's input."""
-    stages = [s for s in dict.fromkeys(r.stage for r in records) if s not in ("encoder.keyset", "decode.kv")]
+    stages = [s for s in dict.fromkeys(r.stage for r in records)
+              if s not in ("encoder.keyset", "decode.kv") and not s.startswith("sparse")]  # fmt: skip
     if not stages:
         return 0, 0
     tokens_in = sum(r.tokens_in for r in records if r.stage == stages[0])
@@ -135,9 +136,8 @@ def load_model(args: argparse.Namespace) -> tuple:
     except (OSError, ValueError) as err:
         raise VTokenError(f"cannot load model {args.model!r}: {_first_line(err)}") from err
     adapter = api._find_adapter(model)  # an unsupported model fails here, before any run
-    if args.video and not any(m.name == "video" for m in adapter.modalities):
-        video = [a.family for a in ADAPTERS if any(m.name == "video" for m in a.modalities)]
-        raise VTokenError(f"{args.model} ({adapter.family}) takes no videos; video families: {', '.join(video)}")
+    if args.video and getattr(processor, "video_processor", None) is None:  # its processor takes no videos
+        raise VTokenError(f"{args.model} ({adapter.family}) takes no videos; use --image")
     return model, processor
 
 

@@ -18,7 +18,7 @@ class Control:
 
     method: str
     param: str
-    kind: str  # "float", "int", "choice", "optional_int", "optional_float", "layers", "free"
+    kind: str  # "float", "int", "count", "choice", "optional_int", "optional_float", "layers", "free"
 
 
 def control_specs() -> list[Control]:
@@ -40,6 +40,13 @@ def control_specs() -> list[Control]:
             "hired": [("budget", "float"), ("alpha", "float"), ("partition", "choice")],
             "mmtok": [("budget", "float"), ("scope", "choice"), ("alpha", "float")],
             "fourier": [("budget", "float"), ("reserve", "optional_int"), ("ratio", "optional_float")],
+            "sparse_prefill": [
+                ("pattern", "choice"),
+                ("density", "optional_float"),
+                ("sink", "count"),
+                ("block_size", "count"),
+                ("min_length", "count"),
+            ],  # fmt: skip
         }.get(name)
         if known is None and {"budget", "scope"} <= names:
             known = [("budget", "float"), ("scope", "choice")]
@@ -56,12 +63,14 @@ def default_params(model, name: str) -> dict[str, Any]:
     params.update(fitting_params(model, name))
     if name == "mustdrop":
         params.update(global_thr=0.01, individual_thr=0.01)
+    if name == "sparse_prefill":  # its defaults run dense below 32k tokens: a demo prompt is far shorter
+        params.update(sink=4, block_size=16, min_length=64)
     return params
 
 
 def control_value(control: Control, value: Any) -> tuple[bool, Any]:
     """(set it?, parameter value) from a UI value; raises InputError naming the control on bad text."""
-    if control.kind == "int":
+    if control.kind in ("int", "count"):
         return True, int(value)
     if control.kind == "float":
         return True, float(value)
@@ -122,8 +131,14 @@ def make_control(gr, control: Control, defaults: dict[str, Any]):
                          label=label)  # fmt: skip
     if control.kind == "int":
         return gr.Slider(0, max(int(value or 0), 1), value=value, step=1, label=label)
+    if control.kind == "count":
+        return gr.Number(value=value, precision=0, label=label)
     if control.kind == "choice":
-        options = {"scope": list(getattr(cls, "scopes", ("crop",))), "partition": ["bands", "tiles"]}[control.param]
+        options = {
+            "scope": list(getattr(cls, "scopes", ("crop",))),
+            "partition": ["bands", "tiles"],
+            "pattern": ["vertical_slash", "a_shape", "grid"],
+        }[control.param]
         return gr.Radio(options, value=value if value in options else options[0], label=label)
     if control.kind == "optional_int":
         return gr.Number(value=0, precision=0, label=f"{label} (0: unset; side of the kept grid)")

@@ -162,7 +162,8 @@ def compare(
             records = list(handle.records)
             kept_merges = list(merges)
             ttft = time_to_first_token(model, inputs, repeats)
-            tokens = llm_tokens(records) if records else (visual, visual)
+            tokens = llm_tokens(records)
+            tokens = tokens if tokens != (0, 0) else (visual, visual)  # no stage shortened the input (sparse prefill)
             outcomes.append(Outcome(config.label, answer, ttft, records, tokens, handle.adapter, kept_merges))
     say(1.0, "done")
     return outcomes
