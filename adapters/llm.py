@@ -23,7 +23,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 from vtoken.kernels import causal_rows_probs
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, VTokenError
 from vtoken.methods.base import PrefillMethod
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
@@ -89,46 +89,136 @@ def _left_packed(keep: torch.Tensor) -> torch.Tensor:
 
 
 class QueryKeyProbe:
-    """Captures one attention layer's q/k projections and rotary tables, to compute chosen rows afterwards."""
+    """Captures one attention layer's queries and keys (as its attention sees them before rotary) and its rotary
+    tables, to compute chosen rows afterwards while the layer itself runs SDPA/flash.
+
+    Queries and keys are read where the layer finishes them: at the outputs of `q_norm`/`k_norm` where the layer
+    has those modules (QK-norm: Qwen3, Qwen3-VL, Qwen3.5, Gemma 3, OLMo 2; an `Identity` where it is off), else at
+    `q_proj`/`k_proj`, or split from a fused `qkv_proj` (Phi-3). A gated `q_proj` (Qwen3.5: query and gate
+    interleaved per head, 2 x head_dim each) is de-gated; its `q_norm` already sees the query half. Rotary comes
+    from the modelling module's own `apply_rotary_pos_emb`, so partial rotary (Qwen3.5, Phi-3) is the model's own.
+    """
 
     def __init__(self, attention: nn.Module):
+        self.check(attention)  # before any hook: a refused probe leaves nothing behind
         self.attention = attention
-        module = sys.modules[type(attention).__module__]
-        self._rotary = getattr(module, "apply_rotary_pos_emb", None)
+        self._rotary = _rotary_function(attention)
+        self.head_dim = int(attention.head_dim)
+        self.heads = _heads(attention)
         self.active = False
         self._store: dict[str, Any] = {}
-        self._hooks = [
-            attention.register_forward_pre_hook(self._on_input, with_kwargs=True),
-            attention.q_proj.register_forward_hook(lambda m, a, out: self._keep("q", out)),
-            attention.k_proj.register_forward_hook(lambda m, a, out: self._keep("k", out)),
-        ]
+        hooks = [attention.register_forward_pre_hook(self._on_input, with_kwargs=True)]
+        if _module(attention, "q_proj") is None:  # fused: [B, S, (H + 2 Hkv) * d], queries first, then keys
+            split = self.heads * self.head_dim
+            kv = _kv_heads(attention) * self.head_dim
+
+            def fused(module, args, out) -> None:
+                self._keep("q", out[..., :split])
+                self._keep("k", out[..., split : split + kv])
+
+            hooks.append(attention.qkv_proj.register_forward_hook(fused))
+        for name in ("q", "k"):
+            source = _module(attention, f"{name}_norm") or _module(attention, f"{name}_proj")
+            if source is not None:
+                hooks.append(source.register_forward_hook(lambda m, a, out, name=name: self._keep(name, out)))
+        self._hooks = hooks
+        proj = _module(attention, "q_proj")
+        self._gated = (_module(attention, "q_norm") is None and proj is not None
+                       and getattr(proj, "out_features", 0) == 2 * self.heads * self.head_dim)  # fmt: skip
+
+    @staticmethod
+    def missing(attention: nn.Module) -> list[str]:
+        """What `attention` lacks for the probe (empty if nothing)."""
+        missing = []
+        projections = _module(attention, "q_proj") is not None and _module(attention, "k_proj") is not None
+        if not projections and _module(attention, "qkv_proj") is None:
+            missing.append("q_proj and k_proj modules (or a fused qkv_proj)")
+        if not isinstance(getattr(attention, "head_dim", None), int):
+            missing.append("an integer `head_dim`")
+        if not isinstance(getattr(attention, "scaling", None), float):
+            missing.append("a float `scaling`")
+        try:
+            _heads(attention)
+            if _module(attention, "q_proj") is None:
+                _kv_heads(attention)
+        except AttributeError:
+            missing.append("its head counts (`config.num_attention_heads` / `num_key_value_heads`)")
+        if _rotary_function(attention) is None:
+            missing.append(f"an `apply_rotary_pos_emb` in its module {type(attention).__module__}")
+        return missing
+
+    @classmethod
+    def check(cls, attention: nn.Module | None, where: str = "") -> None:
+        """Raise a VTokenError naming the attention class and what it lacks, if the probe cannot read it."""
+        if attention is None:
+            raise VTokenError(f"{where or 'this layer'} has no `self_attn` (softmax attention) to score tokens with")
+        missing = cls.missing(attention)
+        if missing:
+            raise VTokenError(
+                f"cannot read attention rows from {type(attention).__name__}{' (' + where + ')' if where else ''}: "
+                f"it needs {'; '.join(missing)}"
+            )
 
     def _keep(self, name: str, value: Any) -> None:
         if self.active:
             self._store[name] = value
 
     def _on_input(self, module, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        self._keep("length", None if hidden is None else hidden.shape[1])
         self._keep("rotary", kwargs.get("position_embeddings"))
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
+
+    def _per_head(self, x: torch.Tensor, seq: int, gated: bool = False) -> torch.Tensor:
+        """x as [B, S, heads, d], from [B, S, heads * d] (or [B, S, heads * 2d] gated), [B, S, heads, d] or
+        [B, heads, S, d] (QK-norm after the transpose, as Gemma 3 does)."""
+        if x.dim() == 3:
+            x = x.view(x.shape[0], seq, -1, (2 if gated else 1) * self.head_dim)
+            return x[..., : self.head_dim] if gated else x
+        sequence_first = x.shape[1] == seq
+        if x.shape[1] == seq and x.shape[2] == seq:  # heads == seq: the sequence axis is the outer one in memory
+            sequence_first = x.stride(1) >= x.stride(2)
+        return x if sequence_first else x.transpose(1, 2)
 
     def attention_rows(self, rows: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """[B, H, R, S] causal attention of query rows `rows` [B, R] (sequence indices) over the S keys, padding
         (`key_valid` [B, S] False) excluded."""
         q, k, rotary = self._store.pop("q"), self._store.pop("k"), self._store.pop("rotary", None)
-        head_dim = self.attention.head_dim
-        batch, seq = k.shape[:2]
-        q = q.view(batch, seq, -1, head_dim)
+        seq = self._store.pop("length", None) or key_valid.shape[1]
+        q = self._per_head(q, seq, self._gated)
+        k = self._per_head(k, seq)
+        batch = k.shape[0]
         q = q.gather(1, rows[:, :, None, None].expand(-1, -1, *q.shape[2:])).transpose(1, 2)  # [B, H, R, d]
-        k = k.view(batch, seq, -1, head_dim).transpose(1, 2)  # [B, Hkv, S, d]
+        k = k.transpose(1, 2)  # [B, Hkv, S, d]
         if rotary is not None:
             cos, sin = (t.expand(batch, *t.shape[1:]) for t in rotary)
             row_cos, row_sin = (t.gather(1, rows[:, :, None].expand(-1, -1, t.shape[-1])) for t in (cos, sin))
             q = self._rotary(q, q, row_cos, row_sin)[0]
             k = self._rotary(k, k, cos, sin)[1]
         return causal_rows_probs(q, k, rows, key_valid, self.attention.scaling)
+
+
+def _module(owner: nn.Module, name: str) -> nn.Module | None:
+    found = getattr(owner, name, None)
+    return found if isinstance(found, nn.Module) else None
+
+
+def _rotary_function(attention: nn.Module):
+    return getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)
+
+
+def _heads(attention: nn.Module) -> int:
+    heads = getattr(attention, "num_heads", None)
+    return int(heads) if isinstance(heads, int) else int(attention.config.num_attention_heads)
+
+
+def _kv_heads(attention: nn.Module) -> int:
+    heads = getattr(attention, "num_key_value_heads", None)
+    return int(heads) if isinstance(heads, int) else int(attention.config.num_key_value_heads)
 
 
 @dataclass
@@ -182,13 +272,20 @@ class LanguageModelStages:
 
     # ----------------------------------------------------------------- install / remove
     def install(self) -> None:
-        self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
-        self._hooks.append(self.lm.register_forward_hook(self._after_lm))
-        for index, layer in enumerate(self.layers):
-            self._hooks.append(layer.register_forward_pre_hook(self._layer_input(index), with_kwargs=True))
-        for index in self.drop_layers:
-            self._probes[index] = QueryKeyProbe(self.layers[index].self_attn)
-            self._hooks.append(self.layers[index].register_forward_hook(self._layer_output(index)))
+        for index in self.drop_layers:  # every drop layer is checked before anything is registered
+            layer = self.layers[index]
+            QueryKeyProbe.check(getattr(layer, "self_attn", None), f"{type(layer).__name__} {index}")
+        try:
+            self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
+            self._hooks.append(self.lm.register_forward_hook(self._after_lm))
+            for index, layer in enumerate(self.layers):
+                self._hooks.append(layer.register_forward_pre_hook(self._layer_input(index), with_kwargs=True))
+            for index in self.drop_layers:
+                self._probes[index] = QueryKeyProbe(self.layers[index].self_attn)
+                self._hooks.append(self.layers[index].register_forward_hook(self._layer_output(index)))
+        except BaseException:
+            self.remove()
+            raise
 
     def remove(self) -> None:
         for hook in self._hooks:
