@@ -5,6 +5,7 @@ from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 from .llava_next_video import LlavaNextVideoAdapter
 from .llava_onevision import LlavaOnevisionAdapter
+from .qwen3_vl import Qwen3VLAdapter, Qwen35Adapter
 from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
 from .video_llava import VideoLlavaAdapter
 
@@ -18,5 +19,7 @@ __all__ = [
     "LlavaOnevisionAdapter",
     "QwenVLAdapter",
     "Qwen25VLAdapter",
+    "Qwen3VLAdapter",
+    "Qwen35Adapter",
     "VideoLlavaAdapter",
 ]

@@ -294,6 +294,11 @@ class LanguageModelStages:
             probe.remove()
         self._hooks, self._probes, self._prefill, self._views = [], {}, None, None
 
+    def prefill_columns(self) -> torch.Tensor | None:
+        """[B, C] prompt column of every slot of the sequence the decoder layers run on now (-1 = padding slot),
+        during a prefill; None outside one. For model code that indexes the prompt after layers (DeepStack)."""
+        return None if self._prefill is None else self._prefill.view.column
+
     # ----------------------------------------------------------------- the LLM call
     def _before_lm(self, module, args, kwargs) -> None:
         embeds = kwargs.get("inputs_embeds")
@@ -313,8 +318,15 @@ class LanguageModelStages:
             self._start_decode(embeds, kwargs, cache, past)
 
     def _start_prefill(self, embeds, kwargs, visual, cache) -> None:
-        if cache is not None and not all(hasattr(layer, "keys") for layer in getattr(cache, "layers", [None])):
-            raise InputError(f"{self.method.name} needs a DynamicCache (per-layer lengths); got {type(cache).__name__}")
+        if cache is not None:
+            layers = getattr(cache, "layers", None)
+            odd = [f"{i}: {type(layer).__name__}" for i, layer in enumerate(layers or []) if not hasattr(layer, "keys")]
+            if layers is None or odd:
+                raise InputError(
+                    f"{self.method.name} needs a cache of per-layer keys and values (a DynamicCache of attention "
+                    f"layers); got {type(cache).__name__} with "
+                    + (f"layers without keys/values ({', '.join(odd)})" if odd else "no per-layer caches")
+                )
         batch, length = visual.shape
         device = embeds.device
         mask = kwargs.get("attention_mask")

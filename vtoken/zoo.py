@@ -356,6 +356,9 @@ def tiny_onevision(seed: int = 0):
     return _instantiate(LlavaOnevisionForConditionalGeneration, config, tokenizer, seed), processor
 
 
+# Qwen3-VL / Qwen3.5 builders live in their own module (they reuse the helpers above)
+from .zoo_qwen3 import tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_vl, tiny_qwen3_vl_moe  # noqa: E402
+
 TINY_MODELS: dict[str, Callable] = {
     "tiny-onevision": tiny_onevision,
     "tiny-video-llava": tiny_video_llava,
@@ -364,6 +367,10 @@ TINY_MODELS: dict[str, Callable] = {
     "tiny-llava-next": tiny_llava_next,
     "tiny-qwen2-vl": tiny_qwen2_vl,
     "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
+    "tiny-qwen3-vl": tiny_qwen3_vl,
+    "tiny-qwen3-vl-moe": tiny_qwen3_vl_moe,
+    "tiny-qwen3.5": tiny_qwen3_5,
+    "tiny-qwen3.5-moe": tiny_qwen3_5_moe,
 }
 
 
