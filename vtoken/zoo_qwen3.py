@@ -10,18 +10,20 @@ placeholder run after a `<t seconds>` timestamp, as the real processor writes th
 
 from __future__ import annotations
 
-from .zoo import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, TINY_TEXT, _instantiate, _with_tokenizer, tiny_tokenizer
+from .question import remember_tokenizer
 
+# (vtoken.zoo imports this module for its TINY_MODELS: its helpers are imported inside the builders)
 QWEN3_VISION = dict(
-    depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=TINY_TEXT["hidden_size"],
-    num_position_embeddings=64,
-)  # fmt: skip
+    depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, num_position_embeddings=64
+)  # out_hidden_size: the tiny LLM's width
 
 
 def _qwen3_processor():
     """A real `Qwen3VLProcessor` (Qwen2-VL image processor at 16 px patches, Qwen3-VL video processor with
     timestamps), at most 256 merged tokens per image and 64 per frame pair."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    from .zoo import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, tiny_tokenizer
 
     tokenizer = tiny_tokenizer(QWEN_SPECIALS, named={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
     pixels = dict(min_pixels=64 * 64, max_pixels=32 * 32 * 256)
@@ -34,6 +36,8 @@ def _qwen3_processor():
 
 
 def _tiny_qwen3(config_cls, model_cls, vision: dict, text: dict, seed: int):
+    from .zoo import QWEN_SPECIALS, TINY_TEXT, _instantiate
+
     processor = _qwen3_processor()
     tokenizer = processor.tokenizer
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
@@ -52,6 +56,7 @@ def _tiny_qwen3(config_cls, model_cls, vision: dict, text: dict, seed: int):
     model = _instantiate(model_cls, config, tokenizer, seed)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    remember_tokenizer(model, processor)  # for methods that read the prompt's text
     return model, processor
 
 
@@ -64,7 +69,6 @@ QWEN3_VL_TEXT = dict(
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-@_with_tokenizer
 def tiny_qwen3_vl(seed: int = 0):
     """A tiny random-weight Qwen3-VL: 16 px patches + 2 x 2 merger, DeepStack from ViT blocks 0 and 1 into LLM
     layers 0 and 1, a 4-layer Qwen3 LLM (QK-norm) with interleaved M-RoPE; images and timestamped video."""
@@ -74,7 +78,6 @@ def tiny_qwen3_vl(seed: int = 0):
     return _tiny_qwen3(Qwen3VLConfig, Qwen3VLForConditionalGeneration, vision, QWEN3_VL_TEXT, seed)
 
 
-@_with_tokenizer
 def tiny_qwen3_vl_moe(seed: int = 0):
     """A tiny random-weight Qwen3-VL-MoE: as `tiny_qwen3_vl` with a mixture-of-experts LLM (4 experts, top 2)."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
@@ -96,7 +99,6 @@ QWEN3_5_TEXT = dict(
 )  # fmt: skip
 
 
-@_with_tokenizer
 def tiny_qwen3_5(seed: int = 0):
     """A tiny random-weight Qwen3.5: the Qwen3-VL tower without DeepStack, a hybrid 4-layer LLM (3 Gated DeltaNet
     linear-attention layers, then one full-attention layer with a gated query and partial rotary)."""
@@ -105,7 +107,6 @@ def tiny_qwen3_5(seed: int = 0):
     return _tiny_qwen3(Qwen3_5Config, Qwen3_5ForConditionalGeneration, dict(QWEN3_VISION), QWEN3_5_TEXT, seed)
 
 
-@_with_tokenizer
 def tiny_qwen3_5_moe(seed: int = 0):
     """A tiny random-weight Qwen3.5-MoE: as `tiny_qwen3_5` with mixture-of-experts MLPs (4 experts, top 2, and a
     shared expert)."""
