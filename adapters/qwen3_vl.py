@@ -47,7 +47,9 @@ class Qwen3VLAdapter(QwenVLAdapter):
     def encoder_output(self, encoded: EncodedImages, features: Any) -> BaseModelOutputWithDeepstackFeatures:
         """The kept tokens and, per DeepStack level, each item's kept DeepStack features (the stock layout: a list
         over levels of per-item tensors)."""
-        levels = [list(level) for level in zip(*encoded.companions, strict=True)] if encoded.companions else []
+        if not encoded.companions or not encoded.companions[0]:  # no DeepStack (Qwen3.5)
+            return super().encoder_output(encoded, features)
+        levels = [list(level) for level in zip(*encoded.companions, strict=True)]
         return BaseModelOutputWithDeepstackFeatures(pooler_output=features, deepstack_features=levels)
 
     # ----------------------------------------------------------------- DeepStack inside a pruned prefill
