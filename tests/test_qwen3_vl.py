@@ -256,3 +256,43 @@ def test_fastv_identity_and_batch_around_deepstack(qwen3):
     # an encoder stage and FastV together: both DeepStack paths at once
     with torch.no_grad(), vtoken.patched(model, [vtoken.Random(budget=0.5), vtoken.FastV(layer=0, keep=0.5)]):
         assert_batch_equals_one_by_one(model, batched, singles)
+
+
+@pytest.mark.parametrize("method", ["pool", "fourier"])
+def test_deepstack_levels_follow_the_merge(qwen3, method):
+    """Merging methods: every DeepStack level reaching the model is merged exactly as the merged tokens are
+    (pool: 2 x 2 averages; fourier: the same DCT low-pass grid), per image."""
+    from vtoken.methods.fourier import dct_lowpass
+
+    model, processor = qwen3
+    inputs = processor(
+        images=[make_image(448, 448, 0), make_image(448, 320, 1)],
+        text=[build_prompt(processor, "compare.", 2)],
+        return_tensors="pt",
+    )
+    grids = [(14, 14), (10, 14)]
+    seen = {}
+    hook = model.model.register_forward_pre_hook(
+        lambda m, a, kw: seen.update(kw["mm_encoder_outputs"]["image"].__dict__), with_kwargs=True
+    )
+    try:
+        with torch.no_grad(), vtoken.patched(model, method, budget=0.25):
+            model(**inputs)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        full = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    for index, (h, w) in enumerate(grids):
+        for got, whole in zip(
+            [seen["pooler_output"][index]] + [level[index] for level in seen["deepstack_features"]],
+            [full.pooler_output[index]] + [level[index] for level in full.deepstack_features],
+            strict=True,
+        ):
+            grid = whole.view(h, w, -1)
+            if method == "pool":
+                expected = F.avg_pool2d(grid.permute(2, 0, 1), 2).flatten(1).T
+            else:
+                out_h, out_w = got.shape[0] // (w // 2), w // 2  # sqrt(0.25) of each side
+                expected = dct_lowpass(grid, out_h, out_w).flatten(0, 1)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert len(seen["deepstack_features"]) == 2
