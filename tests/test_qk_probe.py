@@ -44,19 +44,20 @@ def _causal_lm(name):
 
 
 @pytest.mark.parametrize("name", list(LLMS))
-def test_probe_rows_equal_eager_attention(name):
+@pytest.mark.parametrize("length", [9, 4])  # 4 = the number of query heads: [B, S, H, d] and [B, H, S, d] alike
+def test_probe_rows_equal_eager_attention(name, length):
     """Every query row the probe computes equals the eager layer's own softmax(QK^T) (output_attentions)."""
     model = _causal_lm(name)
     layer = 1  # the full-attention layer of the hybrid Qwen3.5
     probe = QueryKeyProbe(model.model.layers[layer].self_attn)
-    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 64, (2, length), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # a left-padded row
+    mask[1, :1] = 0  # a left-padded row
     probe.active = True
     try:
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
-        rows = torch.tensor([[8, 5, 3], [8, 6, 4]])
+        rows = torch.tensor([[length - 1, 2, 1], [length - 1, 3, 1]])
         got = probe.attention_rows(rows, mask.bool())
     finally:
         probe.remove()
