@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from vtoken.kernels import causal_rows_probs
 
 from vtoken.errors import InputError, VTokenError
@@ -263,6 +263,9 @@ class LanguageModelStages:
         # size) from it
         self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > 0]
         self.renumber = method.positions == "renumber"
+        # hybrid LLMs (Qwen3.5): per-layer types, linear-attention layers holding a recurrent state, not keys
+        self.layer_types = list(getattr(self.lm.config, "layer_types", None) or [])
+        self.recurrent = {i for i, kind in enumerate(self.layer_types) if kind == "linear_attention"}
         self._hooks: list = []
         self._probes: dict[int, QueryKeyProbe] = {}
         self._prefill: _Prefill | None = None
@@ -272,6 +275,9 @@ class LanguageModelStages:
 
     # ----------------------------------------------------------------- install / remove
     def install(self) -> None:
+        unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"}) if self.recurrent else []
+        if unknown:
+            raise VTokenError(f"{self.method.name}: hybrid LLM with layer types {unknown} is not supported")
         for index in self.drop_layers:  # every drop layer is checked before anything is registered
             layer = self.layers[index]
             QueryKeyProbe.check(getattr(layer, "self_attn", None), f"{type(layer).__name__} {index}")
@@ -320,7 +326,8 @@ class LanguageModelStages:
     def _start_prefill(self, embeds, kwargs, visual, cache) -> None:
         if cache is not None:
             layers = getattr(cache, "layers", None)
-            odd = [f"{i}: {type(layer).__name__}" for i, layer in enumerate(layers or []) if not hasattr(layer, "keys")]
+            odd = [f"{i}: {type(layer).__name__}" for i, layer in enumerate(layers or [])
+                   if not hasattr(layer, "keys") and i not in self.recurrent]  # fmt: skip
             if layers is None or odd:
                 raise InputError(
                     f"{self.method.name} needs a cache of per-layer keys and values (a DynamicCache of attention "
@@ -376,15 +383,21 @@ class LanguageModelStages:
             self._decode[index] = done[id(view)]
 
     def _mask(self, hidden, mask, positions, cache, layer) -> Any:
-        """The causal + padding mask of `layer`, in its attention implementation's format."""
-        return create_causal_mask(
+        """The causal + padding mask of the layers from `layer` on, in their attention implementation's format; for
+        a hybrid LLM a dict by layer type (linear-attention layers take the 2-D padding mask, or None)."""
+        attention = next((i for i in range(layer, len(self.layers)) if i not in self.recurrent), layer)
+        causal = create_causal_mask(
             config=self.lm.config,
             inputs_embeds=hidden,
             attention_mask=mask,
             past_key_values=cache,
             position_ids=positions if positions.dim() == 2 else positions[0],
-            layer_idx=layer,
+            layer_idx=attention,
         )
+        if not self.recurrent:
+            return causal
+        recurrent = create_recurrent_attention_mask(self.lm.config, hidden, mask, cache)
+        return {"linear_attention": recurrent, "full_attention": causal}
 
     def _layer_input(self, index: int):
         def hook(module, args, kwargs):
@@ -398,7 +411,8 @@ class LanguageModelStages:
                 overrides = self._decode.get(index)
             if overrides is None:
                 return None
-            kwargs = dict(kwargs, attention_mask=overrides.attention_mask)
+            mask = overrides.attention_mask
+            kwargs = dict(kwargs, attention_mask=mask[self.layer_types[index]] if isinstance(mask, dict) else mask)
             if kwargs.get("position_ids") is not None:
                 kwargs["position_ids"] = overrides.position_ids
             if overrides.position_embeddings is not None:

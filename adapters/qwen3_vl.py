@@ -13,7 +13,8 @@ tokens still in the sequence are added at their new slots (the model's `_deepsta
 instance for the patch's lifetime).
 
 **Qwen3.5** has a hybrid LLM (Gated DeltaNet linear attention in 3 of every 4 layers, with a recurrent state and
-no KV cache): LLM-stage methods are refused at `patch`; see `Qwen35Adapter`.
+no KV cache): FastV drops after full-attention layers only, and every later layer, recurrent ones included, runs
+on the shorter sequence (so the recurrent states are those of the kept tokens); see `Qwen35Adapter`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     # ----------------------------------------------------------------- DeepStack inside a pruned prefill
     def install(self) -> None:
         super().install()
-        if self._llm_stages is not None:
+        if self._llm_stages is not None and hasattr(self.language_model, "_deepstack_process"):
             lm = self.language_model
             stock = lm._deepstack_process
 
@@ -89,11 +90,10 @@ class Qwen3VLAdapter(QwenVLAdapter):
 
 @register_adapter
 class Qwen35Adapter(Qwen3VLAdapter):
-    """Qwen3.5 / Qwen3.5-MoE: the encoder stage as Qwen3-VL (no DeepStack). LLM stages are refused: 3 of every 4
-    decoder layers are Gated DeltaNet linear attention, whose recurrent state (not a KV cache) summarises every
-    token it has read, so there is no per-token cache to cut and no softmax attention row to score from at those
-    layers; dropping at a full-attention layer would also have to re-run the recurrent layers after it on the
-    shorter sequence, which the stock hybrid cache does not support."""
+    """Qwen3.5 / Qwen3.5-MoE: the encoder stage as Qwen3-VL (no DeepStack). The LLM is hybrid: 3 of every 4
+    decoder layers are Gated DeltaNet linear attention (a recurrent state, no KV cache, no attention rows). A
+    prefill drop (FastV) may come after a full-attention layer only; the later layers, recurrent ones included,
+    run on the shorter sequence, so their recurrent states are those of the kept tokens."""
 
     family = "qwen3.5"
     model_types = ("qwen3_5", "qwen3_5_moe")
@@ -103,14 +103,17 @@ class Qwen35Adapter(Qwen3VLAdapter):
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3_5MoeModel",
     )
-    stages = ("encoder",)
 
     def validate(self) -> None:
-        llm_stage = [m.name for m in self.methods if {"prefill", "decode"} & set(m.stages)]
-        if llm_stage:
-            raise VTokenError(
-                f"{', '.join(llm_stage)} acts inside the LLM, which {type(self.model).__name__} does not support: its "
-                "hybrid LLM runs Gated DeltaNet linear attention (a recurrent state, no KV cache, no attention "
-                "rows) in 3 of every 4 layers; use an encoder-stage method (random, pool, mmtok, fourier)"
-            )
         super().validate()
+        prefill = self.prefill_method
+        if prefill is not None:
+            types = self.model.config.text_config.layer_types
+            linear = [i for i in prefill.drop_layers(len(types)) if types[i] != "full_attention"]
+            if linear:
+                full = [i for i, kind in enumerate(types[:-1]) if kind == "full_attention"]
+                raise VTokenError(
+                    f"{prefill.name}: layer(s) {linear} of {type(self.model).__name__}'s hybrid LLM are Gated DeltaNet "
+                    "linear attention (a recurrent state, no attention rows to score tokens with); drop after a "
+                    f"full-attention layer: {full or 'none in this model leaves a later layer'}"
+                )

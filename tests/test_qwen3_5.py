@@ -1,5 +1,6 @@
 """Qwen3.5 and Qwen3.5-MoE: the encoder stage on the Qwen3-VL tower (no DeepStack) with original M-RoPE positions;
-LLM stages refused at `patch` (a hybrid LLM: Gated DeltaNet linear attention in 3 of every 4 layers)."""
+FastV in the hybrid LLM (Gated DeltaNet linear attention + full attention): drops after full-attention layers only,
+later layers (recurrent ones included) run on the shorter sequence."""
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def _video(processor, frames=8):
 
 def test_the_llm_is_hybrid(qwen35):
     model, _ = qwen35
-    assert model.config.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert model.config.text_config.layer_types == ["linear_attention", "full_attention"] * 2
     assert not hasattr(model.model.visual, "deepstack_merger_list")
 
 
@@ -128,12 +129,87 @@ def _hooks(model):
     return {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for name, m in model.named_modules()}
 
 
-@pytest.mark.parametrize("method", [vtoken.FastV(layer=0), vtoken.FastV(layer=2), vtoken.MustDrop()])
-def test_llm_stages_are_refused_at_patch_with_the_reason(qwen35, method):
+def test_drops_at_linear_attention_layers_and_cls_methods_are_refused_at_patch(qwen35):
     model, _ = qwen35
     before = _hooks(model)
-    with pytest.raises(vtoken.VTokenError, match="Gated DeltaNet linear attention"):
-        vtoken.patch(model, [vtoken.Random(budget=0.5), method])
-    assert vtoken.handle_of(model) is None and "generate" not in model.__dict__ and _hooks(model) == before
-    with pytest.raises(vtoken.MissingSignalError, match="cls_attention"):
-        vtoken.patch(model, "fastervlm", budget=0.25)
+    for layer in (0, 2):
+        with pytest.raises(vtoken.VTokenError, match=r"Gated DeltaNet linear attention.*full-attention layer: \[1\]"):
+            vtoken.patch(model, [vtoken.Random(budget=0.5), vtoken.FastV(layer=layer)])
+        assert vtoken.handle_of(model) is None and "generate" not in model.__dict__ and _hooks(model) == before
+    for method in (vtoken.FasterVLM(budget=0.25), vtoken.MustDrop()):
+        with pytest.raises(vtoken.MissingSignalError, match="cls_attention"):
+            vtoken.patch(model, method)
+
+
+def _fastv_reference(model, inputs, layer, keep):
+    """FastV by hand on the unpatched hybrid LLM: the eager attention of the last token in full-attention layer
+    `layer` picks the visual tokens (head mean, top `keep`); the layers after it, linear-attention ones included,
+    run on the kept columns only (their slices of the M-RoPE tables, a causal mask). Returns the kept offsets and
+    the logits."""
+    lm = model.model.language_model
+    seen = {}
+    hook = lm.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(**inputs, output_attentions=True).attentions  # full-attention layers only
+    finally:
+        hook.remove()
+        model.set_attn_implementation("sdpa")
+    full_layers = [i for i, kind in enumerate(lm.config.layer_types) if kind == "full_attention"]
+    attention = attentions[full_layers.index(layer)][0, :, -1].mean(0)
+    ids = inputs["input_ids"][0]
+    visual = (ids == model.config.image_token_id) | (ids == model.config.video_token_id)
+    offsets = attention[visual].topk(keep).indices.sort().values
+    kept = ~visual
+    kept[visual.nonzero().squeeze(1)[offsets]] = True
+    embeds, positions = seen["inputs_embeds"], seen["position_ids"]  # [3, B, L]
+    hidden = embeds
+    with torch.no_grad():
+        for index, decoder_layer in enumerate(lm.layers):
+            if index == layer + 1:
+                hidden, positions = hidden[:, kept], positions[:, :, kept]
+            length = hidden.shape[1]
+            causal = torch.zeros(length, length).masked_fill(~torch.ones(length, length).bool().tril(), float("-inf"))
+            mask = causal[None, None] if lm.config.layer_types[index] == "full_attention" else None
+            rotary = lm.rotary_emb(hidden, positions)
+            hidden = decoder_layer(hidden, attention_mask=mask, position_embeddings=rotary)
+        logits = model.lm_head(lm.norm(hidden))
+    return offsets, logits
+
+
+@pytest.mark.parametrize("video", [False, True])
+def test_fastv_after_a_full_attention_layer_equals_a_reference(video):
+    model, processor = tiny_qwen3_5()
+    inputs = _video(processor, 4) if video else _image(processor, (320, 320))
+    visual = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    visual += int((inputs["input_ids"] == model.config.video_token_id).sum())
+    keep = visual // 4
+    offsets, ref = _fastv_reference(model, inputs, 1, keep)
+    with torch.no_grad(), vtoken.patched(model, "fastv", layer=1, keep=keep) as handle:
+        logits = model(**inputs).logits
+    assert torch.equal(handle.records[-1].kept, offsets)
+    assert logits.shape == ref.shape
+    assert (logits - ref).abs().max() <= 1e-5
+
+
+def test_fastv_identity_batch_and_decoding_with_the_hybrid_cache(qwen35):
+    """keep=1.0 is the identity; a padded batch equals one-by-one runs through generate's hybrid cache (recurrent
+    states of the kept tokens, a shorter KV cache in the later full-attention layer); with an encoder stage too."""
+    from conftest import assert_batch_equals_one_by_one
+
+    model, processor = qwen35
+    texts = [build_prompt(processor, "what is this?"), build_prompt(processor, "describe the image please.")]
+    images = [make_image(300, 200, 0), make_image(200, 400, 1)]
+    batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    singles = [processor(images=[i], text=[t], return_tensors="pt") for i, t in zip(images, texts, strict=True)]
+    assert_identity(model, vtoken.FastV(layer=1, keep=1.0), batched)
+    for methods in ([vtoken.FastV(layer=1, keep=0.25)], [vtoken.Pool(budget=0.5), vtoken.FastV(layer=1, keep=0.5)]):
+        with torch.no_grad(), vtoken.patched(model, methods) as handle:
+            assert_batch_equals_one_by_one(model, batched, singles)
+            model(**batched)
+        assert [r.stage for r in handle.records][-2:] == ["prefill.layer1"] * 2
+    with torch.no_grad(), vtoken.patched(model, vtoken.FastV(layer=1, keep=0.25)) as handle:
+        cache = model(**singles[0], use_cache=True).past_key_values
+    dropped = handle.records[-1].tokens_in - handle.records[-1].tokens_out
+    assert cache.layers[3].keys.shape[2] == cache.layers[1].keys.shape[2] - dropped == cache.get_seq_length() - dropped

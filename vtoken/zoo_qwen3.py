@@ -3,8 +3,8 @@ widths; see `vtoken.zoo`).
 
 Qwen3-VL: 16 px patches, 2 x 2 merger, learned position grid resampled per image, DeepStack (the outputs of ViT
 blocks 0 and 1 added onto the visual positions after LLM layers 0 and 1), interleaved M-RoPE, a 4-layer Qwen3 LLM
-with QK-norm. Qwen3.5: the same tower without DeepStack, a hybrid LLM (Gated DeltaNet linear attention, every 4th
-layer full attention with a gated query, QK-norm and rotary on 25 % of each head). Video frames each get their own
+with QK-norm. Qwen3.5: the same tower without DeepStack, a hybrid LLM (Gated DeltaNet linear attention and full
+attention with a gated query, QK-norm and rotary on 25 % of each head). Video frames each get their own
 placeholder run after a `<t seconds>` timestamp, as the real processor writes them.
 """
 
@@ -88,7 +88,10 @@ def tiny_qwen3_vl_moe(seed: int = 0):
 
 
 QWEN3_5_TEXT = dict(
-    num_hidden_layers=4,  # linear, linear, linear, full
+    num_hidden_layers=4,
+    # the real models alternate 3 linear layers with 1 full one; at 4 layers, every 2nd is full so that a
+    # full-attention layer (where LLM stages can drop) has later layers of both kinds
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
     head_dim=32,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
@@ -100,8 +103,8 @@ QWEN3_5_TEXT = dict(
 
 
 def tiny_qwen3_5(seed: int = 0):
-    """A tiny random-weight Qwen3.5: the Qwen3-VL tower without DeepStack, a hybrid 4-layer LLM (3 Gated DeltaNet
-    linear-attention layers, then one full-attention layer with a gated query and partial rotary)."""
+    """A tiny random-weight Qwen3.5: the Qwen3-VL tower without DeepStack, a hybrid 4-layer LLM (Gated DeltaNet
+    linear attention and full attention with a gated query, QK-norm and partial rotary, alternating)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     return _tiny_qwen3(Qwen3_5Config, Qwen3_5ForConditionalGeneration, dict(QWEN3_VISION), QWEN3_5_TEXT, seed)
