@@ -213,3 +213,18 @@ def test_fastv_identity_batch_and_decoding_with_the_hybrid_cache(qwen35):
         cache = model(**singles[0], use_cache=True).past_key_values
     dropped = handle.records[-1].tokens_in - handle.records[-1].tokens_out
     assert cache.layers[3].keys.shape[2] == cache.layers[1].keys.shape[2] - dropped == cache.get_seq_length() - dropped
+
+
+def test_fastv_with_beams(qwen35):
+    """Beams and num_return_sequences under FastV: keep=1.0 gives the stock beams; at 30 % every sequence runs."""
+    model, processor = qwen35
+    inputs = _image(processor, (320, 320))
+    beams = dict(max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(**inputs, **beams)
+        with vtoken.patched(model, vtoken.FastV(layer=1, keep=1.0)):
+            same = model.generate(**inputs, **beams)
+        with vtoken.patched(model, vtoken.FastV(layer=1, keep=0.3)) as handle:
+            out = model.generate(**inputs, **beams)
+    assert torch.equal(same, ref) and out.shape == ref.shape
+    assert {r.tokens_out for r in handle.records} == {vtoken.tokens_to_keep(0.3, handle.records[0].tokens_in)}

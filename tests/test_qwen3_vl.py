@@ -296,3 +296,18 @@ def test_deepstack_levels_follow_the_merge(qwen3, method):
                 expected = dct_lowpass(grid, out_h, out_w).flatten(0, 1)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert len(seen["deepstack_features"]) == 2
+
+
+def test_fastv_with_beams(qwen3):
+    """Beams and num_return_sequences under FastV: keep=1.0 gives the stock beams; at 30 % every sequence runs."""
+    model, processor = qwen3
+    inputs = _image(processor, (320, 320))
+    beams = dict(max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(**inputs, **beams)
+        with vtoken.patched(model, vtoken.FastV(layer=0, keep=1.0)):
+            same = model.generate(**inputs, **beams)
+        with vtoken.patched(model, vtoken.FastV(layer=0, keep=0.3)) as handle:
+            out = model.generate(**inputs, **beams)
+    assert torch.equal(same, ref) and out.shape == ref.shape
+    assert {r.tokens_out for r in handle.records} == {vtoken.tokens_to_keep(0.3, handle.records[0].tokens_in)}
