@@ -48,7 +48,7 @@ def qwen3_vl_8b(layers: int | None, device, dtype, video: bool):
         inputs = processor(videos=[example_clip(16, size=448)], text=[prompt], return_tensors="pt",
                            do_sample_frames=False)  # fmt: skip
     else:
-        processor.image_processor.max_pixels = 896 * 896
+        processor.image_processor.size = {"shortest_edge": 64 * 64, "longest_edge": 896 * 896}
         prompt = build_prompt(processor, "What is in the image?")
         inputs = processor(images=[example_image(896)], text=[prompt], return_tensors="pt")
     return model, inputs
