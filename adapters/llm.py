@@ -259,13 +259,14 @@ class LanguageModelStages:
         self.lm = adapter.language_model
         self.layers = self.lm.layers
         self.drop_layers = method.drop_layers(len(self.layers))
-        # layer 0's cache is never cut: transformers reads the cache length (and so the next position and mask
-        # size) from it
-        self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > 0]
-        self.renumber = method.positions == "renumber"
         # hybrid LLMs (Qwen3.5): per-layer types, linear-attention layers holding a recurrent state, not keys
         self.layer_types = list(getattr(self.lm.config, "layer_types", None) or [])
         self.recurrent = {i for i, kind in enumerate(self.layer_types) if kind == "linear_attention"}
+        # the first attention layer's cache is never cut: transformers reads the cache length (and so the next
+        # position and mask size) from it (layer 0 unless the LLM is hybrid); recurrent layers have no such cache
+        first = min((i for i in range(len(self.layers)) if i not in self.recurrent), default=0)
+        self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > first and i not in self.recurrent]
+        self.renumber = method.positions == "renumber"
         self._hooks: list = []
         self._probes: dict[int, QueryKeyProbe] = {}
         self._prefill: _Prefill | None = None
