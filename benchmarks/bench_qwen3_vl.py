@@ -3,16 +3,16 @@
 Real widths (random weights): Qwen3-VL-8B's tower (27 blocks, 1152 wide, 16 px patches, DeepStack from blocks
 8/16/24) and LM (36 layers, 4096 wide, 32 heads / 8 KV heads, head_dim 128, QK-norm, interleaved M-RoPE) on an
 896 x 896 image (784 visual tokens) and a 16-frame 448 x 448 clip (8 temporal patches x 196 tokens, each after its
-`<t seconds>` timestamp). On a CPU the LM and tower are cut to `--cpu-layers` layers (DeepStack from the first
-min(3, layers) blocks into as many LM layers) and the vocabulary to the tiny tokenizer's (it only sizes the
-embedding table and the one-token LM head); the table says so.
+`<t seconds>` timestamp; `--frames`). On a CPU the LM and tower are cut to `--cpu-layers` layers (DeepStack from
+the first min(3, layers) blocks into as many LM layers) and the vocabulary to the tiny tokenizer's (it only sizes
+the embedding table and the one-token LM head); the table says so.
 
 Configurations interleaved in one process, as `bench_families.py`: unpatched; `random` and `pool` at each budget;
 the oracle (stock encoder, then `generate` on inputs pruned beforehand: zero selection cost). A method's DeepStack
 gathering is part of its measured time.
 
     python benchmarks/bench_qwen3_vl.py --device cuda           # full depth, bf16
-    python benchmarks/bench_qwen3_vl.py --budgets 0.25 0.1      # CPU cut (what results/qwen3_vl_cpu.md holds)
+    python benchmarks/bench_qwen3_vl.py --budgets 0.25 --frames 8    # CPU cut (results/qwen3_vl_cpu.md)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vtoken.images import example_clip, example_image  # noqa: E402
 from vtoken.zoo import build_prompt, tiny_qwen3_vl  # noqa: E402
 
 
-def qwen3_vl_8b(layers: int | None, device, dtype, video: bool):
+def qwen3_vl_8b(layers: int | None, device, dtype, video: bool, frames: int = 16):
     depth = layers or 36
     text = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=depth, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128,
@@ -43,9 +43,9 @@ def qwen3_vl_8b(layers: int | None, device, dtype, video: bool):
                   num_position_embeddings=2304, deepstack_visual_indexes=deepstack)  # fmt: skip
     model, processor = _build(tiny_qwen3_vl, {"text_config": text, "vision_config": vision}, device, dtype)
     if video:
-        processor.video_processor.size = {"shortest_edge": 64 * 64, "longest_edge": 448 * 448 * 16}
+        processor.video_processor.size = {"shortest_edge": 64 * 64, "longest_edge": 448 * 448 * frames}
         prompt = build_prompt(processor, "What happens in the video?", num_images=0, num_videos=1)
-        inputs = processor(videos=[example_clip(16, size=448)], text=[prompt], return_tensors="pt",
+        inputs = processor(videos=[example_clip(frames, size=448)], text=[prompt], return_tensors="pt",
                            do_sample_frames=False)  # fmt: skip
     else:
         processor.image_processor.size = {"shortest_edge": 64 * 64, "longest_edge": 896 * 896}
@@ -66,13 +66,14 @@ def video_encoder(model, inputs, budget):
 def main() -> None:
     parser = common.ttft_parser(__doc__, "LM/tower depth on a CPU")
     parser.add_argument("--only", choices=["image", "video"], default=None)
+    parser.add_argument("--frames", type=int, default=16, help="video frames (two per temporal patch)")
     args = parser.parse_args()
     device, dtype, layers, repeats = common.run_settings(args)
     results, lines = {}, []
     for key, encoder in (("image", image_encoder), ("video", video_encoder)):
         if args.only and args.only != key:
             continue
-        model, inputs = qwen3_vl_8b(layers, device, dtype, video=key == "video")
+        model, inputs = qwen3_vl_8b(layers, device, dtype, video=key == "video", frames=args.frames)
         grid = inputs[f"{'video' if key == 'video' else 'image'}_grid_thw"][0].tolist()
         title = f"qwen3-vl-8b {key} (grid t,h,w = {grid})"
         results[title] = measure(title, model, inputs, args.budgets, repeats, device, dtype, encoder)
