@@ -9,6 +9,7 @@ from .llava_next import LlavaNextAdapter
 from .llava_next_video import LlavaNextVideoAdapter
 from .llava_onevision import LlavaOnevisionAdapter
 from .perception_lm import PerceptionLMAdapter
+from .qwen3_vl import Qwen3VLAdapter, Qwen35Adapter
 from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
 from .video_llava import VideoLlavaAdapter
 
@@ -24,6 +25,8 @@ __all__ = [
     "LlavaOnevisionAdapter",
     "QwenVLAdapter",
     "Qwen25VLAdapter",
+    "Qwen3VLAdapter",
+    "Qwen35Adapter",
     "VideoLlavaAdapter",
     "FastVlmAdapter",
     "PerceptionLMAdapter",

@@ -61,12 +61,15 @@ class EncodedImages:
     features: per image, [k_i, D] embeddings in the LLM's space, in the order the LLM receives them.
     keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain.
     protected: per image, [k_i] bool over its remaining tokens: tokens no later stage may drop; None if none.
+    companions: per image, further [k_i, D'] features that followed the same selection (e.g. Qwen3-VL's DeepStack
+    levels), for `Adapter.encoder_output`; None if none.
     """
 
     features: list[torch.Tensor]
     keep_offsets: list[torch.Tensor]
     records: list[Record]
     protected: list[torch.Tensor] | None = None
+    companions: list[list[torch.Tensor]] | None = None
 
 
 class Adapter:
@@ -217,6 +220,10 @@ class Adapter:
             )
             for c in range(num_crops)
         ]
+
+    def encoder_output(self, encoded: EncodedImages, features: Any) -> BaseModelOutputWithPooling:
+        """Hook: what the stock forward receives in `mm_encoder_outputs` for one modality."""
+        return BaseModelOutputWithPooling(pooler_output=features)
 
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Hook: model kwargs of the unpruned prompt, e.g. to compute its own position ids first."""
@@ -427,7 +434,7 @@ class Adapter:
                 protected_parts[modality] = torch.cat(encoded.protected)
             stack = modality.name in self.stacked_features
             features = torch.stack(encoded.features) if stack else encoded.features
-            mm[modality.name] = BaseModelOutputWithPooling(pooler_output=features)
+            mm[modality.name] = self.encoder_output(encoded, features)
             if compressed.changed:
                 changed = True
                 kwargs["input_ids"] = compressed.input_ids

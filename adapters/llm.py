@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from vtoken.kernels import causal_rows_probs
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, VTokenError
 from vtoken.methods.base import PrefillMethod
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
@@ -95,18 +95,68 @@ def _left_packed(keep: torch.Tensor, right: bool = False) -> torch.Tensor:
 
 
 class QueryKeyProbe:
-    """Captures one attention layer's q/k projections and rotary tables, to compute chosen rows afterwards."""
+    """Captures one attention layer's queries and keys (as its attention sees them before rotary) and its rotary
+    tables, to compute chosen rows afterwards while the layer itself runs SDPA/flash.
+
+    Queries and keys are read where the layer finishes them: at the outputs of `q_norm`/`k_norm` where the layer
+    has those modules (QK-norm: Qwen3, Qwen3-VL, Qwen3.5, Gemma 3, OLMo 2; an `Identity` where it is off), else at
+    `q_proj`/`k_proj`, or split from a fused `qkv_proj` (Phi-3). A gated `q_proj` (Qwen3.5: query and gate
+    interleaved per head, 2 x head_dim each) is de-gated; its `q_norm` already sees the query half. Rotary comes
+    from the modelling module's own `apply_rotary_pos_emb`, so partial rotary (Qwen3.5, Phi-3) is the model's own.
+    """
 
     def __init__(self, attention: nn.Module):
+        self.check(attention)  # before any hook: a refused probe leaves nothing behind
         self.attention = attention
-        module = sys.modules[type(attention).__module__]
-        self._rotary = getattr(module, "apply_rotary_pos_emb", None)
+        self._rotary = _rotary_function(attention)
+        self.head_dim = int(attention.head_dim)
+        self.heads = _heads(attention)
         self._captures = PerThread(_Captures)  # per thread: hooks run in the calling thread
-        self._hooks = [
-            attention.register_forward_pre_hook(self._on_input, with_kwargs=True),
-            attention.q_proj.register_forward_hook(functools.partial(self._on_output, "q")),
-            attention.k_proj.register_forward_hook(functools.partial(self._on_output, "k")),
-        ]
+        hooks = [attention.register_forward_pre_hook(self._on_input, with_kwargs=True)]
+        if _module(attention, "q_proj") is None:  # fused: [B, S, (H + 2 Hkv) * d], queries first, then keys
+            self._fused = (self.heads * self.head_dim, _kv_heads(attention) * self.head_dim)
+            hooks.append(attention.qkv_proj.register_forward_hook(self._on_fused))
+        for name in ("q", "k"):
+            source = _module(attention, f"{name}_norm") or _module(attention, f"{name}_proj")
+            if source is not None:  # bound methods and partials, never closures: a patched model pickles
+                hooks.append(source.register_forward_hook(functools.partial(self._on_output, name)))
+        self._hooks = hooks
+        proj = _module(attention, "q_proj")
+        self._gated = (_module(attention, "q_norm") is None and proj is not None
+                       and getattr(proj, "out_features", 0) == 2 * self.heads * self.head_dim)  # fmt: skip
+
+    @staticmethod
+    def missing(attention: nn.Module) -> list[str]:
+        """What `attention` lacks for the probe (empty if nothing)."""
+        missing = []
+        projections = _module(attention, "q_proj") is not None and _module(attention, "k_proj") is not None
+        if not projections and _module(attention, "qkv_proj") is None:
+            missing.append("q_proj and k_proj modules (or a fused qkv_proj)")
+        if not isinstance(getattr(attention, "head_dim", None), int):
+            missing.append("an integer `head_dim`")
+        if not isinstance(getattr(attention, "scaling", None), float):
+            missing.append("a float `scaling`")
+        try:
+            _heads(attention)
+            if _module(attention, "q_proj") is None:
+                _kv_heads(attention)
+        except AttributeError:
+            missing.append("its head counts (`config.num_attention_heads` / `num_key_value_heads`)")
+        if _rotary_function(attention) is None:
+            missing.append(f"an `apply_rotary_pos_emb` in its module {type(attention).__module__}")
+        return missing
+
+    @classmethod
+    def check(cls, attention: nn.Module | None, where: str = "") -> None:
+        """Raise a VTokenError naming the attention class and what it lacks, if the probe cannot read it."""
+        if attention is None:
+            raise VTokenError(f"{where or 'this layer'} has no `self_attn` (softmax attention) to score tokens with")
+        missing = cls.missing(attention)
+        if missing:
+            raise VTokenError(
+                f"cannot read attention rows from {type(attention).__name__}{' (' + where + ')' if where else ''}: "
+                f"it needs {'; '.join(missing)}"
+            )
 
     @property
     def active(self) -> bool:
@@ -123,26 +173,47 @@ class QueryKeyProbe:
     def _on_output(self, name: str, module, args, output) -> None:
         self._keep(name, output)
 
+    def _on_fused(self, module, args, output) -> None:
+        """A fused qkv_proj's output [B, S, (H + 2 Hkv) * d]: queries first, then keys."""
+        queries, keys = self._fused
+        self._keep("q", output[..., :queries])
+        self._keep("k", output[..., queries : queries + keys])
+
     def _keep(self, name: str, value: Any) -> None:
         if self.active:
             self._store[name] = value
 
     def _on_input(self, module, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        self._keep("length", None if hidden is None else hidden.shape[1])
         self._keep("rotary", kwargs.get("position_embeddings"))
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
+
+    def _per_head(self, x: torch.Tensor, seq: int, gated: bool = False) -> torch.Tensor:
+        """x as [B, S, heads, d], from [B, S, heads * d] (or [B, S, heads * 2d] gated), [B, S, heads, d] or
+        [B, heads, S, d] (QK-norm after the transpose, as Gemma 3 does)."""
+        if x.dim() == 3:
+            x = x.view(x.shape[0], seq, -1, (2 if gated else 1) * self.head_dim)
+            return x[..., : self.head_dim] if gated else x
+        sequence_first = x.shape[1] == seq
+        if x.shape[1] == seq and x.shape[2] == seq:  # heads == seq: the sequence axis is the outer one in memory
+            sequence_first = x.stride(1) >= x.stride(2)
+        return x if sequence_first else x.transpose(1, 2)
 
     def attention_rows(self, rows: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """[B, H, R, S] causal attention of query rows `rows` [B, R] (sequence indices) over the S keys, padding
         (`key_valid` [B, S] False) excluded."""
         q, k, rotary = self._store.pop("q"), self._store.pop("k"), self._store.pop("rotary", None)
-        head_dim = self.attention.head_dim
-        batch, seq = k.shape[:2]
-        q = q.view(batch, seq, -1, head_dim)
+        seq = self._store.pop("length", None) or key_valid.shape[1]
+        q = self._per_head(q, seq, self._gated)
+        k = self._per_head(k, seq)
+        batch = k.shape[0]
         q = q.gather(1, rows[:, :, None, None].expand(-1, -1, *q.shape[2:])).transpose(1, 2)  # [B, H, R, d]
-        k = k.view(batch, seq, -1, head_dim).transpose(1, 2)  # [B, Hkv, S, d]
+        k = k.transpose(1, 2)  # [B, Hkv, S, d]
         if rotary is not None:
             cos, sin = (t.expand(batch, *t.shape[1:]) for t in rotary)
             row_cos, row_sin = (t.gather(1, rows[:, :, None].expand(-1, -1, t.shape[-1])) for t in (cos, sin))
@@ -157,6 +228,25 @@ class _Captures:
     def __init__(self) -> None:
         self.active = False
         self.store: dict[str, Any] = {}
+
+
+def _module(owner: nn.Module, name: str) -> nn.Module | None:
+    found = getattr(owner, name, None)
+    return found if isinstance(found, nn.Module) else None
+
+
+def _rotary_function(attention: nn.Module):
+    return getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)
+
+
+def _heads(attention: nn.Module) -> int:
+    heads = getattr(attention, "num_heads", None)
+    return int(heads) if isinstance(heads, int) else int(attention.config.num_attention_heads)
+
+
+def _kv_heads(attention: nn.Module) -> int:
+    heads = getattr(attention, "num_key_value_heads", None)
+    return int(heads) if isinstance(heads, int) else int(attention.config.num_key_value_heads)
 
 
 @dataclass
@@ -199,9 +289,13 @@ class LanguageModelStages:
         self.lm = adapter.language_model
         self.layers = self.lm.layers
         self.drop_layers = method.drop_layers(len(self.layers))
-        # layer 0's cache is never cut: transformers reads the cache length (and so the next position and mask
-        # size) from it
-        self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > 0]
+        # hybrid LLMs (Qwen3.5): per-layer types, linear-attention layers holding a recurrent state, not keys
+        self.layer_types = list(getattr(self.lm.config, "layer_types", None) or [])
+        self.recurrent = {i for i, kind in enumerate(self.layer_types) if kind == "linear_attention"}
+        # the first attention layer's cache is never cut: transformers reads the cache length (and so the next
+        # position and mask size) from it (layer 0 unless the LLM is hybrid); recurrent layers have no such cache
+        first = min((i for i in range(len(self.layers)) if i not in self.recurrent), default=0)
+        self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > first and i not in self.recurrent]
         self.renumber = method.positions == "renumber"
         self._hooks: list = []
         self._probes: dict[int, QueryKeyProbe] = {}
@@ -216,14 +310,25 @@ class LanguageModelStages:
 
     # ----------------------------------------------------------------- install / remove
     def install(self) -> None:
-        self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
-        self._hooks.append(self.lm.register_forward_hook(self._after_lm))
-        for index, layer in enumerate(self.layers):
-            hook = functools.partial(self._layer_input, index)
-            self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        for index in self.drop_layers:
-            self._probes[index] = QueryKeyProbe(self.layers[index].self_attn)
-            self._hooks.append(self.layers[index].register_forward_hook(functools.partial(self._layer_output, index)))
+        unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"}) if self.recurrent else []
+        if unknown:
+            raise VTokenError(f"{self.method.name}: hybrid LLM with layer types {unknown} is not supported")
+        for index in self.drop_layers:  # every drop layer is checked before anything is registered
+            layer = self.layers[index]
+            QueryKeyProbe.check(getattr(layer, "self_attn", None), f"{type(layer).__name__} {index}")
+        try:
+            self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
+            self._hooks.append(self.lm.register_forward_hook(self._after_lm))
+            for index, layer in enumerate(self.layers):
+                hook = functools.partial(self._layer_input, index)
+                self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+            for index in self.drop_layers:
+                self._probes[index] = QueryKeyProbe(self.layers[index].self_attn)
+                hook = functools.partial(self._layer_output, index)
+                self._hooks.append(self.layers[index].register_forward_hook(hook))
+        except BaseException:
+            self.remove()
+            raise
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -231,6 +336,12 @@ class LanguageModelStages:
         for probe in self._probes.values():
             probe.remove()
         self._hooks, self._probes = [], {}
+
+    def prefill_columns(self) -> torch.Tensor | None:
+        """[B, C] prompt column of every slot of the sequence the decoder layers run on now (-1 = padding slot),
+        during a prefill; None outside one. For model code that indexes the prompt after layers (DeepStack)."""
+        prefill = self._call.prefill
+        return None if prefill is None else prefill.view.column
 
     # ----------------------------------------------------------------- the LLM call
     def _before_lm(self, module, args, kwargs) -> None:
@@ -252,8 +363,16 @@ class LanguageModelStages:
             self._start_decode(embeds, kwargs, cache, past)
 
     def _start_prefill(self, embeds, kwargs, visual, cache) -> None:
-        if cache is not None and not all(hasattr(layer, "keys") for layer in getattr(cache, "layers", [None])):
-            raise InputError(f"{self.method.name} needs a DynamicCache (per-layer lengths); got {type(cache).__name__}")
+        if cache is not None:
+            layers = getattr(cache, "layers", None)
+            odd = [f"{i}: {type(layer).__name__}" for i, layer in enumerate(layers or [])
+                   if not hasattr(layer, "keys") and i not in self.recurrent]  # fmt: skip
+            if layers is None or odd:
+                raise InputError(
+                    f"{self.method.name} needs a cache of per-layer keys and values (a DynamicCache of attention "
+                    f"layers); got {type(cache).__name__} with "
+                    + (f"layers without keys/values ({', '.join(odd)})" if odd else "no per-layer caches")
+                )
         batch, length = visual.shape
         device = embeds.device
         mask = kwargs.get("attention_mask")
@@ -305,15 +424,21 @@ class LanguageModelStages:
             call.decode[index] = done[id(view)]
 
     def _mask(self, hidden, mask, positions, cache, layer) -> Any:
-        """The causal + padding mask of `layer`, in its attention implementation's format."""
-        return create_causal_mask(
+        """The causal + padding mask of the layers from `layer` on, in their attention implementation's format; for
+        a hybrid LLM a dict by layer type (linear-attention layers take the 2-D padding mask, or None)."""
+        attention = next((i for i in range(layer, len(self.layers)) if i not in self.recurrent), layer)
+        causal = create_causal_mask(
             config=self.lm.config,
             inputs_embeds=hidden,
             attention_mask=mask,
             past_key_values=cache,
             position_ids=positions if positions.dim() == 2 else positions[0],
-            layer_idx=layer,
+            layer_idx=attention,
         )
+        if not self.recurrent:
+            return causal
+        recurrent = create_recurrent_attention_mask(self.lm.config, hidden, mask, cache)
+        return {"linear_attention": recurrent, "full_attention": causal}
 
     def _layer_input(self, index: int, module, args, kwargs):
         """Pre-hook of decoder layer `index`: the mask, positions and rotary tables of the sequence it runs on."""
@@ -328,7 +453,8 @@ class LanguageModelStages:
             overrides = call.decode.get(index)
         if overrides is None:
             return None
-        kwargs = dict(kwargs, attention_mask=overrides.attention_mask)
+        mask = overrides.attention_mask
+        kwargs = dict(kwargs, attention_mask=mask[self.layer_types[index]] if isinstance(mask, dict) else mask)
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = overrides.position_ids
         if overrides.position_embeddings is not None:

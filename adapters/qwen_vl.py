@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, VTokenError
 from vtoken.registry import register_adapter
-from vtoken.tokens import VisualTokens
+from vtoken.tokens import Selection, VisualTokens
 
 from .base import Adapter, EncodedImages, Modality
 
@@ -159,7 +159,8 @@ class QwenVLAdapter(Adapter):
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
             groups = self.raster_order(groups, grid_thw).split(sizes)
-        features, offsets, records = [], [], []
+        companions = [c.split(sizes) for c in self.companion_features(out)]
+        features, offsets, records, followers = [], [], [], []
         for index, (tokens, (frames, height, width)) in enumerate(
             zip(merged.split(sizes), grid_thw.tolist(), strict=True)
         ):
@@ -178,7 +179,13 @@ class QwenVLAdapter(Adapter):
             features.append(selection.gather_flat(per_frame))
             offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
             records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)
-        return EncodedImages(features, offsets, records)
+            followers.append([same_selection(self.encoder_method, selection, crops, c[index]) for c in companions])
+        return EncodedImages(features, offsets, records, companions=followers if companions else None)
+
+    def companion_features(self, out: Any) -> list[torch.Tensor]:
+        """Further [N, D'] tensors of the encoder's output, one row per merged token, that must follow the
+        selection of the merged tokens (Qwen3-VL's DeepStack levels). None here."""
+        return []
 
 
 @register_adapter
@@ -198,6 +205,27 @@ class Qwen25VLAdapter(QwenVLAdapter):
             grid_thw.to(per_group.device), visual.spatial_merge_size, visual.window_size, visual.patch_size
         )
         return per_group[torch.argsort(window_index)]
+
+
+def same_selection(method, selection: Selection, tokens: VisualTokens, companion: torch.Tensor) -> torch.Tensor:
+    """[k, D'] the rows of `companion` [C * N, D'] (aligned with `tokens`) that `selection` made of the tokens.
+
+    Kept indices are gathered; a merge (pool, fourier) is the method's own merge run on the companion grid, which
+    is the same merge when it does not depend on the features (both are fixed linear maps of the grid); a merge
+    that comes out different (anchors or grid) is refused rather than mixed."""
+    per_crop = companion.view(tokens.num_crops, tokens.num_tokens, -1)
+    if selection.kept is not None:
+        return selection.gather_flat(per_crop)
+    again = method.select(VisualTokens(per_crop, tokens.grid, {}, tokens.image_index, tokens.valid))
+    same = again.grid == selection.grid and again.counts == selection.counts
+    if selection.anchors is not None:
+        same = same and again.anchors is not None and torch.equal(again.anchors, selection.anchors)
+    if again.features is None or not same:
+        raise VTokenError(
+            f"{method.name} merges tokens depending on their features, so the same merge cannot be applied to the "
+            "DeepStack features; use a selecting method (random, mmtok) or a fixed merge (pool, fourier)"
+        )
+    return again.gather_flat(per_crop)
 
 
 def _text_positions(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:

@@ -417,6 +417,7 @@ def test_fastv_on_every_family(name, photos):
     from conftest import video_inputs
 
     model, processor = TINY_MODELS[name]()
+    layer = 1 if name.startswith("tiny-qwen3.5") else 0  # Qwen3.5's hybrid LLM: layer 1 is its first full one
     video = name == "tiny-video-llava"  # its tiny processor feeds the video path in the tests elsewhere
     if video:
         batched, singles = video_inputs(processor), [video_inputs(processor)]
@@ -426,8 +427,8 @@ def test_fastv_on_every_family(name, photos):
         singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
     from conftest import assert_batch_equals_one_by_one, assert_identity
 
-    assert_identity(model, vtoken.FastV(layer=0, keep=1.0), batched)
-    with vtoken.patched(model, vtoken.FastV(layer=0, keep=0.25)) as handle, torch.no_grad():
+    assert_identity(model, vtoken.FastV(layer=layer, keep=1.0), batched)
+    with vtoken.patched(model, vtoken.FastV(layer=layer, keep=0.25)) as handle, torch.no_grad():
         assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=5)
         model(**batched)
         for record in handle.records:

@@ -372,6 +372,9 @@ def tiny_perception_lm(seed: int = 0):
 
 from .zoo_internvl_gemma import TINY_MODELS as _INTERNVL_GEMMA  # noqa: E402  (its builders use the helpers above)
 
+# Qwen3-VL / Qwen3.5 builders live in their own module (they reuse the helpers above)
+from .zoo_qwen3 import tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_vl, tiny_qwen3_vl_moe  # noqa: E402
+
 TINY_MODELS: dict[str, Callable] = {
     "tiny-onevision": tiny_onevision,
     "tiny-video-llava": tiny_video_llava,
@@ -383,6 +386,10 @@ TINY_MODELS: dict[str, Callable] = {
     "tiny-fastvlm": tiny_fastvlm,
     "tiny-perception-lm": tiny_perception_lm,
     **_INTERNVL_GEMMA,  # tiny-internvl, tiny-gemma3
+    "tiny-qwen3-vl": tiny_qwen3_vl,
+    "tiny-qwen3-vl-moe": tiny_qwen3_vl_moe,
+    "tiny-qwen3.5": tiny_qwen3_5,
+    "tiny-qwen3.5-moe": tiny_qwen3_5_moe,
 }
 
 
