@@ -201,9 +201,8 @@ def test_hired_thumbnail_is_the_base_view(ivl):
     assert vtoken.handle_of(model) is None
 
 
-# LLMs FastV is checked on. InternVL 3.5's Qwen3 LLM normalises q and k (QK-norm): add "qwen3" once the LLM
-# probe reads q/k after the norm (issue 15; today its kept set overlaps the reference's by about half)
-FASTV_LLMS = ["qwen2"]
+# LLMs FastV is checked on: InternVL 3's Qwen2 and InternVL 3.5's Qwen3, whose QK-norm the LLM probe reads after
+FASTV_LLMS = ["qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("text_model", FASTV_LLMS)
