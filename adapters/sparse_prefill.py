@@ -13,16 +13,14 @@ a sparse layer, with the usual causal + key-padding mask. Then it plans (`Sparse
 back, so a padded batch plans like its rows one by one). When a prefill-stage method (FastV, MustDrop) has
 shortened the sequence, the layers after the drop receive its mask and are planned on the shorter sequence.
 
-Per-call state (records, the call's frame layout for "grid") lives in a `threading.local`, so threads calling one
-patched model at once do not mix their calls.
+Per-call state (records, the call's frame layout for "grid") lives per thread (`state.PerThread`), so threads
+calling one patched model at once do not mix their calls.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +37,8 @@ from vtoken.errors import VTokenError
 from vtoken.methods.sparse_prefill import SparsePrefill
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
+
+from .state import PerThread
 
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}  # original implementations we can stand in for
 # attention module -> its stage, both weakly held: a patched model dropped without `unpatch` is still freed
@@ -83,6 +83,16 @@ class _Layer:
     attention: Stopwatch
 
 
+class _Local:
+    """One thread's state: its current prefill, and the frame layout of its current call ("grid")."""
+
+    def __init__(self) -> None:
+        self.call: _Call | None = None
+        self.generate_frames = None
+        self.frames = None
+        self.ids = None
+
+
 @dataclass
 class _Call:
     """One LLM prefill on one thread."""
@@ -120,7 +130,7 @@ class SparseAttention:
                 f"sparse_prefill: pattern='grid' follows video frames, which {adapter.family} does not take; use "
                 "'a_shape' or 'vertical_slash'"
             )
-        self._local = threading.local()
+        self._local = PerThread(_Local)  # per thread; a copy starts empty
         self._hooks: list = []
         self._saved: list[tuple[Any, Any]] = []
         self._stock_generate = None
@@ -145,18 +155,24 @@ class SparseAttention:
         if self.method.pattern == "grid":
             self._hooks.append(self.model.register_forward_pre_hook(self._frames_hook, with_kwargs=True, prepend=True))
             self._hooks.append(self.model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
-            stock = self.model.generate
-            self._stock_generate = stock
+            self._stock_generate = self.model.generate
+            self.model.generate = self._generate  # a bound method: a patched model deep-copies and pickles
 
-            @functools.wraps(stock)
-            def generate(*args: Any, **kwargs: Any) -> Any:
-                self._local.generate_frames = self._frames_of(kwargs)
-                try:
-                    return stock(*args, **kwargs)
-                finally:
-                    self._local.generate_frames = None
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        """`model.generate` under pattern="grid": notes the call's frames (generate encodes before any forward)."""
+        local = self._local.get()
+        local.generate_frames = self._frames_of(kwargs)
+        try:
+            return self._stock_generate(*args, **kwargs)
+        finally:
+            local.generate_frames = None
 
-            self.model.generate = generate
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A deep copy or an unpickled copy of a patched model: its attention modules run its own stage."""
+        self.__dict__.update(state)
+        if self._saved:  # installed
+            for module in self.attention_modules:
+                _STAGES[module] = weakref.ref(self)
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -182,10 +198,10 @@ class SparseAttention:
         call = _Call(int(shape[1])) if past == 0 else None
         if call is not None and self.method.pattern == "grid":
             call.video = self._video_layout(tuple(shape))
-        self._local.call = call
+        self._local.get().call = call
 
     def _after_lm(self, module, args, output) -> None:
-        call, self._local.call = getattr(self._local, "call", None), None
+        call, self._local.get().call = self._local.get().call, None
         if call is None:
             return
         records = self._records(call)
@@ -242,7 +258,7 @@ class SparseAttention:
         return eager(module, query, key, value, attention_mask, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, **kwargs):
-        call = getattr(self._local, "call", None)
+        call = self._local.get().call
         method = self.method
         seq = query.shape[2]
         if (
@@ -324,17 +340,17 @@ class SparseAttention:
         return None
 
     def _frames_hook(self, module, args, kwargs) -> None:
-        if getattr(self._local, "generate_frames", None) is None:
-            self._local.frames = self._frames_of(kwargs)
+        if self._local.get().generate_frames is None:
+            self._local.get().frames = self._frames_of(kwargs)
         else:
-            self._local.frames = self._local.generate_frames
+            self._local.get().frames = self._local.get().generate_frames
 
     def _ids_hook(self, module, args, kwargs) -> None:
-        self._local.ids = kwargs.get("input_ids")
+        self._local.get().ids = kwargs.get("input_ids")
 
     def _video_layout(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(span [B, 2], stride [B]) of the video tokens in this LLM call, from its input_ids and frame counts."""
-        ids, frames = getattr(self._local, "ids", None), getattr(self._local, "frames", None)
+        ids, frames = self._local.get().ids, self._local.get().frames
         if ids is None or frames is None or tuple(ids.shape) != shape:
             return None
         video_id = getattr(self.model.config, "video_token_id", None)

@@ -39,3 +39,18 @@ def test_pool_gives_exactly_k_averages_of_rectangles(k, grid):
         assert torch.allclose(row[row > 0], row[row > 0][0])
         covered += row > 0
     assert covered.min() >= 1  # every patch contributes to some output token
+
+
+def test_cached_pool_weights_work_outside_the_inference_mode_they_were_first_made_in():
+    """The cached weights are never inference tensors: a first call under `torch.inference_mode()` must not break a
+    later call that autograd records (it raised "Inference tensors cannot be saved for backward")."""
+    from vtoken.methods.pool import pool_anchors, pool_weights
+
+    pool_weights.cache_clear()
+    pool_anchors.cache_clear()
+    with torch.inference_mode():
+        vtoken.Pool(budget=4).select(vtoken.VisualTokens(torch.randn(1, 16, 3), (4, 4)))
+    features = torch.randn(1, 16, 3, requires_grad=True)
+    pooled = vtoken.Pool(budget=4).select(vtoken.VisualTokens(features, (4, 4))).features
+    pooled.sum().backward()
+    assert torch.allclose(features.grad, torch.full_like(features, 0.25))

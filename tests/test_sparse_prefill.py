@@ -520,3 +520,35 @@ def test_threads_calling_one_patched_model(llava, llava_batch):
         for thread in threads:
             thread.join()
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_patched_model_runs_its_own_sparse_stage(llava_batch, how):
+    """A deep or unpickled copy is patched on its own: the same logits as the original, its own records, and
+    unpatching the copy leaves the original sparse (issue 16: copies)."""
+    import io
+
+    model, _ = tiny_llava()  # fresh: transformers' first call installs hooks that no model can pickle after
+    method = vtoken.SparsePrefill(pattern="a_shape", window=40, **SMALL)
+    handle = vtoken.patch(model, method)
+    if how == "deepcopy":
+        other = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        other = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        want = model(**llava_batch).logits
+        got = other(**llava_batch).logits
+        assert torch.equal(got, want)
+        copied = vtoken.handle_of(other)
+        assert copied is not handle and any(r.stage.startswith("sparse.layer") for r in copied.records)
+        vtoken.unpatch(other)
+        assert other.config.text_config._attn_implementation == "sdpa"
+        assert torch.equal(model(**llava_batch).logits, want)  # the original still runs sparse
+        unpatched = other(**llava_batch).logits
+    vtoken.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(**llava_batch).logits, unpatched)
+        assert not torch.equal(unpatched, want)  # the sparse pattern changes the logits: the checks above can fail

@@ -141,18 +141,23 @@ def test_accepted_values_are_kept_and_normalised():
     assert vtoken.FastV(layer=np.int64(0), keep=3).layer == 0
 
 
-def _untouched(model):
+def _hooks(model) -> dict:
+    """Every forward (pre-)hook of every module (transformers adds its own at a model's first call)."""
+    return {n: (list(m._forward_pre_hooks.values()), list(m._forward_hooks.values())) for n, m in model.named_modules()}
+
+
+def _untouched(model, hooks: dict):
     assert vtoken.handle_of(model) is None and "generate" not in model.__dict__
-    for module in model.modules():
-        assert not module._forward_pre_hooks and not module._forward_hooks
+    assert _hooks(model) == hooks
 
 
 def test_mustdrop_on_a_grid_its_windows_do_not_tile_is_refused_at_patch():
     """A 20x20 patch grid cannot be cut into 3x3 windows: refused at `patch` (not at the first call), model intact."""
     model, processor = tiny_llava(image_size=320, patch_size=16)
+    hooks = _hooks(model)
     with pytest.raises(vtoken.VTokenError, match="20x20 patch grid cannot be cut into 3x3 windows"):
         vtoken.patch(model, vtoken.MustDrop(layers=(0,)))
-    _untouched(model)
+    _untouched(model, hooks)
     inputs = processor(images=[make_image(64, 48)], text=[build_prompt(processor, "what?")], return_tensors="pt")
     with torch.no_grad():
         assert model(**inputs).logits.isfinite().all()  # and the model still runs as before
@@ -160,6 +165,7 @@ def test_mustdrop_on_a_grid_its_windows_do_not_tile_is_refused_at_patch():
 
 @pytest.mark.parametrize("layout", ["official", 5, None])
 def test_patch_refuses_a_layout_the_family_lacks(llava, layout):
+    hooks = _hooks(llava[0])
     with pytest.raises(vtoken.VTokenError, match="layout=.*it has: native"):
         vtoken.patch(llava[0], "random", layout=layout)
-    _untouched(llava[0])
+    _untouched(llava[0], hooks)

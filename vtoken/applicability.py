@@ -33,9 +33,19 @@ def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
     last = llm_depth(model) - 2  # a drop after the last layer saves nothing
     if last < 0:
         return {}  # a one-layer LLM: the method says why it cannot apply
+    scored = [k for k in range(last + 1) if k in attention_layers(model)] or [last]
     if name == "fastv":
-        return {"layer": min(2, last)}
-    return {"layers": tuple(k for k in MUSTDROP_LAYERS if k <= last) or (last,)}
+        return {"layer": max([k for k in scored if k <= 2] or scored[:1])}
+    return {"layers": tuple(k for k in MUSTDROP_LAYERS if k in scored) or (scored[-1],)}
+
+
+def attention_layers(model: nn.Module) -> set[int]:
+    """LLM layers with softmax attention rows to score tokens by (a hybrid LLM's linear-attention layers have
+    none: Qwen3.5)."""
+    adapter = _find_adapter(model)(model, [Random()], "native")
+    lm = adapter.language_model
+    types = getattr(lm.config, "layer_types", None) or ["full_attention"] * len(lm.layers)
+    return {i for i, kind in enumerate(types) if kind != "linear_attention"}
 
 
 def applicable_layouts(model: nn.Module, method: str, **params: Any) -> list[str]:

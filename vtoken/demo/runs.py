@@ -100,7 +100,7 @@ def check_configs(model, configs: list[Config], inputs) -> None:
     input a method cannot take, raises here, before any generation (message prefixed by the configuration)."""
     for config in configs:
         try:
-            with api.patched(model, config.build(), layout=config.layout) as handle:
+            with torch.no_grad(), api.patched(model, config.build(), layout=config.layout) as handle:
                 if handle.adapter.encoder_method is not None and handle.adapter.present(inputs):
                     handle.adapter.prepare(dict(inputs))
         except VTokenError as err:

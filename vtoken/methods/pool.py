@@ -37,6 +37,7 @@ def _cells(height: int, width: int, k: int) -> list[tuple[int, int, int, int]]:
 
 
 @lru_cache(maxsize=64)
+@torch.inference_mode(False)  # cached across calls: never an inference tensor, whatever mode the first call ran in
 def pool_weights(height: int, width: int, k: int) -> torch.Tensor:
     """[k, height*width] averaging weights, rows in raster order of the pooled cells."""
     weights = torch.zeros(k, height, width)
@@ -46,6 +47,7 @@ def pool_weights(height: int, width: int, k: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
+@torch.inference_mode(False)
 def pool_anchors(height: int, width: int, k: int) -> torch.Tensor:
     """[k] raster index of the patch at the centre of each pooled cell (ascending)."""
     return torch.tensor(
