@@ -159,6 +159,16 @@ class Adapter:
                 "frame by frame"
             )
 
+    def check_select_strategy(self, strategy: str | None) -> None:
+        """Families whose features drop a [CLS] token: only `vision_feature_select_strategy="default"` (the call's,
+        else the config's) is supported."""
+        strategy = strategy or self.model.config.vision_feature_select_strategy
+        if strategy != "default":
+            raise InputError(
+                f"vision_feature_select_strategy={strategy!r} is not supported by the {self.family} adapter; "
+                "expected 'default' (patch tokens without [CLS])"
+            )
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """[C, N, Dv] features of `VisualTokens` -> [C, N, D] in the LLM's embedding space (default: already)."""
         return features

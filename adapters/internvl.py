@@ -145,12 +145,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Tiles [C, 3, H, W] -> pixel-shuffled features [C, N, 4 * Dv] (before the projector) and the [CLS]
         signals the method needs, as callables of [C, N] scores."""
-        strategy = vision_feature_select_strategy or self.model.config.vision_feature_select_strategy
-        if strategy != "default":
-            raise InputError(
-                f"vision_feature_select_strategy={strategy!r} is not supported by the {self.family} adapter; "
-                "expected 'default' (patch tokens without [CLS])"
-            )
+        self.check_select_strategy(vision_feature_select_strategy)
         layer = self._feature_layer(vision_feature_layer)
         probes = {}
         for name in self.encoder_method.requires:

@@ -106,12 +106,7 @@ class LlavaAdapter(Adapter):
         """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
         [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need."""
         tower = tower or self.tower
-        strategy = vision_feature_select_strategy or self.model.config.vision_feature_select_strategy
-        if strategy != "default":
-            raise InputError(
-                f"vision_feature_select_strategy={strategy!r} is not supported by the {self.family} adapter; "
-                "expected 'default' (patch tokens without [CLS])"
-            )
+        self.check_select_strategy(vision_feature_select_strategy)
         layers = self._feature_layers(vision_feature_layer)
         probes = {}  # signal name -> probe of the layer it reads
         for name in self.encoder_method.requires:

@@ -36,3 +36,18 @@ def tokens_to_keep(budget: Budget, n: int) -> int:
     if isinstance(budget, int):
         return min(budget, n)
     return max(1, min(n, math.floor(budget * n + 0.5)))
+
+
+def parse_number(text: str) -> Budget:
+    """A budget written as text, not yet checked: '0.25' -> 0.25 (a fraction), '144' -> 144 (a count)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    raise BudgetError(f"budget {text!r} is neither a fraction like 0.25 nor a count like 144")
+
+
+def parse_budget(text: str) -> Budget:
+    """A budget written as text (a command line, a config), checked: see `check_budget`."""
+    return check_budget(parse_number(text))

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from . import api
+from .budget import parse_number
 from .errors import InputError, VTokenError
 from .images import example_image, load_image, load_video
 from .registry import available_methods, make_method, method_class, supported_models
@@ -22,15 +23,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def parse_budget(text: str) -> float | int:
-    """'0.25' -> 0.25 (fraction kept), '144' -> 144 (tokens per crop)."""
+    """'0.25' -> 0.25 (fraction kept), '144' -> 144 (tokens per crop); checked with the method, before loading."""
     try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            message = f"budget {text!r} is neither a fraction like 0.25 nor a count like 144"
-            raise argparse.ArgumentTypeError(message) from None
+        return parse_number(text)
+    except VTokenError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _time_to_first_token(model, inputs, repeats: int) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..budget import parse_budget
 from ..errors import VTokenError
 from ..registry import method_class
 from . import tasks_path
@@ -40,16 +41,6 @@ class Setting:
     @property
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget}"
-
-
-def _number(text: str) -> float | int:
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise VTokenError(f"budget {text!r} is neither a fraction like 0.25 nor a count like 144") from None
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -113,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from .records import run_means
 
     methods = [m for m in args.methods.split(",") if m]
-    budgets = [_number(b) for b in args.budgets.split(",") if b]
+    budgets = [parse_budget(b) for b in args.budgets.split(",") if b]
     extra = dict(_param(p) for p in args.param)
     points = settings(methods, budgets, extra)
     task_names = [t for t in args.tasks.split(",") if t]
