@@ -40,27 +40,45 @@ FUZZ = dict(
     print_blob=False,
 )
 
-# the families whose facts (video, [CLS], layouts, crops) are spelled out below; the newer families' invariants are
-# in their own test files (test_internvl.py, test_gemma3.py, test_fast_vlm.py, test_perception_lm.py, ...)
-FAMILIES = sorted(
-    ["tiny-llava", "tiny-llava-next", "tiny-llava-next-video", "tiny-video-llava", "tiny-onevision", "tiny-qwen2-vl",
-     "tiny-qwen2.5-vl"]
-)  # fmt: skip
-assert set(FAMILIES) <= set(TINY_MODELS)
-VIDEO = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-video", "tiny-video-llava"}
+# every built-in family; the facts below are README's method x family tables and the tiny models' shapes
+FAMILIES = sorted(TINY_MODELS)
+VIDEO = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-video", "tiny-video-llava",
+         "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-internvl",
+         "tiny-perception-lm"}  # fmt: skip
+QWEN3 = {"tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}
 OFFICIAL_LAYOUT = {"tiny-llava-next", "tiny-llava-next-video"}
 OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop"}
-NO_CLS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision"}  # no [CLS] attention to score by
-MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl"}  # (t, h, w) positions: an LLM stage keeps the original ones
-SINGLE_CROP = {"tiny-llava", "tiny-video-llava"}  # one crop per image
+# no [CLS] attention to score by
+NO_CLS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-gemma3", "tiny-fastvlm"} | QWEN3
+MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl"} | QWEN3  # (t, h, w) positions: an LLM stage keeps the original ones
+SINGLE_CROP = {"tiny-llava", "tiny-video-llava", "tiny-fastvlm"}  # one crop per image
 NEWLINES = {"tiny-llava-next", "tiny-llava-next-video", "tiny-onevision"}  # native image rows end with a newline
+# README's "n/a" cells (beyond NO_CLS for fastervlm/hired and the layouts): method -> families that refuse it
+REFUSED = {
+    "hired": NO_CLS | {"tiny-perception-lm"},  # PerceptionLM: the split needs the tile grid
+    "fastervlm": NO_CLS,
+    "fourier": {"tiny-llava-next"},  # anyres crops stitched and unpadded at full size
+    "mustdrop": set(TINY_MODELS) - {"tiny-llava", "tiny-llava-next"},  # LLaVA-NeXT: official layout only
+    "fastv": {"tiny-gemma3"},  # sliding-window/global layers not rebuilt after a drop
+}
+HIRED_BANDS_ONLY = {"tiny-internvl"}  # the processor gives the tile count, not the grid: partition="tiles" refused
 QUESTIONS = (
     "what is in the image?",
     "describe the image in detail.",
     "how many shapes are there? answer the question using a single word or phrase.",
     "is there a red circle at the top left?",
 )
-LLM_LAYERS = 2  # every tiny model's LLM depth: drop points 0 fit, 1 does not
+# every tiny model's LLM depth (a drop after the last layer saves nothing: drop points 0 .. depth - 2 fit) and its
+# layers with attention rows to score by (Qwen3.5's hybrid LLM: linear-attention layers 0 and 2 have none)
+LLM_LAYERS = {f: 4 if f in QWEN3 else 2 for f in TINY_MODELS}
+LINEAR_ATTENTION = {"tiny-qwen3.5": {0, 2}, "tiny-qwen3.5-moe": {0, 2}}
+
+
+def drop_points(family: str) -> list[int]:
+    """LLM layers after which a prefill stage may drop."""
+    if family in REFUSED["fastv"]:
+        return []
+    return [k for k in range(LLM_LAYERS[family] - 1) if k not in LINEAR_ATTENTION.get(family, set())]
 
 
 @functools.cache
@@ -116,33 +134,37 @@ def encoder_methods(draw, name: str, full: bool = False):
 
 
 @st.composite
-def fastv(draw, full: bool = False):
-    layer = 0 if full else draw(st.sampled_from([0, 0, 0, 1]))  # 1 is too deep for a 2-layer LLM
+def fastv(draw, family: str, full: bool = False):
+    """FastV at a drop point of `family`'s LLM (thrice as likely) or any layer (too deep, linear attention: refused)."""
+    fits = drop_points(family)
+    layer = (fits or [0])[0] if full else draw(st.sampled_from(fits * 3 + list(range(LLM_LAYERS[family]))))
     positions = draw(st.sampled_from(["original", "renumber"]))
     return vtoken.FastV(layer=layer, keep=1.0 if full else draw(budgets), positions=positions)
 
 
 @st.composite
-def method_stacks(draw, name: str, full: bool = False):
+def method_stacks(draw, name: str, family: str, full: bool = False):
     """FastV alone, or encoder method `name` alone or followed by FastV (stages compose)."""
     if name == "fastv":
-        return [draw(fastv(full))]
+        return [draw(fastv(family, full))]
     stack = [draw(encoder_methods(name, full))]
     if name != "mustdrop" and draw(st.booleans()):  # MustDrop has its own prefill stage
-        stack.append(draw(fastv(full)))
+        stack.append(draw(fastv(family, full)))
     return stack
 
 
 @st.composite
 def rows(draw, family: str, modality: str, count: int):
     """`count` prompt rows: images of drawn sizes (1-2 per row) or a clip of 1-4 frames (as many in every row: the
-    processors stack clips), and a question each."""
-    out, frames = [], draw(st.integers(1, 4))
+    processors stack clips), and a question each. PerceptionLM's processor stacks only images with equal tile
+    counts: there, every image of the batch has the same size."""
+    out, frames = [], draw(st.integers(2 if family in QWEN3 else 1, 4))  # Qwen3's processor: 2 frames at least
+    shared = (draw(st.integers(16, 480)), draw(st.integers(16, 480))) if family == "tiny-perception-lm" else None
     for _ in range(count):
         row = {"question": draw(st.sampled_from(QUESTIONS)), "images": [], "videos": []}
         if modality == "image":
             for _ in range(draw(st.sampled_from([1, 1, 1, 2]))):
-                width, height = draw(st.integers(16, 480)), draw(st.integers(16, 480))
+                width, height = shared or (draw(st.integers(16, 480)), draw(st.integers(16, 480)))
                 row["images"].append(make_image(width, height, draw(st.integers(0, 99))))
         else:
             width, height = draw(st.integers(32, 160)), draw(st.integers(32, 160))
@@ -154,11 +176,16 @@ def rows(draw, family: str, modality: str, count: int):
 def make_inputs(processor, batch: list[dict], side: str = "left"):
     prompts = [build_prompt(processor, r["question"], len(r["images"]), len(r["videos"])) for r in batch]
     images = [image for r in batch for image in r["images"]] or None
+    if images and type(processor).__name__ == "Gemma3Processor":  # one list of images per prompt
+        images = [r["images"] for r in batch]
     videos = [video for r in batch for video in r["videos"]] or None
+    extra = {}
+    if videos and getattr(getattr(processor, "video_processor", None), "do_sample_frames", False):
+        extra["do_sample_frames"] = False  # Qwen3-VL / Qwen3.5: every frame, no fps metadata needed
     tokenizer = processor.tokenizer
     before, tokenizer.padding_side = tokenizer.padding_side, side
     try:
-        return processor(text=prompts, images=images, videos=videos, padding=True, return_tensors="pt")
+        return processor(text=prompts, images=images, videos=videos, padding=True, return_tensors="pt", **extra)
     finally:
         tokenizer.padding_side = before
 
@@ -168,9 +195,9 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
     """Where `patch` must refuse (the README's "n/a" cells, layouts, drop points deeper than the LLM)."""
     for method in stack:
         name = method.name
-        if name in ("fastervlm", "hired") and family in NO_CLS:
+        if name in ("fastervlm", "hired", "fourier") and family in REFUSED[name]:
             return True
-        if name == "fourier" and family == "tiny-llava-next":
+        if name == "hired" and method.partition == "tiles" and family in HIRED_BANDS_ONLY:
             return True
         if name == "mustdrop":
             if family not in ("tiny-llava", "tiny-llava-next") or (
@@ -179,7 +206,7 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
                 return True
         if "encoder" in method.stages and layout == "official" and name not in OFFICIAL_LAYOUT_METHODS:
             return True
-        if "prefill" in method.stages and max(method.drop_layers(100)) > LLM_LAYERS - 2:
+        if "prefill" in method.stages and not set(method.drop_layers(100)) <= set(drop_points(family)):
             return True
         if "prefill" in method.stages and method.positions == "renumber" and family in MROPE:
             return True
@@ -213,14 +240,15 @@ def assert_restored(model, state: dict) -> None:
 
 
 class Probe:
-    """Forward pre-hooks on the LLM and its second decoder layer: sequence lengths and the LLM's 2-D mask."""
+    """Forward pre-hooks on the LLM and its decoder layer `after` (the one after a drop): sequence lengths and the
+    LLM's 2-D mask."""
 
-    def __init__(self, model):
+    def __init__(self, model, after: int = 1):
         language_model = model.model.language_model
         self.seen = {}
         self.hooks = [
             language_model.register_forward_pre_hook(self._grab("llm"), with_kwargs=True),
-            language_model.layers[1].register_forward_pre_hook(self._grab("layer1"), with_kwargs=True),
+            language_model.layers[after].register_forward_pre_hook(self._grab("after"), with_kwargs=True),
         ]
 
     def _grab(self, name):
@@ -312,12 +340,7 @@ def check_prefill_records(method, records: list, batch: int) -> None:
 # --------------------------------------------------------------------------- properties
 def _family_and_modality(data, name: str):
     """A family (those where method `name` applies drawn twice as often) and, for video families, a modality."""
-    refused = {
-        "fastervlm": NO_CLS,
-        "hired": NO_CLS,
-        "fourier": {"tiny-llava-next"},
-        "mustdrop": set(FAMILIES) - {"tiny-llava", "tiny-llava-next"},
-    }.get(name, set())
+    refused = REFUSED.get(name, set())
     family = data.draw(st.sampled_from(FAMILIES + [f for f in FAMILIES if f not in refused]), label="family")
     modality = data.draw(st.sampled_from(["image", "video"]), label="modality") if family in VIDEO else "image"
     return family, modality
@@ -329,7 +352,7 @@ def _family_and_modality(data, name: str):
 def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, data):
     family, modality = _family_and_modality(data, name)
     model, processor = tiny(family)
-    stack = data.draw(method_stacks(name), label="methods")
+    stack = data.draw(method_stacks(name, family), label="methods")
     layout = (
         data.draw(st.sampled_from(["native", "official"]), label="layout") if family in OFFICIAL_LAYOUT else "native"
     )
@@ -348,7 +371,9 @@ def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, d
         return
     assert not refused_at_patch(family, stack, layout), "patch should have refused"
 
-    probe = Probe(model)
+    prefill = stack[-1] if "prefill" in stack[-1].stages else None
+    drop = prefill.drop_layers(100)[0] if prefill is not None else 0
+    probe = Probe(model, drop + 1)
     try:
         with torch.no_grad():
             generated = model.generate(**inputs, max_new_tokens=2, do_sample=False)
@@ -387,12 +412,11 @@ def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, d
             assert length - llm_length == counted_in - counted_out, (length, llm_length, counted_in, counted_out)
     else:
         assert llm_length == length
-    prefill = stack[-1] if "prefill" in stack[-1].stages else None
     if prefill is not None:
         check_prefill_records(prefill, records, 1)
-        after = sum(r.tokens_in - r.tokens_out for r in records if r.stage.startswith("prefill.layer0"))
-        assert probe.seen["layer1"][0] == llm_length - after
-    assert logits.shape[1] in (llm_length, probe.seen["layer1"][0])
+        dropped = sum(r.tokens_in - r.tokens_out for r in records if r.stage == f"prefill.layer{drop}")
+        assert probe.seen["after"][0] == llm_length - dropped
+    assert logits.shape[1] in (llm_length, probe.seen["after"][0])
 
     assert_restored(model, state)
     with torch.no_grad():
@@ -401,14 +425,18 @@ def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, d
 
 
 def applicable(family: str, modality: str, stack: list, fallback, layout: str = "native") -> list:
-    """`stack` made to apply (refusals are the first property's business): LLM stages at layer 0 (original
-    positions under M-RoPE); an encoder method that still cannot apply is replaced by `fallback`."""
+    """`stack` made to apply (refusals are the first property's business): LLM stages at the family's first drop
+    point (original positions under M-RoPE), or left out where it has none; an encoder method that still cannot
+    apply is replaced by `fallback`."""
+    fits = drop_points(family)
     for i, method in enumerate(stack):
         if method.name == "fastv":
-            stack[i] = replace(method, layer=0, positions="original" if family in MROPE else method.positions)
+            positions = "original" if family in MROPE else method.positions
+            stack[i] = replace(method, layer=fits[0], positions=positions) if fits else None
         if method.name == "mustdrop":
             stack[i] = replace(method, layers=(0,))
-    if refused_at_patch(family, stack, layout) or refused_at_call(family, stack, modality):
+    stack = [m for m in stack if m is not None]
+    if not stack or refused_at_patch(family, stack, layout) or refused_at_call(family, stack, modality):
         stack = [fallback] + [m for m in stack if m.name == "fastv"]
     return stack
 
@@ -419,7 +447,7 @@ def applicable(family: str, modality: str, stack: list, fallback, layout: str = 
 def test_keeping_every_token_is_the_unpatched_model(name, data):
     family, modality = _family_and_modality(data, name)
     model, processor = tiny(family)
-    stack = data.draw(method_stacks(name, full=True), label="methods")
+    stack = data.draw(method_stacks(name, family, full=True), label="methods")
     if stack[0].name == "hired" and family not in SINGLE_CROP and modality == "image":
         stack[0] = vtoken.Random(budget=1.0)  # HiRED re-splits an anyres image's budget even at rate 1
     if stack[0].name == "mustdrop" and family != "tiny-llava":
@@ -447,7 +475,7 @@ def _last_real_logits(logits: torch.Tensor, row: int, side: str, target: torch.T
 def test_a_padded_batch_equals_its_rows_one_by_one(name, data):
     family, modality = _family_and_modality(data, name)
     model, processor = tiny(family)
-    stack = data.draw(method_stacks(name), label="methods")
+    stack = data.draw(method_stacks(name, family), label="methods")
     layout = (
         data.draw(st.sampled_from(["native", "official"]), label="layout") if family in OFFICIAL_LAYOUT else "native"
     )
