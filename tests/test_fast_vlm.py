@@ -96,3 +96,17 @@ def test_batch_beams_restore_and_clear_errors(fastvlm):
             model(**inputs, vision_feature_layer=-2)
         with pytest.raises(vtoken.InputError, match="multiples of the tower's stride 64"):
             model(**dict(inputs, pixel_values=inputs["pixel_values"][..., :100]))
+
+
+def test_the_tiny_towers_features_carry_the_image(fastvlm):
+    """Regression (found by test_fuzz): the tiny tower's features were ~1e-22 (transformers' init), so every MMTok
+    selection was a tie and pruning never changed the logits. Now which tokens are kept matters."""
+    model, processor = fastvlm
+    inputs = _inputs(processor)
+    assert float(_features(model, inputs["pixel_values"]).abs().mean()) > 1e-3
+    with torch.no_grad():
+        logits = []
+        for seed in (0, 1):
+            with vtoken.patched(model, vtoken.Random(budget=0.1, seed=seed)):
+                logits.append(model(**inputs).logits[0, -1])
+    assert (logits[0] - logits[1]).abs().max() > 1e-4

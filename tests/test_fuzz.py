@@ -338,6 +338,16 @@ def check_prefill_records(method, records: list, batch: int) -> None:
 
 
 # --------------------------------------------------------------------------- properties
+def test_the_tables_describe_the_tiny_models():
+    """The facts above about each tiny model's LLM are its own (a changed tiny model must update them)."""
+    for family in FAMILIES:
+        language_model = tiny(family)[0].model.language_model
+        types = getattr(language_model.config, "layer_types", None) or []
+        assert len(language_model.layers) == LLM_LAYERS[family], family
+        linear = {i for i, kind in enumerate(types) if kind == "linear_attention"}
+        assert linear == LINEAR_ATTENTION.get(family, set()), family
+
+
 def _family_and_modality(data, name: str):
     """A family (those where method `name` applies drawn twice as often) and, for video families, a modality."""
     refused = REFUSED.get(name, set())

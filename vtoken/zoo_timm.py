@@ -6,6 +6,8 @@ Built from configs as the real checkpoints are (a `TimmWrapperConfig` naming the
 
 from __future__ import annotations
 
+import torch
+
 from .zoo import LLAVA_CHAT_TEMPLATE, TINY_TEXT, _instantiate, _with_tokenizer, tiny_tokenizer
 
 # FastViT-MCi3 cut to one block per stage and narrow widths: still stem stride 4, four stride-2 stages (feature
@@ -57,7 +59,14 @@ def tiny_fastvlm(seed: int = 0, image_size: int = 384):
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         pad_token_id=tokenizer.pad_token_id,
     )
-    return _instantiate(FastVlmForConditionalGeneration, config, tokenizer, seed), processor
+    model = _instantiate(FastVlmForConditionalGeneration, config, tokenizer, seed)
+    # transformers' weight init shrinks FastViT's activations ~1e4-fold per stage (features ~1e-22: every selection
+    # a tie, every pruning the same logits); PyTorch's default init of the tower keeps them O(0.1)
+    torch.manual_seed(seed)
+    for module in model.model.vision_tower.timm_model.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear, torch.nn.BatchNorm2d)):
+            module.reset_parameters()
+    return model, processor
 
 
 @_with_tokenizer
