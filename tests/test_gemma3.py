@@ -142,3 +142,16 @@ def test_checkpoint_round_trip_with_pan_and_scan(gemma, tmp_path, monkeypatch):
         with vtoken.patched(loaded, "mmtok", budget=0.25) as handle:
             got = loaded.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, expected) and [r.tokens_out for r in handle.records] == [16] * 4
+
+
+def test_the_tiny_models_images_reach_the_logits(gemma):
+    """Regression (found by test_fuzz): transformers zero-initialises the projector's input projection, so every
+    image gave the same soft tokens and no pruning changed the logits. Now which tokens are kept matters."""
+    model, processor = gemma
+    inputs = _image(processor, 300, 300)
+    with torch.no_grad():
+        logits = []
+        for seed in (0, 1):
+            with vtoken.patched(model, vtoken.Random(budget=0.1, seed=seed)):
+                logits.append(model(**inputs).logits[0, -1])
+    assert (logits[0] - logits[1]).abs().max() > 1e-4

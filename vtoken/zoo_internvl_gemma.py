@@ -8,6 +8,8 @@ pan-and-scan) at smaller image sizes, with configs whose token grids match them:
 
 from __future__ import annotations
 
+import torch
+
 from .zoo import TINY_TEXT, _instantiate, _with_tokenizer, tiny_tokenizer
 
 INTERNVL_SPECIALS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
@@ -116,6 +118,10 @@ def tiny_gemma3(seed: int = 0):
         pad_token_id=tokenizer.pad_token_id,
     )
     model = _instantiate(Gemma3ForConditionalGeneration, config, tokenizer, seed)
+    # transformers initialises the projector's input projection to zeros: every image would be the same (zero)
+    # soft tokens and no pruning could change the logits
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, processor
