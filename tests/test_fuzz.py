@@ -357,7 +357,7 @@ def _family_and_modality(data, name: str):
 
 
 @pytest.mark.parametrize("name", METHODS)
-@settings(max_examples=8 * SCALE, **FUZZ)
+@settings(max_examples=24 * SCALE, **FUZZ)
 @given(data=st.data())
 def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, data):
     family, modality = _family_and_modality(data, name)
@@ -452,7 +452,7 @@ def applicable(family: str, modality: str, stack: list, fallback, layout: str = 
 
 
 @pytest.mark.parametrize("name", METHODS)
-@settings(max_examples=4 * SCALE, **FUZZ)
+@settings(max_examples=12 * SCALE, **FUZZ)
 @given(data=st.data())
 def test_keeping_every_token_is_the_unpatched_model(name, data):
     family, modality = _family_and_modality(data, name)
@@ -480,7 +480,7 @@ def _last_real_logits(logits: torch.Tensor, row: int, side: str, target: torch.T
 
 
 @pytest.mark.parametrize("name", METHODS)
-@settings(max_examples=3 * SCALE, **FUZZ)
+@settings(max_examples=9 * SCALE, **FUZZ)
 @given(data=st.data())
 def test_a_padded_batch_equals_its_rows_one_by_one(name, data):
     family, modality = _family_and_modality(data, name)
