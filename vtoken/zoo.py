@@ -152,6 +152,16 @@ TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, nu
 TINY_TEXT = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
+
+
+def tiny_text(tokenizer, **overrides) -> dict:
+    """The tiny LLM's config (as a dict): `TINY_TEXT` widths, `tokenizer`'s vocabulary and special ids, then
+    `overrides` (model type, depth, rotary, ...)."""
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    return {**TINY_TEXT, "vocab_size": len(tokenizer), "max_position_embeddings": 4096, **special, **overrides}
+
+
 ANYRES_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 
 
@@ -226,14 +236,8 @@ def _tiny_qwen(config_cls, model_cls, processor_cls, vision: dict, seed: int):
         chat_template=QWEN_CHAT_TEMPLATE,
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
-    text = dict(
-        TINY_TEXT,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    text = tiny_text(
+        tokenizer, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     )
     config = config_cls(
         vision_config=vision,

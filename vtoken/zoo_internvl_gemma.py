@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .zoo import TINY_TEXT, _instantiate, _with_tokenizer, tiny_tokenizer
+from .zoo import _instantiate, _with_tokenizer, tiny_text, tiny_tokenizer
 
 INTERNVL_SPECIALS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
 INTERNVL_CHAT_TEMPLATE = (
@@ -49,16 +49,7 @@ def tiny_internvl(
     )
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=224,
                   patch_size=7, use_qk_norm=qk_norm)  # fmt: skip
-    text = dict(
-        TINY_TEXT,
-        model_type=text_model,
-        num_hidden_layers=text_layers,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = tiny_text(tokenizer, model_type=text_model, num_hidden_layers=text_layers)
     config = InternVLConfig(
         vision_config=vision,
         text_config=text,
@@ -95,18 +86,8 @@ def tiny_gemma3(seed: int = 0):
     )
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, image_size=224, patch_size=7)  # fmt: skip
-    text = dict(
-        TINY_TEXT,
-        head_dim=16,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-        sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"],
-        query_pre_attn_scalar=16,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = tiny_text(tokenizer, head_dim=16, sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                     query_pre_attn_scalar=16)  # fmt: skip
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in named.items()}
     config = Gemma3Config(
         vision_config=vision,

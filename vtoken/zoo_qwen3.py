@@ -36,14 +36,12 @@ def _qwen3_processor():
 
 
 def _tiny_qwen3(config_cls, model_cls, vision: dict, text: dict, seed: int):
-    from .zoo import QWEN_SPECIALS, TINY_TEXT, _instantiate
+    from .zoo import QWEN_SPECIALS, _instantiate, tiny_text
 
     processor = _qwen3_processor()
     tokenizer = processor.tokenizer
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
-    specials = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-    text = dict(TINY_TEXT, vocab_size=len(tokenizer), max_position_embeddings=4096, **specials, **text)
+    text = tiny_text(tokenizer, **text)
     config = config_cls(
         vision_config=vision,
         text_config=text,

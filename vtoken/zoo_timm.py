@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .zoo import LLAVA_CHAT_TEMPLATE, TINY_TEXT, _instantiate, _with_tokenizer, tiny_tokenizer
+from .zoo import LLAVA_CHAT_TEMPLATE, _instantiate, _with_tokenizer, tiny_text, tiny_tokenizer
 
 # FastViT-MCi3 cut to one block per stage and narrow widths: still stem stride 4, four stride-2 stages (feature
 # stride 64), repmixer stages then two attention stages, and a final conv doubling the last width
@@ -44,15 +44,7 @@ def tiny_fastvlm(seed: int = 0, image_size: int = 384):
         "hidden_size": 2 * FASTVIT_TINY["embed_dims"][-1],
         "model_args": dict(FASTVIT_TINY),
     }
-    text = dict(
-        TINY_TEXT,
-        model_type="qwen2",
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = tiny_text(tokenizer, model_type="qwen2")
     config = FastVlmConfig(
         vision_config=vision,
         text_config=text,
@@ -106,15 +98,7 @@ def tiny_perception_lm(seed: int = 0, tile_size: int = 128):
             "use_post_transformer_norm": False,
         },
     }
-    text = dict(
-        TINY_TEXT,
-        model_type="llama",
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = tiny_text(tokenizer, model_type="llama")
     config = PerceptionLMConfig(
         vision_config=vision,
         text_config=text,
