@@ -19,10 +19,14 @@ from .registry import available_methods, make_method
 MUSTDROP_LAYERS = (2, 6, 10, 14)
 
 
+def _language_model(model: nn.Module) -> nn.Module:
+    """The decoder stack LLM stages hook, as the model's adapter finds it."""
+    return _find_adapter(model)(model, [Random()], "native").language_model
+
+
 def llm_depth(model: nn.Module) -> int:
     """Decoder layers of the model's LLM (what LLM-stage drop points index)."""
-    adapter = _find_adapter(model)(model, [Random()], "native")
-    return len(adapter.language_model.layers)
+    return len(_language_model(model).layers)
 
 
 def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
@@ -33,7 +37,8 @@ def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
     last = llm_depth(model) - 2  # a drop after the last layer saves nothing
     if last < 0:
         return {}  # a one-layer LLM: the method says why it cannot apply
-    scored = [k for k in range(last + 1) if k in attention_layers(model)] or [last]
+    attention = attention_layers(model)
+    scored = [k for k in range(last + 1) if k in attention] or [last]
     if name == "fastv":
         return {"layer": max([k for k in scored if k <= 2] or scored[:1])}
     return {"layers": tuple(k for k in MUSTDROP_LAYERS if k in scored) or (scored[-1],)}
@@ -42,8 +47,7 @@ def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
 def attention_layers(model: nn.Module) -> set[int]:
     """LLM layers with softmax attention rows to score tokens by (a hybrid LLM's linear-attention layers have
     none: Qwen3.5)."""
-    adapter = _find_adapter(model)(model, [Random()], "native")
-    lm = adapter.language_model
+    lm = _language_model(model)
     types = getattr(lm.config, "layer_types", None) or ["full_attention"] * len(lm.layers)
     return {i for i, kind in enumerate(types) if kind != "linear_attention"}
 
