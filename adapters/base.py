@@ -87,6 +87,8 @@ class Adapter(CallPath):
     layouts: ClassVar[tuple[str, ...]] = ("native",)
     # stages this family supports; "prefill"/"decode" need a 1-D RoPE decoder unless positions stay "original"
     stages: ClassVar[tuple[str, ...]] = ("encoder", "prefill", "decode", "sparse")
+    # why a family lacks some of those stages, added to the refusal at `patch`
+    stages_note: ClassVar[str] = ""
     multi_axis_positions: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
@@ -304,6 +306,7 @@ class Adapter(CallPath):
                 raise VTokenError(
                     f"method {method.name!r} acts at stage(s) {unsupported}, which the {self.family} adapter does "
                     f"not support; supported stages: {', '.join(self.stages)}"
+                    + (f". {self.stages_note}" if self.stages_note else "")
                 )
             missing = sorted(set(method.requires) - self.available_signals() - COMMON_SIGNALS)
             if missing:

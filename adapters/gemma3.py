@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vtoken.errors import InputError, VTokenError
+from vtoken.errors import InputError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
@@ -37,6 +37,15 @@ class Gemma3Adapter(FlatFeatures, Adapter):
     token_columns = {"token_type_ids": 0, "mm_token_type_ids": 0}
     stages = ("encoder",)
 
+    # no LLM stages (FastV, MustDrop): refused at `patch` with this reason
+    stages = ("encoder", "sparse")
+    stages_note = (
+        "Gemma 3's decoder interleaves sliding-window and global attention layers, each with its own mask "
+        "(bidirectional inside image blocks) and rotary tables, which vtoken's LLM stages do not rebuild after a "
+        "drop (and its per-head QK-norm changes the attention scores they read); use an encoder-stage method "
+        "(random, pool, mmtok, fourier)"
+    )
+
     @property
     def projector(self):
         return self.inner.multi_modal_projector
@@ -49,18 +58,6 @@ class Gemma3Adapter(FlatFeatures, Adapter):
     def available_signals(self) -> set[str]:
         # "resized_grid": positions are renumbered, so a smaller grid only means fewer placeholders
         return {"patch_features", "grid", "resized_grid"}
-
-    def validate(self) -> None:
-        llm_stage = [m.name for m in self.methods if {"prefill", "decode"} & set(m.stages)]
-        if llm_stage:
-            raise VTokenError(
-                f"{', '.join(llm_stage)} act(s) inside the language model, which {self.family} does not support: "
-                "Gemma 3's decoder interleaves sliding-window and global attention layers, each with its own mask "
-                "(bidirectional inside image blocks) and rotary tables, which vtoken's LLM stages do not rebuild "
-                "after a drop (and its per-head QK-norm changes the attention scores they read); use an "
-                "encoder-stage method (random, pool, mmtok, fourier)"
-            )
-        super().validate()
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The projector after its pooling: RMS norm and the linear map into the LLM ([..., Dv] -> [..., D])."""
