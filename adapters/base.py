@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.methods.base import Method
@@ -26,6 +25,7 @@ from vtoken.records import Record
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
+from . import hf
 from .calls import CallPath
 from .llm import LanguageModelStages
 from .prompt import run_rows
@@ -231,9 +231,9 @@ class Adapter(CallPath):
             for c in range(num_crops)
         ]
 
-    def encoder_output(self, encoded: EncodedImages, features: Any) -> BaseModelOutputWithPooling:
+    def encoder_output(self, encoded: EncodedImages, features: Any) -> Any:
         """Hook: what the stock forward receives in `mm_encoder_outputs` for one modality."""
-        return BaseModelOutputWithPooling(pooler_output=features)
+        return hf.encoder_output(features)
 
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Hook: model kwargs of the unpruned prompt, e.g. to compute its own position ids first."""

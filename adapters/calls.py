@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from vtoken.errors import InputError
 
+from . import hf
 from .prompt import compress_prompt, gather_columns
 
 
@@ -38,7 +38,7 @@ class CallPath:
                 "visual tokens go; inputs_embeds alone are not supported"
             )
         kwargs = self.before_shrinking(kwargs)
-        mm = dict(kwargs.get("mm_encoder_outputs") or {})
+        mm = hf.encoder_outputs(kwargs)
         records, changed, protected_parts = [], False, {}
         for modality in self.present(kwargs):
             pixel_values = kwargs.pop(modality.pixel_key)
@@ -94,7 +94,7 @@ class CallPath:
             state.protected = torch.zeros_like(ids, dtype=torch.bool)
             for modality, flags in protected_parts.items():
                 state.protected[ids == self.placeholder_id(modality)] = flags.to(ids.device)
-        kwargs["mm_encoder_outputs"] = mm
+        kwargs[hf.ENCODER_OUTPUTS] = mm
         return self.after_shrinking(kwargs), changed
 
     # ----------------------------------------------------------------- what the LLM stages read
@@ -130,7 +130,7 @@ class CallPath:
             return None
         state.labels, state.final_columns = None, None
         if self._llm_stages is not None:
-            self._refuse_static_cache(None, kwargs.get("past_key_values"))
+            self._refuse_static_cache(None, hf.cache_in(kwargs))
         kwargs = self._forward_kwargs(kwargs)
         if self._llm_stages is not None and kwargs.get("labels") is not None:
             # applied to the kept columns in `_post_forward` (with the Trainer's token count, if given)
@@ -160,7 +160,7 @@ class CallPath:
 
     def _refuse_static_cache(self, implementation: str | None, cache: Any) -> None:
         """LLM stages give each layer's cache its own length: only a DynamicCache can hold that."""
-        if implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or (
+        if implementation in hf.static_cache_implementations() or (
             cache is not None and not isinstance(cache, DynamicCache)
         ):
             got = f"cache_implementation={implementation!r}" if cache is None else type(cache).__name__
@@ -195,7 +195,7 @@ class CallPath:
         (L' columns) plus the same new tokens: swap the prompt part of the mask, and let `decode_positions` place
         the new tokens. Returns None when the call is not such a step.
         """
-        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        cache, mask = hf.cache_in(kwargs), kwargs.get("attention_mask")
         last_prompt = self._state.last_prompt
         if last_prompt is None or cache is None or mask is None or mask.dim() != 2:
             return None
@@ -266,7 +266,7 @@ class CallPath:
         so the cached run is what the call means (re-running the pruned prompt at every step would re-decide)."""
         config = kwargs.get("generation_config") or self.model.generation_config
         implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
-        self._refuse_static_cache(implementation, kwargs.get("past_key_values"))
+        self._refuse_static_cache(implementation, hf.cache_in(kwargs))
         if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
             kwargs = dict(kwargs, use_cache=True)
         return kwargs

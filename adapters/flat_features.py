@@ -11,15 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from . import hf
 
 
 def _concatenate(module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-    encoded = (kwargs.get("mm_encoder_outputs") or {}).get("image")
+    outputs = hf.encoder_outputs(kwargs)
+    encoded = outputs.get("image")
     if encoded is None or not isinstance(encoded.pooler_output, list):
         return None
-    flat = BaseModelOutputWithPooling(pooler_output=torch.cat(encoded.pooler_output))
-    return args, dict(kwargs, mm_encoder_outputs={**kwargs["mm_encoder_outputs"], "image": flat})
+    outputs["image"] = hf.encoder_output(torch.cat(encoded.pooler_output))
+    return args, {**kwargs, hf.ENCODER_OUTPUTS: outputs}
 
 
 class FlatFeatures:

@@ -14,6 +14,7 @@ from vtoken.records import Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
+from . import hf
 from .base import Adapter, EncodedImages, Modality
 from .probes import ClsAttentionProbe
 
@@ -120,8 +121,8 @@ class LlavaAdapter(Adapter):
         with ExitStack() as stack:
             for probe in probes.values():
                 stack.enter_context(probe)
-            out = tower(crops, output_hidden_states=layers, return_dict=True)
-        features = torch.cat([out.hidden_states[i][:, 0 if with_cls else 1 :] for i in layers], dim=-1)
+            states = hf.hidden_states(tower, layers, crops)
+        features = torch.cat([state[:, 0 if with_cls else 1 :] for state in states], dim=-1)
         # callables: the [CLS] rows are computed inside the selection timer of `select`
         signals = {name: (lambda probe=probe: probe.scores) for name, probe in probes.items()}
         return features, signals

@@ -31,6 +31,7 @@ from vtoken.errors import InputError, VTokenError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
+from . import hf
 from .base import EncodedImages, Modality
 from .llava import LlavaAdapter
 
@@ -88,15 +89,13 @@ class LlavaNextAdapter(LlavaAdapter):
 
     def crop_layout(self, image_size: torch.Tensor) -> AnyresLayout:
         """The crop grid and unpadded token window of an image of `image_size` (height, width)."""
-        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
-
         config = self.model.config
-        rows, cols = get_anyres_image_grid_shape(
-            image_size, config.image_grid_pinpoints, config.vision_config.image_size
-        )
+        grid_shape = hf.modeling_function("llava_next", "get_anyres_image_grid_shape")
+        unpad = hf.modeling_function("llava_next", "unpad_image")
+        rows, cols = grid_shape(image_size, config.image_grid_pinpoints, config.vision_config.image_size)
         height, width = self.grid
         stitched = torch.arange(rows * height * cols * width).view(1, rows * height, cols * width)
-        return AnyresLayout(rows, cols, unpad_image(stitched, image_size)[0])
+        return AnyresLayout(rows, cols, unpad(stitched, image_size)[0])
 
     def _layouts(self, pixel_values: torch.Tensor, image_sizes: Any) -> list[AnyresLayout]:
         if image_sizes is None:

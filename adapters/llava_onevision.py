@@ -15,12 +15,12 @@ import math
 from typing import Any
 
 import torch
-from transformers.models.llava_onevision import modeling_llava_onevision as onevision
 
 from vtoken.errors import InputError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
+from . import hf
 from .base import EncodedImages, Modality
 from .llava import LlavaAdapter
 from .llava_next import _raster_with_newlines
@@ -54,20 +54,20 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         patching = [True] * len(image_sizes) if batch_num_images is None else \
             [n == 1 for n in batch_num_images.tolist() for _ in range(n)]  # fmt: skip
         config = self.model.config
+        crops = hf.modeling_function("llava_onevision", "image_size_to_num_patches")
         return [
-            onevision.image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
-            if patch else 1
+            crops(size, config.image_grid_pinpoints, config.vision_config.image_size) if patch else 1
             for size, patch in zip(image_sizes, patching, strict=True)
         ]  # fmt: skip
 
     def stitched_grid(self, image_size: Any, vision_aspect_ratio: str | None = None) -> tuple[int, int]:
         """(rows, cols) of the stitched grid the model packs for an anyres image: unpadded, then downsampled."""
         config = self.model.config
-        rows, cols = onevision.get_anyres_image_grid_shape(
-            image_size, config.image_grid_pinpoints, config.vision_config.image_size
-        )
+        grid_shape = hf.modeling_function("llava_onevision", "get_anyres_image_grid_shape")
+        unpad = hf.modeling_function("llava_onevision", "unpad_image")
+        rows, cols = grid_shape(image_size, config.image_grid_pinpoints, config.vision_config.image_size)
         side = self.grid[0]
-        unpadded = onevision.unpad_image(torch.empty(0, rows * side, cols * side), image_size)
+        unpadded = unpad(torch.empty(0, rows * side, cols * side), image_size)
         height, width = unpadded.shape[1:]
         max_crops = int((vision_aspect_ratio or config.vision_aspect_ratio).removeprefix("anyres_max_"))
         ratio = math.sqrt(height * width / (max_crops * side**2))
@@ -107,8 +107,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
 
     def _projected(self, crops: torch.Tensor, vision_feature_layer: Any, strategy: str | None) -> torch.Tensor:
         layers = self._feature_layers(vision_feature_layer)
-        out = self.tower(crops, output_hidden_states=layers, return_dict=True)
-        hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        hidden = torch.cat(hf.hidden_states(self.tower, layers, crops), dim=-1)
         if (strategy or self.model.config.vision_feature_select_strategy) == "default":
             hidden = hidden[:, 1:]
         return self.inner.multi_modal_projector(hidden)

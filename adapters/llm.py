@@ -15,13 +15,11 @@ Every layer's cache is described by a `LayerView`: which prompt columns it holds
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from vtoken.kernels import causal_rows_probs
 
 from vtoken.errors import InputError, VTokenError
@@ -30,6 +28,7 @@ from vtoken.records import Record
 from vtoken.timing import Stopwatch
 from vtoken.tokens import LayerTokens
 
+from . import hf
 from .state import PerThread
 
 
@@ -236,7 +235,7 @@ def _module(owner: nn.Module, name: str) -> nn.Module | None:
 
 
 def _rotary_function(attention: nn.Module):
-    return getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)
+    return hf.modeling_function(attention, "apply_rotary_pos_emb")
 
 
 def _heads(attention: nn.Module) -> int:
@@ -348,7 +347,7 @@ class LanguageModelStages:
         embeds = kwargs.get("inputs_embeds")
         if embeds is None and kwargs.get("input_ids") is not None:
             embeds = self.lm.embed_tokens(kwargs["input_ids"])  # its shape, dtype and device are read
-        cache = kwargs.get("past_key_values")
+        cache = hf.cache_in(kwargs)
         past = cache.get_seq_length() if cache is not None else 0
         call = self._call
         call.prefill, call.decode = None, {}
@@ -364,7 +363,7 @@ class LanguageModelStages:
 
     def _start_prefill(self, embeds, kwargs, visual, cache) -> None:
         if cache is not None:
-            layers = getattr(cache, "layers", None)
+            layers = hf.cache_layers(cache)
             odd = [f"{i}: {type(layer).__name__}" for i, layer in enumerate(layers or [])
                    if not hasattr(layer, "keys") and i not in self.recurrent]  # fmt: skip
             if layers is None or odd:
@@ -427,17 +426,11 @@ class LanguageModelStages:
         """The causal + padding mask of the layers from `layer` on, in their attention implementation's format; for
         a hybrid LLM a dict by layer type (linear-attention layers take the 2-D padding mask, or None)."""
         attention = next((i for i in range(layer, len(self.layers)) if i not in self.recurrent), layer)
-        causal = create_causal_mask(
-            config=self.lm.config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            past_key_values=cache,
-            position_ids=positions if positions.dim() == 2 else positions[0],
-            layer_idx=attention,
-        )
+        position_ids = positions if positions.dim() == 2 else positions[0]
+        causal = hf.causal_mask(self.lm.config, hidden, mask, cache, position_ids, attention)
         if not self.recurrent:
             return causal
-        recurrent = create_recurrent_attention_mask(self.lm.config, hidden, mask, cache)
+        recurrent = hf.recurrent_mask(self.lm.config, hidden, mask, cache)
         return {"linear_attention": recurrent, "full_attention": causal}
 
     def _layer_input(self, index: int, module, args, kwargs):
@@ -560,7 +553,7 @@ class LanguageModelStages:
         visual_per_layer = torch.stack([v.visual.sum(1) for v in state.views], dim=1)  # [B, layers]
         records = state.records
         # the LLM makes its own cache when called with use_cache and none given: take the one it returns
-        cache = getattr(output, "past_key_values", None)
+        cache = hf.cache_out(output)
         state.cache = cache if cache is not None else state.cache
         if self.cut_layers and state.cache is not None:
             records += self._cut(state, views)
@@ -584,7 +577,7 @@ class LanguageModelStages:
                 cut = LayerView(final.column, final.mask, final.positions, final.visual, final.protected, held.lost)
                 cut_views[id(held)] = cut, held.slots_of(final)
             views[index], slots = cut_views[id(held)]
-            layer_cache = state.cache.layers[index]
+            layer_cache = hf.cache_layers(state.cache)[index]
             for name in ("keys", "values"):
                 tensor = getattr(layer_cache, name)
                 index_ = slots.clamp(min=0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])

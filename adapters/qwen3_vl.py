@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from vtoken.errors import VTokenError
 from vtoken.registry import register_adapter
 
+from . import hf
 from .base import EncodedImages
 from .qwen_vl import QwenVLAdapter
 
@@ -45,13 +45,13 @@ class Qwen3VLAdapter(QwenVLAdapter):
     def companion_features(self, out: Any) -> list[torch.Tensor]:
         return list(getattr(out, "deepstack_features", None) or [])
 
-    def encoder_output(self, encoded: EncodedImages, features: Any) -> BaseModelOutputWithDeepstackFeatures:
+    def encoder_output(self, encoded: EncodedImages, features: Any) -> Any:
         """The kept tokens and, per DeepStack level, each item's kept DeepStack features (the stock layout: a list
         over levels of per-item tensors)."""
         if not encoded.companions or not encoded.companions[0]:  # no DeepStack (Qwen3.5)
             return super().encoder_output(encoded, features)
         levels = [list(level) for level in zip(*encoded.companions, strict=True)]
-        return BaseModelOutputWithDeepstackFeatures(pooler_output=features, deepstack_features=levels)
+        return hf.encoder_output(features, deepstack_features=levels)
 
     # ----------------------------------------------------------------- DeepStack inside a pruned prefill
     def install(self) -> None:

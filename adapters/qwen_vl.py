@@ -22,6 +22,7 @@ from vtoken.errors import InputError, VTokenError
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
+from . import hf
 from .base import Adapter, EncodedImages, Modality
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
@@ -89,7 +90,8 @@ class QwenVLAdapter(Adapter):
                 f"{type(self.model).__name__} needs `mm_token_type_ids` to place visual tokens in M-RoPE; pass "
                 "everything its processor returns"
             )
-        rope, _ = self.inner.get_rope_index(
+        rope = hf.rope_index(
+            self.inner,
             kwargs["input_ids"],
             mm_token_type_ids=kwargs["mm_token_type_ids"],
             attention_mask=kwargs.get("attention_mask"),
@@ -135,7 +137,7 @@ class QwenVLAdapter(Adapter):
             positions = torch.cat([text[None].to(positions), positions[1:]]) if positions.shape[0] == 4 else positions
         valid = mask.bool() if mask is not None else torch.ones_like(kwargs["input_ids"], dtype=torch.bool)
         largest = positions[-3:].masked_fill(~valid[None], -1).amax(dim=(0, 2))
-        self.inner.rope_deltas = (largest + 1 - valid.sum(1))[:, None]
+        hf.set_rope_deltas(self.inner, (largest + 1 - valid.sum(1))[:, None])
         return dict(kwargs, position_ids=positions)
 
     def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor, past: int) -> Any:
@@ -146,7 +148,7 @@ class QwenVLAdapter(Adapter):
             return kwargs["position_ids"]
         steps = mask.shape[1] - past
         text = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
-        rope = (text + self.inner.rope_deltas.to(text.device))[None].expand(3, -1, -1)
+        rope = (text + hf.rope_deltas(self.inner).to(text.device))[None].expand(3, -1, -1)
         return torch.cat([text[None], rope])
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
@@ -198,12 +200,7 @@ class Qwen25VLAdapter(QwenVLAdapter):
 
     def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Undo the encoder's window permutation, as the model does for its merger output."""
-        from transformers.vision_utils import get_vision_window_index
-
-        visual = self.inner.visual
-        window_index, _ = get_vision_window_index(
-            grid_thw.to(per_group.device), visual.spatial_merge_size, visual.window_size, visual.patch_size
-        )
+        window_index = hf.vision_window_index(grid_thw.to(per_group.device), self.inner.visual)
         return per_group[torch.argsort(window_index)]
 
 

@@ -20,17 +20,12 @@ calling one patched model at once do not mix their calls.
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-from transformers.modeling_utils import PreTrainedModel
 from vtoken.kernels import block_sparse_attention, block_sparse_attention_reference
 
 from vtoken.errors import VTokenError
@@ -38,9 +33,9 @@ from vtoken.methods.sparse_prefill import SparsePrefill
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
 
+from . import hf
 from .state import PerThread
 
-MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}  # original implementations we can stand in for
 # attention module -> its stage, both weakly held: a patched model dropped without `unpatch` is still freed
 _STAGES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[SparseAttention]] = weakref.WeakKeyDictionary()
 
@@ -66,8 +61,7 @@ def sparse_attention_forward(
 
 def _register(original: str) -> str:
     name = f"vtoken_sparse_{original}"
-    AttentionInterface.register(name, sparse_attention_forward)
-    AttentionMaskInterface.register(name, MASKS[original])
+    hf.register_attention(name, sparse_attention_forward, like=original)
     return name
 
 
@@ -116,8 +110,8 @@ class SparseAttention:
             raise VTokenError(f"sparse_prefill: {type(self.lm).__name__} has no decoder layers with self_attn")
         self.attention_modules = [layer.self_attn for layer in layers]
         self.sparse_layers = frozenset(method.check_layers(len(layers)))
-        self.original = self.lm.config._attn_implementation
-        if self.original not in MASKS:
+        self.original = hf.attention_implementation(self.lm)
+        if self.original not in hf.MASK_FUNCTIONS:
             raise VTokenError(
                 f"sparse_prefill stands in for the LLM's 'sdpa' or 'eager' attention; this model's LLM uses "
                 f"{self.original!r}: load it with attn_implementation='sdpa'"
@@ -137,19 +131,10 @@ class SparseAttention:
 
     # ----------------------------------------------------------------- install / remove
     def install(self) -> None:
-        configs = {id(self.model.config): self.model.config}
-        for sub in self.model.modules():
-            if isinstance(sub, PreTrainedModel):
-                configs.setdefault(id(sub.config), sub.config)
-        for config in list(configs.values()):
-            for key in getattr(config, "sub_configs", {}):
-                sub = getattr(config, key, None)
-                if sub is not None:
-                    configs.setdefault(id(sub), sub)
-        self._saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs.values()]
+        self._saved = hf.stored_attention(self.model)
         for module in self.attention_modules:
             _STAGES[module] = weakref.ref(self)
-        self.model.set_attn_implementation({"text_config": _register(self.original)})
+        hf.set_text_attention(self.model, _register(self.original))
         self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
         self._hooks.append(self.lm.register_forward_hook(self._after_lm))
         if self.method.pattern == "grid":
@@ -184,16 +169,15 @@ class SparseAttention:
         for module in self.attention_modules:
             _STAGES.pop(module, None)
         if self._saved:
-            self.model.set_attn_implementation({"text_config": self.original})
-            for config, internal in self._saved:  # exactly what each config stored before
-                config._attn_implementation_internal = internal
+            hf.set_text_attention(self.model, self.original)
+            hf.restore_attention(self._saved)  # exactly what each config stored before
             self._saved = []
 
     # ----------------------------------------------------------------- per call
     def _before_lm(self, module, args, kwargs) -> None:
         embeds = kwargs.get("inputs_embeds")
         shape = embeds.shape[:2] if embeds is not None else kwargs["input_ids"].shape
-        cache = kwargs.get("past_key_values")
+        cache = hf.cache_in(kwargs)
         past = cache.get_seq_length() if cache is not None else 0
         call = _Call(int(shape[1])) if past == 0 else None
         if call is not None and self.method.pattern == "grid":
@@ -252,10 +236,8 @@ class SparseAttention:
 
     # ----------------------------------------------------------------- the attention function
     def _original(self, module, query, key, value, attention_mask, **kwargs):
-        if self.original == "sdpa":
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        eager = sys.modules[type(module).__module__].eager_attention_forward
-        return eager(module, query, key, value, attention_mask, **kwargs)
+        attend = hf.attention_function(self.original, module)
+        return attend(module, query, key, value, attention_mask, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, **kwargs):
         call = self._local.get().call

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import inputs_for, make_image
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.zoo import build_prompt
@@ -256,9 +257,8 @@ def test_manual_decoding_loop_after_a_pruned_forward(llava, batch, explicit_posi
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             if explicit_positions:
                 kwargs = {"position_ids": positions[:, -1:] + len(tokens)}
-            out = model(
-                input_ids=tokens[-1], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True, **kwargs
-            )
+            cache = hf.cache_kwargs(hf.cache_out(out))
+            out = model(input_ids=tokens[-1], attention_mask=mask, **cache, use_cache=True, **kwargs)
             tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
         assert len(handle.records) == 2  # decoding steps of the same call keep its records
     assert torch.equal(torch.cat(tokens, dim=1), expected[:, batch["input_ids"].shape[1] :])

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import OTHER_TINY_MODELS, inputs_for
 from transformers import DynamicCache
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.methods.mustdrop import dual_attention_filter
@@ -98,7 +99,7 @@ def reference_generate(lm, head, embeds, visual, decide, drop_layers, renumber, 
             n = len(cols)
             pos = torch.tensor([positions])
             causal = torch.full((n, n), torch.finfo(hidden.dtype).min).triu(1)[None, None]
-            hidden = layer(hidden, attention_mask=causal, position_ids=pos, past_key_values=cache, use_cache=True,
+            hidden = layer(hidden, attention_mask=causal, position_ids=pos, **hf.cache_kwargs(cache), use_cache=True,
                            position_embeddings=lm.rotary_emb(hidden, pos))  # fmt: skip
             if i in drop_layers:
                 keep_visual = decide(weights[i][0].mean(0), cols, visual)
@@ -120,7 +121,7 @@ def reference_generate(lm, head, embeds, visual, decide, drop_layers, renumber, 
             for i, layer in enumerate(lm.layers):
                 numbered = max(held[i][1]) + 1 if renumber else length  # right after its last prompt position
                 pos = torch.tensor([[numbered + step]])
-                hidden = layer(hidden, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True,
+                hidden = layer(hidden, attention_mask=None, position_ids=pos, **hf.cache_kwargs(cache), use_cache=True,
                                position_embeddings=lm.rotary_emb(hidden, pos))  # fmt: skip
             logits.append(head(lm.norm(hidden[:, -1])))
     for hook in hooks:
@@ -296,7 +297,7 @@ def test_prefill_drop_saves_cache_and_composes_with_an_encoder_method(deep_llava
         out = model(**single, use_cache=True)
         embeds = captured_llm_input(model, single)
         stages = [r.stage for r in handle.records]
-        lengths = [layer.keys.shape[2] for layer in out.past_key_values.layers]
+        lengths = [layer.keys.shape[2] for layer in hf.cache_out(out).layers]
     with vtoken.patched(model, vtoken.HiRED(budget=0.5)):
         assert torch.equal(embeds, captured_llm_input(model, single))
     assert stages == ["encoder", "prefill.layer2"]
@@ -496,12 +497,12 @@ def test_a_manual_decoding_loop_equals_generate(deep_llava, single):
         want = model.generate(**single, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
                               return_dict_in_generate=True).logits  # fmt: skip
         out = model(**single, use_cache=True)
-        logits, cache, mask = [out.logits[:, -1]], out.past_key_values, single["attention_mask"]
+        logits, cache, mask = [out.logits[:, -1]], hf.cache_out(out), single["attention_mask"]
         for _ in range(3):
             token = logits[-1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, attention_mask=mask, **hf.cache_kwargs(cache), use_cache=True)
             logits.append(out.logits[:, -1])
         with pytest.raises(vtoken.InputError, match="attention_mask covering"):
-            model(input_ids=token, attention_mask=mask[:, :-3], past_key_values=cache, use_cache=True)
+            model(input_ids=token, attention_mask=mask[:, :-3], **hf.cache_kwargs(cache), use_cache=True)
     assert (torch.stack(logits) - torch.stack(want)).abs().max() <= 1e-4

@@ -5,6 +5,7 @@ later layers (recurrent ones included) run on the shorter sequence."""
 import pytest
 import torch
 from conftest import assert_batch_beams_and_restore, assert_identity, make_image
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.images import example_clip
@@ -79,12 +80,12 @@ def test_pruned_run_equals_language_model_with_original_positions(qwen35, video)
         text = torch.arange(kept_ids.shape[1])[None, None]
         out = inner.language_model(inputs_embeds=embeds, position_ids=torch.cat([text, positions]), use_cache=True)
         ref = model.lm_head(out.last_hidden_state)
-        tokens, cache, nxt = [ref[:, -1].argmax(-1, keepdim=True)], out.past_key_values, int(positions.max()) + 1
+        tokens, cache, nxt = [ref[:, -1].argmax(-1, keepdim=True)], hf.cache_out(out), int(positions.max()) + 1
         for step in range(3):
             position = torch.cat([torch.full((1, 1, 1), kept_ids.shape[1] + step), torch.full((3, 1, 1), nxt + step)])
             out = inner.language_model(
                 inputs_embeds=model.get_input_embeddings()(tokens[-1]),
-                past_key_values=cache,
+                **hf.cache_kwargs(cache),
                 position_ids=position,
                 use_cache=True,
             )
@@ -210,7 +211,7 @@ def test_fastv_identity_batch_and_decoding_with_the_hybrid_cache(qwen35):
             model(**batched)
         assert [r.stage for r in handle.records][-2:] == ["prefill.layer1"] * 2
     with torch.no_grad(), vtoken.patched(model, vtoken.FastV(layer=1, keep=0.25)) as handle:
-        cache = model(**singles[0], use_cache=True).past_key_values
+        cache = hf.cache_out(model(**singles[0], use_cache=True))
     dropped = handle.records[-1].tokens_in - handle.records[-1].tokens_out
     assert cache.layers[3].keys.shape[2] == cache.layers[1].keys.shape[2] - dropped == cache.get_seq_length() - dropped
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_batch_beams_and_restore, assert_identity, make_image
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.images import example_clip
@@ -62,7 +63,7 @@ def _reference_generate(model, inputs, keep_columns, visual_embeds, deepstack, s
             use_cache=True,
         )
         logits = model.lm_head(out.last_hidden_state)
-        tokens, cache, nxt = [], out.past_key_values, int(positions.max()) + 1
+        tokens, cache, nxt = [], hf.cache_out(out), int(positions.max()) + 1
         token = logits[:, -1].argmax(-1, keepdim=True)
         for step in range(steps):
             tokens.append(token)
@@ -71,7 +72,7 @@ def _reference_generate(model, inputs, keep_columns, visual_embeds, deepstack, s
             position = torch.cat([torch.full((1, 1, 1), ids.shape[1] + step), torch.full((3, 1, 1), nxt + step)])
             out = inner.language_model(
                 inputs_embeds=model.get_input_embeddings()(token),
-                past_key_values=cache,
+                **hf.cache_kwargs(cache),
                 position_ids=position,
                 use_cache=True,
             )

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_batch_equals_one_by_one, assert_identity, make_image
 from PIL import Image
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.zoo import tiny_qwen2_5_vl, tiny_qwen2_vl
@@ -62,7 +63,7 @@ def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
         embeds[ids == model.config.video_token_id] = image_embeds if (ids == model.config.video_token_id).any() else 0
         out = inner.language_model(inputs_embeds=embeds, position_ids=torch.cat([text, positions]), use_cache=True)
         logits = model.lm_head(out.last_hidden_state)
-        tokens, cache, nxt = [], out.past_key_values, int(positions.max()) + 1
+        tokens, cache, nxt = [], hf.cache_out(out), int(positions.max()) + 1
         token = logits[:, -1].argmax(-1, keepdim=True)
         for step in range(steps):
             tokens.append(token)
@@ -72,7 +73,7 @@ def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
             text_pos = torch.full((1, 1, 1), ids.shape[1] + step)
             out = inner.language_model(
                 inputs_embeds=model.get_input_embeddings()(token),
-                past_key_values=cache,
+                **hf.cache_kwargs(cache),
                 position_ids=torch.cat([text_pos, pos]),
                 use_cache=True,
             )
@@ -175,7 +176,7 @@ def test_beams_manual_decoding_and_restore(qwen):
             for _ in range(3):
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 out = model(
-                    input_ids=tokens[-1], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True
+                    input_ids=tokens[-1], attention_mask=mask, **hf.cache_kwargs(hf.cache_out(out)), use_cache=True
                 )
                 tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
         after = model.generate(**inputs, max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import inputs_for
 from transformers import StaticCache
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.zoo import build_prompt, tiny_llava
@@ -313,7 +314,7 @@ def test_static_cache_is_refused_before_anything_runs(llava4, prompts, name):
                 model.generate(**prompts[0], **GREEDY, cache_implementation="static")
             cache = StaticCache(config=model.config.get_text_config(), max_cache_len=1024)
             with pytest.raises(vtoken.InputError, match="StaticCache"):
-                model(**prompts[0], past_key_values=cache, use_cache=True)
+                model(**prompts[0], **hf.cache_kwargs(cache), use_cache=True)
     finally:
         hook.remove()
     assert calls == []

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import assert_identity, inputs_for, video_inputs
 from PIL import Image
+from vtoken.adapters import hf
 from vtoken.kernels import block_mask_from_plan
 
 import vtoken
@@ -220,7 +221,8 @@ def run_capturing_lm(model, inputs):
     seen = {}
 
     def before(module, args, kwargs):
-        seen["kwargs"] = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
+        left_out = ("past_key_values", hf.CACHE_KWARG, "use_cache")
+        seen["kwargs"] = {k: v for k, v in kwargs.items() if k not in left_out}
 
     def after(module, args, output):
         seen["hidden"] = output.last_hidden_state

