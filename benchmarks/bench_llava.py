@@ -28,10 +28,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
+from vtoken.adapters import hf  # noqa: E402
 from vtoken.adapters.probes import ClsAttentionProbe  # noqa: E402
 
 import vtoken  # noqa: E402
@@ -117,8 +117,8 @@ def measure_ttft(model, processor, batch: int, budgets, repeats: int, device, dt
         @torch.inference_mode()
         def oracle(cut=cut, k=k):
             feats = model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).pooler_output
-            mm = {"image": BaseModelOutputWithPooling(pooler_output=[f[:k] for f in feats])}
-            model.generate(**cut, mm_encoder_outputs=mm, **generate)
+            mm = {"image": hf.encoder_output([f[:k] for f in feats])}
+            model.generate(**cut, **{hf.ENCODER_OUTPUTS: mm}, **generate)
 
         configs[f"oracle@{budget:g}"], ks[f"oracle@{budget:g}"] = oracle, k
 

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 from bench_families import _build  # noqa: E402
+from vtoken.adapters import hf  # noqa: E402
 
 import vtoken  # noqa: E402
 from vtoken.images import example_image  # noqa: E402
@@ -54,7 +55,7 @@ def shapes(cuda: bool) -> dict:
 def cache_bytes(model, inputs) -> int:
     """Bytes of the KV cache after a prefill of `inputs`."""
     with torch.no_grad():
-        cache = model(**inputs, use_cache=True).past_key_values
+        cache = hf.cache_out(model(**inputs, use_cache=True))
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
