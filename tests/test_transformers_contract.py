@@ -4,7 +4,9 @@ assumption and the release that changed it, so a new release's break reads as on
 failures across the adapter and LLM-stage tests."""
 
 import inspect
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from vtoken.adapters import hf
 
 import vtoken
-from vtoken.zoo import tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl, tiny_qwen3_vl
+from vtoken.zoo import tiny_qwen2_5_vl, tiny_qwen2_vl, tiny_qwen3_vl
 
 VERSION = f"transformers {hf.INSTALLED}"
 
@@ -58,9 +60,9 @@ def ids(length: int, seed: int = 0) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------- the tested range
-def test_tested_range_warning(monkeypatch):
+def test_tested_range_warning(llava, monkeypatch):
     """`vtoken.patch` warns once per process outside MIN_TESTED..MAX_TESTED, and never inside it."""
-    model, _ = tiny_llava()
+    model, _ = llava
     assert hf.tested(hf.Version(hf.MIN_TESTED)) and hf.tested(hf.Version(hf.MAX_TESTED))
     assert not hf.tested(hf.Version("5.18.0")) and not hf.tested(hf.Version("5.25.0"))
     for outside in ("5.18.2", "5.25.0.dev0"):
@@ -79,6 +81,15 @@ def test_tested_range_warning(monkeypatch):
         warnings.simplefilter("error")
         with vtoken.patched(model, "random", budget=0.5):
             pass
+
+
+def test_only_hf_knows_the_version():
+    """No module of the package but adapters/hf.py reads the transformers version (so none branches on it)."""
+    root = Path(__file__).resolve().parent.parent
+    pattern = re.compile(r"transformers\.__version__|version\(\s*[\"']transformers[\"']|INSTALLED\.release")
+    readers = [str(path.relative_to(root)) for folder in ("vtoken", "adapters", "kernels")
+               for path in sorted((root / folder).rglob("*.py")) if pattern.search(path.read_text())]  # fmt: skip
+    assert readers == ["adapters/hf.py"], f"only adapters/hf.py may read the transformers version; found {readers}"
 
 
 # ----------------------------------------------------------------- the cache: kwarg and output field
@@ -272,7 +283,9 @@ def test_selected_hidden_states(llava):
     with torch.no_grad():
         every = tower(pixels, output_hidden_states=True).hidden_states
         picked = hf.hidden_states(tower, [-2, 0], pixels)
-    assert torch.equal(picked[0], every[-2]) and torch.equal(picked[1], every[0]), broken(
+    wanted = (every[-2], every[0])
+    same = [isinstance(got, torch.Tensor) and torch.equal(got, want) for got, want in zip(picked, wanted, strict=True)]
+    assert all(same), broken(
         "hf.hidden_states([-2, 0]) does not return hidden_states[-2] and [0]",
         "5.23 made `output_hidden_states` take a list of hidden-state indices; before, a list meant layer outputs",
     )
