@@ -1,30 +1,66 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    -> installs into .venv, then runs the CLI on vtoken-mini and a generated scene
-#   make test   -> installs into .venv everything the tests need (all extras, a browser), then runs the whole
-#                  test suite (what CI runs)
+#   make test   -> installs into .venv the exact versions of requirements.lock (all extras) and a browser, then runs
+#                  the whole test suite (what CI runs, with `make test-min` after it)
+# Maintainers: `make lock` regenerates the locks from the newest releases; `make compat` tries the newest releases of
+# every dependency, ignoring the lock and the upper bounds (docs/versions.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# torch 2.14.1 + torchvision 0.29.1 is the pairing that imports together on the project's machines
-TORCH := torch==2.14.1 torchvision==0.29.1
+PY := $(BIN)/python
+# exact versions of everything the suite imports (Python 3.11, Linux x86_64), and the same with the lowest supported
+# transformers (.ci/min-constraints.txt)
+LOCK := requirements.lock
+MIN_LOCK := requirements-min.lock
+PIP := pip==26.3
+UV := uv==0.13.9
+# the adapter and LLM-stage tests that run again on the lowest supported transformers, in .venv-min: every test that
+# drives a model family's internals through patch/generate (the transformers internals vtoken touches)
+MIN_VENV := .venv-min
+MIN_TESTS := $(wildcard tests/test_transformers_contract.py) tests/test_families.py tests/test_llava_invariants.py \
+	tests/test_llava_next.py tests/test_llava_next_video.py tests/test_llava_onevision.py tests/test_video_llava.py \
+	tests/test_qwen_vl.py tests/test_qwen3_vl.py tests/test_qwen3_5.py tests/test_gemma3.py tests/test_internvl.py \
+	tests/test_perception_lm.py tests/test_fast_vlm.py tests/test_llm_stages.py tests/test_sparse_prefill.py \
+	tests/test_reliability.py tests/test_qk_probe.py
+COMPAT_VENV := .venv-compat
+PYTEST_ARGS ?= -q
+# stamps are written as new files (rm, then touch): a venv may be a hard-linked copy of another, whose stamps touch
+# would update too
 
-.PHONY: setup test-setup browser run test lint bench
+.PHONY: setup test-setup test-min-setup browser run test test-min lint bench lock compat
 
-$(VENV)/.setup-stamp: pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[dev]"
-	touch $@
+	$(PY) -m pip install -q $(PIP)
 
-# the tests also cover lmms-eval, the Gradio demo in a real browser, timm/open_clip towers and Triton kernels
-$(VENV)/.test-stamp: $(VENV)/.setup-stamp pyproject.toml
-	$(BIN)/pip install -q -e ".[all]"
-	touch $@
+# `make run` needs only the base install and the dev tools: the lock's versions of them (-c), nothing more
+$(VENV)/.setup-stamp: pyproject.toml $(LOCK) | $(PY)
+	$(PY) -m pip install -q -c $(LOCK) -e ".[dev]"
+	@rm -f $@ && touch $@
+
+# the tests also cover lmms-eval, the Gradio demo in a real browser, timm/open_clip towers and Triton kernels:
+# everything in the lock (pip's machine-wide cap, where there is one, agrees with the lock's torch)
+$(VENV)/.test-stamp: $(VENV)/.setup-stamp $(LOCK)
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip check
+	@rm -f $@ && touch $@
+
+# a hard-linked copy of .venv (seconds, no disk: pip replaces files, never edits them in place) with the min lock's
+# few different versions installed over it; always call it as $(MIN_VENV)/bin/python -m ... (the copied scripts'
+# shebangs still name .venv's python)
+$(MIN_VENV)/.stamp: $(VENV)/.test-stamp $(MIN_LOCK)
+	rm -rf $(MIN_VENV)
+	cp -al $(VENV) $(MIN_VENV)
+	rm -f $(MIN_VENV)/.*stamp
+	$(MIN_VENV)/bin/python -m pip install -q -r $(MIN_LOCK)
+	$(MIN_VENV)/bin/python -m pip check
+	@rm -f $@ && touch $@
 
 setup: $(VENV)/.setup-stamp
 
 test-setup: $(VENV)/.test-stamp browser
+
+test-min-setup: $(MIN_VENV)/.stamp
 
 # Debian's chromium for the browser test (playwright's own browser download cannot work offline)
 browser:
@@ -39,10 +75,40 @@ run: setup
 
 test: test-setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests $(or $(PYTEST_ARGS),-q)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# the adapter and LLM-stage tests on the lowest supported transformers (CI runs it after `make test`)
+test-min: test-min-setup
+	@$(MIN_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(MIN_VENV)/bin/python -m pytest $(MIN_TESTS) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 bench: setup
 	$(BIN)/python benchmarks/bench_llava.py $(ARGS)
+
+# the newest release of every requirement (all extras) that .ci/lock-constraints.txt allows; then the same again
+# with the lowest supported transformers, keeping every other version of the first lock where it can
+UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --all-extras --python $(PY) --quiet \
+	--custom-compile-command "make lock" -c .ci/lock-constraints.txt
+lock: | $(PY)
+	$(PY) -m pip install -q $(UV)
+	$(UV_COMPILE) --upgrade -o $(LOCK)
+	cp $(LOCK) $(MIN_LOCK)
+	$(UV_COMPILE) -c .ci/min-constraints.txt -o $(MIN_LOCK)
+	@diff $(LOCK) $(MIN_LOCK) | grep '^[<>] [A-Za-z]' || true
+
+# a fresh venv with the newest release of every dependency pip can install here (the lock and pyproject's upper
+# bounds ignored; pip's machine-wide torch cap, where there is one, still applies), the whole suite, and a report:
+# key versions against the lock, failures by test file, failing contract tests with their first message line
+compat:
+	rm -rf $(COMPAT_VENV)
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(PYTHON) tools/compat.py requirements pyproject.toml > $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q -r $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-deps -e .
+	-$(COMPAT_VENV)/bin/python -m pytest tests -p no:cacheprovider --continue-on-collection-errors \
+		--junitxml=$(COMPAT_VENV)/junit.xml $(PYTEST_ARGS)
+	$(COMPAT_VENV)/bin/python tools/compat.py report $(COMPAT_VENV)/junit.xml --lock $(LOCK)
