@@ -105,7 +105,8 @@ def test_video_from_a_gif(tmp_path, capsys, model, expected):
 
 def test_budget_reaches_each_methods_own_knob():
     from vtoken import Record
-    from vtoken.cli import llm_tokens, method_params
+    from vtoken.cli import method_params
+    from vtoken.records import llm_tokens
 
     assert method_params("fastervlm", 0.25) == {"budget": 0.25}
     assert method_params("fastv", 0.5) == {"keep": 0.5}

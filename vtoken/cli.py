@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -15,7 +13,9 @@ from . import api
 from .budget import parse_number
 from .errors import InputError, VTokenError
 from .images import example_image, load_image, load_video
+from .records import llm_tokens
 from .registry import available_methods, make_method, method_class, supported_models
+from .timing import time_to_first_token
 from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
 
 DEFAULT_PROMPT = "What is in the image?"
@@ -28,20 +28,6 @@ def parse_budget(text: str) -> float | int:
         return parse_number(text)
     except VTokenError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _time_to_first_token(model, inputs, repeats: int) -> float:
-    """Median seconds of a one-token generate (image encoding + selection + prefill)."""
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(**inputs, max_new_tokens=1, do_sample=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
 
 
 def _answer(model, processor, inputs, max_new_tokens: int) -> str:
@@ -59,16 +45,6 @@ def method_params(name: str, budget: float | int) -> dict:
         if field_name in accepted:
             return {field_name: budget}
     return {}
-
-
-def llm_tokens(records) -> tuple[int, int]:
-    """Visual tokens before the first stage and after the last that shortens the LLM's input."""
-    stages = [s for s in dict.fromkeys(r.stage for r in records)
-              if s not in ("encoder.keyset", "decode.kv") and not s.startswith("sparse")]  # fmt: skip
-    if not stages:
-        return 0, 0
-    tokens_in = sum(r.tokens_in for r in records if r.stage == stages[0])
-    return tokens_in, sum(r.tokens_out for r in records if r.stage == stages[-1])
 
 
 def kept_map(record) -> str:
@@ -163,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.inference_mode():
         base_answer = _answer(model, processor, inputs, args.max_new_tokens)
-        base_ttft = _time_to_first_token(model, inputs, args.repeats)
+        base_ttft = time_to_first_token(model, inputs, args.repeats)
         with api.patched(model, args.method, **params) as handle:
             answer = _answer(model, processor, inputs, args.max_new_tokens)
             records = list(handle.records)
-            ttft = _time_to_first_token(model, inputs, args.repeats)
+            ttft = time_to_first_token(model, inputs, args.repeats)
 
     tokens_in, tokens_out = llm_tokens(records)
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
@@ -199,13 +175,6 @@ def list_all(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=MINI, help=f"built-in ({', '.join(BUILTIN_MODELS)}) or checkpoint dir")
-    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--share", action="store_true", help="also serve through a public Gradio share link")
-
-
 def demo(args: argparse.Namespace) -> int:
     from .demo.app import launch
 
@@ -234,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     p = sub.add_parser("demo", help="the Gradio demo in a browser (needs pip install 'vtoken[demo]')")
+    from .demo import demo_arguments
+
     demo_arguments(p)
     p.set_defaults(func=demo)
     return parser

@@ -77,3 +77,13 @@ def summarize(records: list[Record]) -> str:
         tout = sum(r.tokens_out for r in records if r.stage == stage)
         lines.append(f"{stage}: {tin} -> {tout} visual tokens ({tout / max(tin, 1):.1%} kept)")
     return "\n".join(lines)
+
+
+def llm_tokens(records) -> tuple[int, int]:
+    """Visual tokens before the first stage and after the last that shortens the LLM's input."""
+    stages = [s for s in dict.fromkeys(r.stage for r in records)
+              if s not in ("encoder.keyset", "decode.kv") and not s.startswith("sparse")]  # fmt: skip
+    if not stages:
+        return 0, 0
+    tokens_in = sum(r.tokens_in for r in records if r.stage == stages[0])
+    return tokens_in, sum(r.tokens_out for r in records if r.stage == stages[-1])

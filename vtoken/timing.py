@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -41,3 +42,17 @@ class Stopwatch:
             self._stop.synchronize()
             self._seconds = self._start.elapsed_time(self._stop) / 1e3
         return self._seconds
+
+
+def time_to_first_token(model, inputs, repeats: int) -> float:
+    """Median seconds of a one-token generate (image encoding + selection + prefill)."""
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])

@@ -6,9 +6,21 @@ the unpatched model, what each kept, time to first token, and a budget sweep on 
 
 from __future__ import annotations
 
+import argparse
+
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m vtoken.demo` / `python demo/app.py`: parse the options and serve the page."""
     from .app import main as app_main
 
     app_main(argv)
+
+
+def demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options, on `parser` (`vtoken demo` and `python -m vtoken.demo` share them)."""
+    from ..zoo import BUILTIN_MODELS, MINI
+
+    parser.add_argument("--model", default=MINI, help=f"built-in ({', '.join(BUILTIN_MODELS)}) or checkpoint dir")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="also serve through a public Gradio share link")

@@ -461,11 +461,18 @@ def model_state(name: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """`python demo/app.py [options]`: the same as `vtoken demo [options]`."""
+    import argparse
     import sys
 
-    from ..cli import main as cli_main
+    from . import demo_arguments
 
-    sys.exit(cli_main(["demo", *(sys.argv[1:] if argv is None else argv)]))
+    parser = argparse.ArgumentParser(prog="python -m vtoken.demo", description="the vtoken Gradio demo")
+    demo_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        launch(args.model, args.host, args.port, args.share)
+    except VTokenError as err:
+        sys.exit(f"vtoken demo: error: {err}")
 
 
 def launch(model: str = MINI, host: str = "127.0.0.1", port: int = 7860, share: bool = False, **kwargs):

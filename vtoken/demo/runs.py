@@ -13,14 +13,13 @@ from PIL import Image
 
 from .. import api
 from ..applicability import applicable_layouts, applicable_methods, fitting_params
-from ..cli import _time_to_first_token as time_to_first_token
-from ..cli import llm_tokens
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image
 from ..methods.base import Method
-from ..records import Record
+from ..prompts import build_prompt
+from ..records import Record, llm_tokens
 from ..registry import make_method, method_class
-from ..zoo import build_prompt
+from ..timing import time_to_first_token
 
 Progress = Callable[[float, str], None]
 
