@@ -38,7 +38,35 @@ def test_run_on_builtin_tiny_model_with_an_image_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "visual tokens: 576 -> 144 (25.0% kept)" in out
-    assert "time to first token: unpatched" in out and "answer (patched)" in out
+    assert "time to first token (median of 1 interleaved runs" in out and "answer (patched)" in out
+    assert "no spread, within noise" in out  # one run: no claim
+
+
+@pytest.mark.parametrize(
+    "unpatched, patched, verdict",
+    [
+        ((0.020, 0.021, 0.022), (0.010, 0.0105, 0.011), "2.00x faster (1.82-2.20)"),
+        ((0.020, 0.018, 0.025), (0.019, 0.021, 0.024), "within noise"),  # keep-all: the spreads overlap
+    ],
+)
+def test_run_prints_the_timing_rule(monkeypatch, capsys, unpatched, patched, verdict):
+    """The speed line follows vtoken.timing's rule: median, min-max, n, and 'within noise' when spreads overlap
+    (synthetic timings in place of the measured ones)."""
+    from vtoken.timing import Timing
+
+    seen = {}
+
+    def fake(model, inputs, settings, repeats):
+        seen.update(settings=list(settings), repeats=repeats)
+        return {"unpatched": Timing(unpatched), "patched": Timing(patched)}
+
+    monkeypatch.setattr("vtoken.cli.time_to_first_token", fake)
+    assert main(["run", "--model", "tiny-llava", "--budget", "1.0", "--repeats", "3", "--max-new-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert seen == {"settings": ["unpatched", "patched"], "repeats": 3}
+    assert f"unpatched  {Timing(unpatched).ms()}" in out and "n=3)" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("patched"))
+    assert verdict in line and ("faster" in line) == ("faster" in verdict)
 
 
 def test_default_is_vtoken_mini_on_its_generated_example(capsys):

@@ -272,3 +272,31 @@ def test_vtoken_demo_command_line():
     args = build_parser().parse_args(["demo", "--model", "tiny-llava", "--host", "0.0.0.0", "--port", "7999"])
     assert (args.model, args.host, args.port, args.share) == ("tiny-llava", "0.0.0.0", 7999, False)
     assert args.func.__name__ == "demo"
+
+
+def test_the_comparison_times_every_setting_under_the_timing_rule(monkeypatch):
+    """TTFT of the unpatched model and every configuration in one interleaved measurement (fresh patches around each
+    run), shown as median and min-max; a speedup whose spread crosses 1.0 reads 'within noise' (synthetic
+    timings in place of the measured ones)."""
+    from vtoken.timing import Timing
+
+    seen = {}
+
+    def fake(model, inputs, settings, repeats):
+        seen.update(names=list(settings), repeats=repeats)
+        for make in settings.values():  # each context patches (or not) and leaves the model unpatched
+            with make():
+                pass
+            assert vtoken.handle_of(model) is None
+        times = [(0.020, 0.021, 0.022), (0.010, 0.0105, 0.011), (0.019, 0.021, 0.024)]
+        return {name: Timing(t) for name, t in zip(settings, times, strict=True)}
+
+    monkeypatch.setattr(runs, "time_to_first_token", fake)
+    values = control_values(MINI)
+    result = app.run_comparison(MINI, "image", example_image(200), None, 2, "what is it?", ["fastervlm", "random"], [],
+                                "native", 3, 1, values)  # fmt: skip
+    assert seen == {"names": ["unpatched", 1, 2], "repeats": 3}
+    rows = result["rows"]
+    assert rows[0][2] == "21.0 ms (20.0-22.0, n=3)" and rows[0][3] == "(baseline)"
+    assert rows[1][3] == "2.00x faster (1.82-2.20)"
+    assert "within noise" in rows[2][3] and "faster" not in rows[2][3]

@@ -299,7 +299,7 @@ def test_vtoken_eval_sweep(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(lmms_model, "load", lambda *a, **k: loads.append(a) or load(*a, **k))
     out = tmp_path / "sweep"
     assert main(["eval", "--model", "vtoken-mini", "--methods", "fastervlm,pool", "--budgets", "0.25",
-                 "--limit", "10", "--batch-size", "5", "--out", str(out)]) == 0  # fmt: skip
+                 "--limit", "10", "--batch-size", "5", "--repeats", "2", "--out", str(out)]) == 0  # fmt: skip
     assert len(loads) == 1
     report = json.loads((out / "sweep.json").read_text())
     model, processor = load("vtoken-mini")
@@ -316,6 +316,15 @@ def test_vtoken_eval_sweep(cache, tmp_path, monkeypatch):
         assert setting["scores"]["vtoken_mini_vqa/accuracy"] == pytest.approx(expected), method
         assert setting["means"]["vtoken_visual_kept"] == (144 if method == "none" else 36)
     assert [s["method"] for s in report["settings"]] == ["none", "fastervlm", "pool"]
+    for i, setting in enumerate(report["settings"]):  # TTFT under the timing rule: n runs, median, spread
+        ttft = setting["ttft"]
+        assert ttft["n"] == 2 and ttft["min_ms"] <= ttft["median_ms"] <= ttft["max_ms"]
+        ratio = setting["ttft_vs_unpatched"]
+        assert (ratio is None) == (i == 0)
+        if ratio:
+            assert ratio["low"] <= ratio["ratio"] <= ratio["high"]
+            assert ratio["verdict"] == ("within noise" if ratio["low"] <= 1 <= ratio["high"] else
+                                        "faster" if ratio["low"] > 1 else "slower")  # fmt: skip
     assert "retention" in (out / "sweep.md").read_text()
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 

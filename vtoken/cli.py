@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
 
@@ -15,11 +16,12 @@ from .errors import InputError, VTokenError
 from .images import example_image, load_image, load_video
 from .records import llm_tokens
 from .registry import available_methods, make_method, method_class, supported_models
-from .timing import time_to_first_token
+from .timing import DEFAULT_REPEATS, summary, time_to_first_token
 from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
 
 DEFAULT_PROMPT = "What is in the image?"
 DTYPES = ("float32", "bfloat16", "float16")
+TIMING_RULE = "median of {n} interleaved runs after a warm-up, min-max in brackets; ratio vs unpatched"
 
 
 def parse_budget(text: str) -> float | int:
@@ -139,11 +141,13 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.inference_mode():
         base_answer = _answer(model, processor, inputs, args.max_new_tokens)
-        base_ttft = time_to_first_token(model, inputs, args.repeats)
         with api.patched(model, args.method, **params) as handle:
             answer = _answer(model, processor, inputs, args.max_new_tokens)
             records = list(handle.records)
-            ttft = time_to_first_token(model, inputs, args.repeats)
+        timed = time_to_first_token(
+            model, inputs, {"unpatched": nullcontext, "patched": lambda: api.patched(model, args.method, **params)},
+            repeats=args.repeats,
+        )  # fmt: skip
 
     tokens_in, tokens_out = llm_tokens(records)
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
@@ -151,10 +155,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"prompt:  {args.prompt!r}")
     print(f"method:  {args.method} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'its defaults'})")
     print(f"visual tokens: {tokens_in} -> {tokens_out} ({tokens_out / max(tokens_in, 1):.1%} kept)")
-    print(
-        f"time to first token: unpatched {base_ttft * 1e3:.1f} ms, patched {ttft * 1e3:.1f} ms "
-        f"({base_ttft / ttft:.2f}x)"
-    )
+    print(f"time to first token ({TIMING_RULE.format(n=args.repeats)}):")
+    print("\n".join("  " + line for line in summary(timed, base="unpatched")))
     print(f"answer (unpatched): {base_answer!r}")
     print(f"answer (patched):   {answer!r}")
     if expected is not None:
@@ -194,7 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, default=8, help="frames sampled uniformly from --video")
     p.add_argument("--prompt", default=None, help=f"question (default: the example's own, else {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median reported)")
+    p.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="timed runs per setting, interleaved after a warm-up (median and min-max printed)",
+    )
     p.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cpu)")
     p.set_defaults(func=run)

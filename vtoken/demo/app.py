@@ -15,6 +15,7 @@ from typing import Any
 
 from PIL import Image
 
+from .. import timing
 from ..applicability import applicable_layouts, llm_depth
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image, load_video
@@ -215,7 +216,8 @@ def run_comparison(
     check = expected is not None and expected[0] == question
     rows = []
     for o in outcomes:
-        row = [o.label, o.answer, round(o.ttft * 1e3, 1), round(base / o.ttft, 2), f"{o.tokens[0]} -> {o.tokens[1]}"]
+        ratio = "(baseline)" if o is outcomes[0] else str(timing.compare(base, o.ttft))
+        row = [o.label, o.answer, o.ttft.ms(), ratio, f"{o.tokens[0]} -> {o.tokens[1]}"]
         if check:
             row.append("yes" if (o.answer.split() or [""])[0] == expected[1] else "no")
         rows.append(row)
@@ -224,7 +226,13 @@ def run_comparison(
     return {"rows": rows, "pictures": pictures, "chart": chart, "records": text, "expected": check}
 
 
-HEADERS = ["configuration", "answer", "time to first token (ms)", "speedup", "visual tokens (LLM input -> last)"]
+HEADERS = [
+    "configuration",
+    "answer",
+    "time to first token (median, min-max)",
+    "speedup vs unpatched",
+    "visual tokens (LLM input -> last)",
+]
 
 
 # ----------------------------------------------------------------- the page
@@ -276,7 +284,13 @@ def build_demo(start_model: str = MINI):
                                     components.append(make_control(gr, control, start["defaults"].get(name, {})))
                         groups[name] = group
                     with gr.Row():
-                        repeats = gr.Slider(1, 10, value=3, step=1, label="timed runs (median, after a warm-up)")
+                        repeats = gr.Slider(
+                            1,
+                            20,
+                            value=timing.DEFAULT_REPEATS,
+                            step=1,
+                            label="timed runs per setting (interleaved, after a warm-up)",
+                        )
                         max_new = gr.Slider(1, 64, value=16, step=1, label="max new tokens")
                     run_button = gr.Button("Run", variant="primary")
             error = gr.Markdown(visible=False, elem_id="vtoken-error")

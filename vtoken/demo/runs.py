@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..methods.base import Method
 from ..prompts import build_prompt
 from ..records import Record, llm_tokens
 from ..registry import make_method, method_class
-from ..timing import time_to_first_token
+from ..timing import DEFAULT_REPEATS, Timing, time_to_first_token
 
 Progress = Callable[[float, str], None]
 
@@ -87,7 +88,7 @@ class Outcome:
 
     label: str
     answer: str
-    ttft: float
+    ttft: Timing | None  # time to first token (None until timed)
     records: list[Record]
     tokens: tuple[int, int]  # visual tokens reaching the LLM, and after its last shortening stage
     adapter: Any = None  # the patch's adapter (layout helpers for the pictures); None unpatched
@@ -133,25 +134,18 @@ def compare(
     processor,
     inputs,
     configs: list[Config],
-    repeats: int = 3,
+    repeats: int = DEFAULT_REPEATS,
     max_new_tokens: int = 16,
     progress: Progress | None = None,
 ) -> list[Outcome]:
-    """The unpatched model, then every configuration: greedy answer, time to first token (one-token `generate`,
-    warmed up, median of `repeats`: the CLI's measure) and records. Call `check_configs` first."""
+    """The unpatched model, then every configuration: greedy answer and records; then time to first token of all
+    of them under `vtoken.timing`'s rule (one-token `generate`, settings interleaved after a warm-up, median and
+    min-max of `repeats`). Call `check_configs` first."""
     visual = sum(int((inputs["input_ids"] == t).sum()) for t in _placeholder_ids(model))
-    steps = len(configs) + 1
+    steps = len(configs) + 2
     say = progress or (lambda fraction, text: None)
     say(0.0, "unpatched")
-    outcomes = [
-        Outcome(
-            "unpatched",
-            _answer(model, processor, inputs, max_new_tokens),
-            time_to_first_token(model, inputs, repeats),
-            [],
-            (visual, visual),
-        )
-    ]
+    outcomes = [Outcome("unpatched", _answer(model, processor, inputs, max_new_tokens), None, [], (visual, visual))]
     for i, config in enumerate(configs, 1):
         say(i / steps, config.label)
         methods = config.build()
@@ -160,10 +154,16 @@ def compare(
             answer = _answer(model, processor, inputs, max_new_tokens)
             records = list(handle.records)
             kept_merges = list(merges)
-            ttft = time_to_first_token(model, inputs, repeats)
             tokens = llm_tokens(records)
             tokens = tokens if tokens != (0, 0) else (visual, visual)  # no stage shortened the input (sparse prefill)
-            outcomes.append(Outcome(config.label, answer, ttft, records, tokens, handle.adapter, kept_merges))
+            outcomes.append(Outcome(config.label, answer, None, records, tokens, handle.adapter, kept_merges))
+    say((steps - 1) / steps, f"time to first token, {repeats} interleaved runs each")
+    contexts = {"unpatched": nullcontext}
+    for i, config in enumerate(configs, 1):  # a fresh patch around every timed run, outside the timer
+        contexts[i] = lambda config=config: api.patched(model, config.build(), layout=config.layout)
+    timed = time_to_first_token(model, inputs, contexts, repeats=repeats)
+    for outcome, key in zip(outcomes, contexts, strict=True):
+        outcome.ttft = timed[key]
     say(1.0, "done")
     return outcomes
 

@@ -139,6 +139,7 @@ class VTokenLMM(lmms):
         self._rank = accelerator.process_index
         self._world_size = accelerator.num_processes
         self._warned: set[str] = set()
+        self.timing_inputs = None  # the first batch `generate` saw: what `vtoken eval` times TTFT on
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> VTokenLMM:
@@ -284,6 +285,8 @@ class VTokenLMM(lmms):
             if value.is_floating_point():
                 inputs[key] = value.to(model.dtype)
 
+        if self.timing_inputs is None:
+            self.timing_inputs = inputs
         clock = _FirstTokenClock()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

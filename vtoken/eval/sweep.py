@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from ..budget import parse_budget
 from ..errors import VTokenError
 from ..registry import method_class
+from ..timing import DEFAULT_REPEATS, Timing, compare, time_to_first_token
 from . import tasks_path
 from .options import build_methods, method_names
 
@@ -33,6 +35,7 @@ class Setting:
     params: dict[str, Any]
     scores: dict[str, float] = field(default_factory=dict)
     means: dict[str, float] = field(default_factory=dict)
+    ttft: Timing | None = None  # time to first token on the task's first batch, interleaved with every setting
 
     def methods(self) -> list:
         """Fresh method objects of this setting (none for the unpatched model)."""
@@ -142,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
                 for sample in results.get("samples", {}).get(task, []):
                     f.write(json.dumps({"task": task, **sample}, default=str) + "\n")
     lm.set_methods([])
+    if lm.timing_inputs is not None:
+        time_settings(lm, points, args.layout, args.repeats)
 
     report = {
         "model": args.model,
@@ -149,8 +154,16 @@ def run(args: argparse.Namespace) -> int:
         "limit": args.limit,
         "layout": args.layout,
         "settings": [
-            {"method": p.method, "budget": p.budget, "params": p.params, "scores": p.scores, "means": p.means}
-            for p in points
+            {
+                "method": p.method,
+                "budget": p.budget,
+                "params": p.params,
+                "scores": p.scores,
+                "means": p.means,
+                "ttft": p.ttft.to_dict() if p.ttft else None,
+                "ttft_vs_unpatched": compare(points[0].ttft, p.ttft).to_dict() if p.ttft and i else None,
+            }
+            for i, p in enumerate(points)
         ],
     }
     (out / "sweep.json").write_text(json.dumps(report, indent=2))
@@ -162,6 +175,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def time_settings(lm, points: list[Setting], layout: str, repeats: int) -> None:
+    """Time to first token of every setting on the first batch the task gave (`lm.timing_inputs`), under
+    `vtoken.timing`'s rule: settings interleaved after a warm-up, `repeats` runs each (the per-batch times of
+    the accuracy runs are sequential, so they are not compared)."""
+
+    def patched(point: Setting):
+        @contextmanager
+        def context():
+            lm.set_methods(point.methods(), layout)
+            try:
+                yield
+            finally:
+                lm.set_methods([])
+
+        return context
+
+    import torch
+
+    with torch.inference_mode():
+        timed = time_to_first_token(lm.model, lm.timing_inputs, {p.label: patched(p) for p in points}, repeats)
+    for point in points:
+        point.ttft = timed[point.label]
+
+
 def _pack_tasks(manager) -> list[str]:
     return sorted(t for t in manager.all_tasks if t.startswith("vtoken_"))
 
@@ -171,14 +208,17 @@ def retention_table(points: list[Setting]) -> str:
     ms and TTFT."""
     base = points[0].scores
     metrics = list(base)
-    head = ["setting", "kept tokens", *metrics, *(f"retention {m}" for m in metrics), "selection ms", "TTFT ms"]
+    head = ["setting", "kept tokens", *metrics, *(f"retention {m}" for m in metrics), "selection ms",
+            "TTFT (median, min-max)", "TTFT speedup"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
         kept = p.means.get("vtoken_visual_kept", float("nan"))
         scores = [f"{p.scores.get(m, float('nan')):.3f}" for m in metrics]
         retention = [f"{p.scores.get(m, float('nan')) / base[m]:.1%}" if base[m] else "n/a" for m in metrics]
+        ttft = p.ttft.ms() if p.ttft else "n/a"
+        speedup = "(baseline)" if p is points[0] else str(compare(points[0].ttft, p.ttft)) if p.ttft else "n/a"
         cells = [p.label, f"{kept:.1f}", *scores, *retention, f"{p.means.get('vtoken_selection_ms', 0):.2f}",
-                 f"{p.means.get('vtoken_ttft_ms', float('nan')):.1f}"]  # fmt: skip
+                 ttft, speedup]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -223,4 +263,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--include-path", action="append", default=[], help="more lmms-eval task directories")
     p.add_argument("--out", default="vtoken-eval", help="output directory")
+    p.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="timed runs per setting for TTFT (interleaved after a warm-up; median and min-max)",
+    )
     p.set_defaults(func=run)
