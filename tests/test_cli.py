@@ -131,6 +131,22 @@ def test_video_from_a_gif(tmp_path, capsys, model, expected):
     assert "clip.gif" in out and f"{expected} (25.0% kept)" in out
 
 
+@pytest.mark.parametrize(
+    "argv, shown",
+    [
+        ([], "fastervlm(budget=25%)"),  # the one default budget
+        (["--budget", "25"], "fastervlm(budget=25 tokens)"),  # an int is a count, and says so
+        (["--budget", "0.5"], "fastervlm(budget=50%)"),
+        (["--method", "hired"], "hired(budget=25%)"),  # the same default for every method with a budget
+        (["--method", "pool", "--budget", "36"], "pool(budget=36 tokens)"),
+    ],
+)
+def test_run_shows_the_budget_it_applied(capsys, argv, shown):
+    assert quick_run("--model", "vtoken-mini", *argv) == 0
+    out = capsys.readouterr().out
+    assert f"method:  {shown}\n" in out
+
+
 def test_budget_reaches_each_methods_own_knob():
     from vtoken import Record
     from vtoken.cli import method_params
@@ -139,6 +155,8 @@ def test_budget_reaches_each_methods_own_knob():
     assert method_params("fastervlm", 0.25) == {"budget": 0.25}
     assert method_params("fastv", 0.5) == {"keep": 0.5}
     assert method_params("mustdrop", 0.5) == {}  # its thresholds are the knob
+    assert method_params("hired", None) == {"budget": 0.25} == method_params("fastervlm", None)  # one default
+    assert method_params("fastv", None) == {}  # FastV keeps its own `keep`
     records = [
         Record("encoder.merge", "mustdrop", 0, 0, 576, 400, None, (24, 24), None),
         Record("encoder.keyset", "mustdrop", 0, 0, 400, 32, None, (1, 400), None),

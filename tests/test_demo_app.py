@@ -300,3 +300,30 @@ def test_the_comparison_times_every_setting_under_the_timing_rule(monkeypatch):
     assert rows[0][2] == "21.0 ms (20.0-22.0, n=3)" and rows[0][3] == "(baseline)"
     assert rows[1][3] == "2.00x faster (1.82-2.20)"
     assert "within noise" in rows[2][3] and "faster" not in rows[2][3]
+
+
+def test_budget_controls_take_a_fraction_or_a_count_and_never_clamp():
+    """'25' in a budget box is 25 tokens (not clamped to 1.0), '0.25' a quarter; the row says which; a value the
+    library refuses is an error naming the control; every method with a budget starts at the same one."""
+    from vtoken.budget import DEFAULT_BUDGET
+
+    specs = controls.control_specs()
+    budget_controls = [c for c in specs if c.param in ("budget", "keep")]
+    assert budget_controls and all(c.kind == "budget" for c in budget_controls)
+    model, _ = app.get_model(MINI)
+    starts = {c.method: controls.default_params(model, c.method)["budget"] for c in specs if c.param == "budget"}
+    assert set(starts.values()) == {DEFAULT_BUDGET}, starts
+
+    fastervlm = next(c for c in specs if (c.method, c.param) == ("fastervlm", "budget"))
+    assert controls.control_value(fastervlm, "25") == (True, 25)
+    assert controls.control_value(fastervlm, "0.25") == (True, 0.25)
+    for bad in ("1.5", "0", "abc", ""):
+        with pytest.raises(vtoken.InputError, match="fastervlm budget"):
+            controls.control_value(fastervlm, bad)
+
+    values = control_values(MINI)
+    values[specs.index(fastervlm)] = "25"
+    result = app.run_comparison(MINI, "image", example_image(200), None, 2, "what is it?", ["fastervlm"], [],
+                                "native", 1, 1, values)  # fmt: skip
+    label, tokens = result["rows"][1][0], result["rows"][1][4]
+    assert label == "fastervlm(budget=25 tokens)" and tokens == "144 -> 25"

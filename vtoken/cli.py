@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from . import api
-from .budget import parse_number
+from .budget import DEFAULT_BUDGET, parse_number
 from .errors import InputError, VTokenError
 from .images import example_image, load_image, load_video
 from .records import llm_tokens
-from .registry import available_methods, make_method, method_class, supported_models
+from .registry import available_methods, describe_method, make_method, method_class, supported_models
 from .timing import DEFAULT_REPEATS, summary, time_to_first_token
 from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
 
@@ -37,12 +37,16 @@ def _answer(model, processor, inputs, max_new_tokens: int) -> str:
     return processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0].strip()
 
 
-def method_params(name: str, budget: float | int) -> dict:
-    """What `--budget` sets on a method: its `budget`, FastV's `keep`; MustDrop's knobs are its thresholds."""
+def method_params(name: str, budget: float | int | None) -> dict:
+    """What `--budget` sets on a method: its `budget`, FastV's `keep`; MustDrop's knobs are its thresholds.
+    Without `--budget`, every method with a `budget` starts at `DEFAULT_BUDGET` (as in the demo) and FastV keeps its
+    own `keep`."""
     method = method_class(name)
     if method is None:  # patch names the unknown method and the known ones
-        return {"budget": budget}
+        return {"budget": DEFAULT_BUDGET if budget is None else budget}
     accepted = {f.name for f in fields(method)}
+    if budget is None:
+        return {"budget": DEFAULT_BUDGET} if "budget" in accepted else {}
     for field_name in ("budget", "keep"):
         if field_name in accepted:
             return {field_name: budget}
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
     print(f"input:   {args.video or args.image or 'generated example scene'}")
     print(f"prompt:  {args.prompt!r}")
-    print(f"method:  {args.method} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'its defaults'})")
+    print(f"method:  {describe_method(make_method(args.method, **params))}")
     print(f"visual tokens: {tokens_in} -> {tokens_out} ({tokens_out / max(tokens_in, 1):.1%} kept)")
     print(f"time to first token ({TIMING_RULE.format(n=args.repeats)}):")
     print("\n".join("  " + line for line in summary(timed, base="unpatched")))
@@ -190,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="answer a prompt about an image, unpatched and patched, and compare")
     p.add_argument("--model", default=MINI, help=f"built-in ({', '.join(BUILTIN_MODELS)}), checkpoint dir or hub id")
     p.add_argument("--method", default="fastervlm", help=f"one of: {', '.join(available_methods())}")
-    p.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0.25) or tokens per crop (144)")
+    p.add_argument("--budget", type=parse_budget, default=None,
+                   help=f"a fraction kept (0.25) or a token count (144, per crop or image as the method counts); "
+                        f"default {DEFAULT_BUDGET} for every method with a budget, FastV's own keep")  # fmt: skip
     p.add_argument("--image", default=None, help="image file (default: a generated example scene and its question)")
     p.add_argument("--video", default=None, help="video file (GIF; MP4 and others with PyAV) instead of an image")
     p.add_argument("--frames", type=int, default=8, help="frames sampled uniformly from --video")

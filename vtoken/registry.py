@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any
 
 from .errors import UnknownMethodError, VTokenError
@@ -44,6 +44,48 @@ def method_class(name: str) -> type[Method] | None:
         return None
     key = name.lower().replace("-", "").replace("_", "")
     return next((cls for known, cls in METHODS.items() if known.replace("_", "") == key), None)
+
+
+def describe_method(method: Method) -> str:
+    """What a method object applies, as rows and summaries show it: 'fastervlm(budget=25%)',
+    'fastv(layer=2, keep=50%)': its budget/keep (with their unit: % of tokens or a token count) and layer always,
+    every other parameter where it differs from the method's default."""
+    from .budget import describe
+
+    always = ("budget", "keep", "layer")
+    names = [f.name for f in fields(method) if f.init]
+    try:  # the method built from its shown knobs alone: fields derived from them (HiRED's `rate`) match it
+        reference = type(method)(**{k: getattr(method, k) for k in always if k in names})
+    except (VTokenError, TypeError, ValueError):
+        reference = None
+    shown = []
+    for f in fields(method):
+        if not f.init:
+            continue
+        value = getattr(method, f.name)
+        if reference is not None:
+            default = getattr(reference, f.name)
+        else:
+            default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+        if f.name in always or not _same(value, default):
+            text = describe(value) if f.name in ("budget", "keep") else _short(value)
+            shown.append(f"{f.name}={text}")
+    return f"{method.name}({', '.join(shown)})" if shown else method.name
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors and other values without a plain truth value
+        return a is b
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(map(str, value)) + ")"
+    return str(value)
 
 
 def make_method(name: str, **params: Any) -> Method:

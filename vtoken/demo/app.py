@@ -419,7 +419,9 @@ def build_demo(start_model: str = MINI):
                 (item["question"], item["expected"]) if item["expected"] else None,
                 picked,
                 *[
-                    gr.update(value=budgets_[c.method, c.param]) if (c.method, c.param) in budgets_ else gr.update()
+                    gr.update(value=str(budgets_[c.method, c.param]))
+                    if (c.method, c.param) in budgets_
+                    else gr.update()
                     for c in specs
                 ],
             ]

@@ -19,7 +19,7 @@ from ..images import example_clip, example_image
 from ..methods.base import Method
 from ..prompts import build_prompt
 from ..records import Record, llm_tokens
-from ..registry import make_method, method_class
+from ..registry import describe_method, make_method, method_class
 from ..timing import DEFAULT_REPEATS, Timing, time_to_first_token
 
 Progress = Callable[[float, str], None]
@@ -62,24 +62,12 @@ class Config:
 
     @property
     def label(self) -> str:
-        parts = []
-        for name in self.methods:
-            defaults = {f.name: f.default for f in fields(method_class(name))}
-            shown = ", ".join(f"{k}={_short(v)}" for k, v in self.params.get(name, {}).items()
-                              if k in ("budget", "keep", "layer") or defaults.get(k) != v)  # fmt: skip
-            parts.append(f"{name}({shown})" if shown else name)
+        """What the row applies: each method with its budget (a % or a token count), layer and changed knobs."""
+        parts = [describe_method(m) for m in self.build()]
         return " + ".join(parts) + (f" [layout={self.layout}]" if self.layout != "native" else "")
 
     def build(self) -> list[Method]:
         return [make_method(name, **self.params.get(name, {})) for name in self.methods]
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, tuple):
-        return "(" + ",".join(map(str, value)) + ")"
-    return str(value)
 
 
 @dataclass
