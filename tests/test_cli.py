@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import OTHER_TINY_MODELS
 
+import vtoken
 from vtoken.cli import main
 from vtoken.images import example_image
 
@@ -152,10 +153,11 @@ def test_budget_reaches_each_methods_own_knob():
     from vtoken.cli import method_params
     from vtoken.records import llm_tokens
 
-    assert method_params("fastervlm", 0.25) == {"budget": 0.25}
-    assert method_params("fastv", 0.5) == {"keep": 0.5}
+    assert method_params("fastervlm", 0.25) == {"fastervlm.budget": 0.25}
+    assert method_params("fastv", 0.5) == {"fastv.keep": 0.5}
     assert method_params("mustdrop", 0.5) == {}  # its thresholds are the knob
-    assert method_params("hired", None) == {"budget": 0.25} == method_params("fastervlm", None)  # one default
+    assert method_params("hired", None) == {"hired.budget": 0.25}  # one default
+    assert method_params("fastervlm", None) == {"fastervlm.budget": 0.25}
     assert method_params("fastv", None) == {}  # FastV keeps its own `keep`
     records = [
         Record("encoder.merge", "mustdrop", 0, 0, 576, 400, None, (24, 24), None),
@@ -178,7 +180,7 @@ def _no_model_load(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("vtoken.cli.load", load)
+    monkeypatch.setattr("vtoken.zoo.load", load)
 
 
 def _unavailable_device() -> str:
@@ -225,10 +227,44 @@ def test_missing_video_blames_the_file_not_pyav(monkeypatch, capsys):
 def test_hub_id_offline_exits_2_naming_the_model(monkeypatch, capsys):
     import huggingface_hub.constants
 
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what an offline machine sees at once
+    _no_model_load(monkeypatch)
     assert quick_run("--model", "foo/bar") == 2
     err = capsys.readouterr().err
-    assert err.startswith("vtoken: error: ") and "cannot load model 'foo/bar'" in err and err.count("\n") == 1
+    assert err.startswith("vtoken: error: ") and err.count("\n") == 1
+    assert "HF_HUB_OFFLINE is set and 'foo/bar' is not in the local Hugging Face cache" in err
+    assert "local checkpoint directory" in err
+
+
+def test_an_unreachable_hub_fails_at_once_naming_hf_hub_offline(monkeypatch, capsys):
+    """A hub id with the hub unreachable (here: a closed local port as the endpoint) fails after one connection
+    attempt, before any `from_pretrained` (whose retries take about a minute), saying what to do."""
+    import socket
+
+    import transformers
+
+    with socket.socket() as s:  # a port nobody listens on: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    calls = []
+    monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained",
+                        lambda *a, **k: calls.append(a))  # fmt: skip
+    for argv in (["run", "--model", "foo/bar"], ["demo-load"]):
+        if argv[0] == "run":
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+        else:  # the zoo's loader (demo, eval) takes the same path
+            from vtoken.zoo import load
+
+            with pytest.raises(vtoken.VTokenError) as caught:
+                load("foo/bar")
+            err = str(caught.value)
+        assert f"cannot reach the Hugging Face Hub at http://127.0.0.1:{port}" in err
+        assert "HF_HUB_OFFLINE=1" in err and "local checkpoint directory" in err and "'foo/bar'" in err
+    assert calls == []
 
 
 def test_video_on_a_model_without_video_exits_2(tmp_path, capsys):
@@ -240,3 +276,108 @@ def test_video_on_a_model_without_video_exits_2(tmp_path, capsys):
     assert quick_run("--model", "tiny-llava", "--video", str(path)) == 2
     err = capsys.readouterr().err
     assert "takes no videos" in err and "tiny-llava" in err
+
+
+# --------------------------------------------------------------------------- parity with `vtoken eval`, light --help
+HEAVY = ("torch", "transformers", "lmms_eval", "gradio", "timm")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["eval", "--help"], ["demo", "--help"]])
+def test_help_imports_no_heavy_module(argv):
+    """`vtoken --help` stays fast because it imports neither torch nor transformers (checked in a fresh
+    interpreter, not by timing)."""
+    import json
+    import subprocess
+
+    code = (
+        "import json, sys\n"
+        "from vtoken.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "usage: vtoken" in done.stdout and json.loads(lines[-1]) == [], lines[-1]
+
+
+def test_import_vtoken_is_light_and_names_load_on_use():
+    import json
+    import subprocess
+
+    code = (
+        "import json, sys, vtoken\n"
+        "light = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "cls = vtoken.FasterVLM\n"
+        "print(json.dumps([light, cls.__module__, 'torch' in sys.modules, 'patch' in dir(vtoken)]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[], "vtoken.methods.fastervlm", True, True]
+
+
+def test_default_model_is_the_zoos_mini():
+    from vtoken.cli import DEFAULT_MODEL
+    from vtoken.zoo import MINI
+
+    assert DEFAULT_MODEL == MINI
+
+
+def test_run_composes_methods_with_eval_syntax(capsys):
+    """`--method hired+fastv --param fastv.keep=0.5`, the syntax of `vtoken eval`: both stages applied, with the
+    parameters given, and the same records as patching with those objects by hand."""
+    from vtoken.zoo import load
+
+    argv = ["--model", "vtoken-mini", "--method", "hired+fastv", "--param", "fastv.keep=0.5", "--param", "alpha=0.3"]
+    assert quick_run(*argv) == 0
+    out = capsys.readouterr().out
+    assert "method:  hired(budget=25%, alpha=0.3) + fastv(layer=2, keep=50%)\n" in out
+    model, processor = load("vtoken-mini")
+    from vtoken.mini import example
+    from vtoken.prompts import build_prompt
+
+    image, question, _ = example()
+    inputs = processor(images=[image], text=[build_prompt(processor, question)], return_tensors="pt")
+    methods = [vtoken.HiRED(budget=0.25, alpha=0.3), vtoken.FastV(keep=0.5)]
+    with torch.inference_mode(), vtoken.patched(model, methods) as handle:
+        out_ids = model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        stages = [r.stage for r in handle.records]
+    answer = processor.batch_decode(out_ids[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0].strip()
+    assert "encoder" in stages and "prefill.layer2" in stages
+    assert f"answer (patched):   {answer!r}" in out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--method", "hired+fastv", "--param", "fastv.kep=1"], ["--param entry 'fastv.kep'", "layer, keep"]),
+        (["--method", "hired+nope"], ["--method 'hired+nope'", "unknown method 'nope'", "fastervlm"]),
+        (["--param", "keep"], ["--param 'keep'", "NAME=VALUE"]),
+        (["--method", "hired", "--param", "fastv.keep=0.5"], ["'fastv' is not one of the methods in --method 'hired'"]),
+        (["--method", "hired+mmtok", "--param", "alpha=0.5"], ["hired and mmtok", "hired.alpha=..."]),
+        (["--method", "fastervlm", "--param", "budget=1.5"], ["budget=1.5", "(0, 1]"]),
+    ],
+)
+def test_bad_method_specs_exit_2_naming_the_flag(argv, words, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    assert main(["run", "--model", "tiny-llava", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vtoken: error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_param_wins_over_budget():
+    from vtoken.cli import method_params
+
+    assert method_params("hired+fastv", 0.5, ["fastv.keep=0.25"]) == {"hired.budget": 0.5, "fastv.keep": 0.25}
+    assert method_params("hired+fastv", None, []) == {"hired.budget": 0.25}  # FastV keeps its own keep
+    assert method_params("fastervlm", 144, ["budget=0.1"]) == {"budget": 0.1}
+
+
+def test_unsupported_model_error_is_short_and_lists_families():
+    with pytest.raises(vtoken.UnsupportedModelError) as caught:
+        vtoken.patch(torch.nn.Linear(2, 2), "random")
+    message = str(caught.value)
+    assert len(message) < 400 and "llava-1.5" in message and "qwen2-vl" in message and "vtoken list" in message
+    assert "ForConditionalGeneration" not in message  # families, not every class

@@ -1,4 +1,8 @@
-"""Registries of methods and model adapters, filled by decorators when their modules are imported."""
+"""Registries of methods and model adapters, filled by decorators when their modules are imported.
+
+The lookups below import `vtoken.methods` or `vtoken.adapters` first (`load_methods`, `load_adapters`), so they
+answer the same whether or not anything else imported those packages yet (`import vtoken` alone imports neither).
+"""
 
 from __future__ import annotations
 
@@ -28,20 +32,39 @@ def register_adapter(cls: type[Adapter]) -> type[Adapter]:
     return cls
 
 
+def load_methods() -> None:
+    """Import the method package, whose decorators fill `METHODS` (once; cheap after)."""
+    import vtoken.methods  # noqa: F401
+
+
+def load_adapters() -> None:
+    """Import the adapter package, whose decorators fill `ADAPTERS` (once; cheap after; imports transformers)."""
+    import vtoken.adapters  # noqa: F401
+
+
 def available_methods() -> list[str]:
     """Names accepted by `vtoken.patch(model, name, ...)`."""
+    load_methods()
     return sorted(METHODS)
 
 
 def supported_models() -> dict[str, list[str]]:
     """Adapter family -> the transformers model classes it patches."""
+    load_adapters()
     return {a.family: list(a.model_classes) for a in ADAPTERS}
+
+
+def adapters() -> list[type[Adapter]]:
+    """Every registered adapter class, in registration order."""
+    load_adapters()
+    return list(ADAPTERS)
 
 
 def method_class(name: str) -> type[Method] | None:
     """The registered method class of `name` (case, '-' and '_' ignored), or None."""
     if not isinstance(name, str):
         return None
+    load_methods()
     key = name.lower().replace("-", "").replace("_", "")
     return next((cls for known, cls in METHODS.items() if known.replace("_", "") == key), None)
 

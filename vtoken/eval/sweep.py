@@ -21,9 +21,9 @@ from typing import Any
 from ..budget import parse_budget
 from ..errors import VTokenError
 from ..registry import method_class
+from ..specs import build_methods, method_names, parse_param
 from ..timing import DEFAULT_REPEATS, Timing, compare, time_to_first_token
 from . import tasks_path
-from .options import build_methods, method_names
 
 
 @dataclass
@@ -39,20 +39,11 @@ class Setting:
 
     def methods(self) -> list:
         """Fresh method objects of this setting (none for the unpatched model)."""
-        return build_methods(None if self.method == "none" else self.method, self.params, [])
+        return build_methods(None if self.method == "none" else self.method, self.params, [], source="--param")
 
     @property
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget}"
-
-
-def _param(text: str) -> tuple[str, Any]:
-    key, eq, value = text.partition("=")
-    if not eq:
-        raise VTokenError(f"--param {text!r}; write NAME=VALUE, e.g. fastv.layer=3")
-    from lmms_eval.utils import handle_arg_string
-
-    return key, handle_arg_string(value)
 
 
 def settings(methods: list[str], budgets: list[float | int], extra: dict[str, Any]) -> list[Setting]:
@@ -70,7 +61,7 @@ def settings(methods: list[str], budgets: list[float | int], extra: dict[str, An
         for budget in budgets if knobs else [None]:
             params = {k: budget for k in knobs} if knobs else {}
             params.update(mine)
-            build_methods(method, params, ["--param"])
+            build_methods(method, params, [], source="--param")
             out.append(Setting(method, budget, params))
     used = {k for k in extra if any(_applies(k, method_names(m)) for m in methods)}
     if set(extra) - used:
@@ -108,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     methods = [m for m in args.methods.split(",") if m]
     budgets = [parse_budget(b) for b in args.budgets.split(",") if b]
-    extra = dict(_param(p) for p in args.param)
+    extra = dict(parse_param(p) for p in args.param)
     points = settings(methods, budgets, extra)
     task_names = [t for t in args.tasks.split(",") if t]
     include = [str(tasks_path()), *args.include_path]

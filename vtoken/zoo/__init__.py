@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import VTokenError
+from ..hub import hub_kwargs
 from ..parts import LLAVA_CHAT_TEMPLATE, llava_config, llava_processor, tiny_tokenizer
 from ..prompts import build_prompt
 from ..question import remember_tokenizer
@@ -70,13 +71,15 @@ def load(name_or_path: str, dtype: torch.dtype | str | None = None, device: str 
     else:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        if not Path(name_or_path).exists() and "/" not in name_or_path:
+        local = Path(name_or_path).exists()
+        if not local and "/" not in name_or_path:
             raise VTokenError(
-                f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
-                "a local checkpoint directory nor a hub id (owner/name)"
+                f"model {name_or_path!r} is neither a built-in model ({MINI}, or tiny-* such as tiny-llava: "
+                "`vtoken list` names all), a local checkpoint directory nor a hub id (owner/name)"
             )
-        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype or "auto", **kwargs).eval()
-        processor = AutoProcessor.from_pretrained(name_or_path)
+        hub = {} if local else hub_kwargs(name_or_path)  # an unreachable hub fails here in seconds, not a minute
+        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype or "auto", **hub, **kwargs).eval()
+        processor = AutoProcessor.from_pretrained(name_or_path, **hub)
         remember_tokenizer(model, processor)
     if dtype is not None and name_or_path in BUILTIN_MODELS:
         model = model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)

@@ -3,6 +3,7 @@ and Qwen's special tokens and chat template."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -13,12 +14,12 @@ from ..question import remember_tokenizer
 def _with_tokenizer(build: Callable) -> Callable:
     """A tiny-model builder whose model remembers its tokenizer (for methods that read the prompt's text)."""
 
+    @functools.wraps(build)  # name, docstring and signature of the builder (the API docs read them)
     def built(*args, **kwargs):
         model, processor = build(*args, **kwargs)
         remember_tokenizer(model, processor)
         return model, processor
 
-    built.__name__, built.__doc__ = build.__name__, build.__doc__
     return built
 
 
