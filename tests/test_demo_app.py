@@ -75,11 +75,14 @@ def test_every_offered_method_runs_on_every_builtin_model(name):
                 out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
             text = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
             assert row[1] == text.strip(), (name, kind, row[0])
-            before, after = map(int, row[4].split(" -> "))
+            counts = result["counts"][rows.index(row)]
+            assert counts.unpatched == result["counts"][0].unpatched == result["counts"][0].llm_input  # same input
+            assert row[4] == counts.text()
+            after = counts.inside[-1][1] if counts.inside else counts.llm_input
             if config.methods == ["sparse_prefill"]:  # keeps every token; skips attention work instead
-                assert after == before, (name, kind, row)
+                assert after == counts.unpatched and row[4] == f"all {counts.unpatched} kept", (name, kind, row)
                 continue
-            assert after < before, (name, kind, row)  # every other default configuration reduces the visual tokens
+            assert after < counts.unpatched, (name, kind, row)  # every other default configuration reduces them
             picture = np.asarray(pictures[rows.index(row)][0], dtype=np.int32)
             unpatched = np.asarray(pictures[0][0], dtype=np.int32)
             drawn = picture.shape == unpatched.shape and np.abs(picture - unpatched).mean() > 1
@@ -214,7 +217,7 @@ def test_an_mp4_upload_uses_all_its_sampled_frames(tmp_path):
     result = app.run_comparison("tiny-video-llava", "video", None, str(path), 3, "what moves?", ["random"], [],
                                 "native", 1, 2, values)  # fmt: skip
     assert "3 frames" in result["pictures"][1][1]
-    assert result["rows"][0][4] == f"{3 * 257} -> {3 * 257}"  # 3 frames of [CLS] + 256 patches reach the LLM
+    assert result["rows"][0][4] == f"all {3 * 257} kept"  # 3 frames of [CLS] + 256 patches reach the LLM
 
 
 def test_free_parameters_and_layers_parse_or_say_why():
@@ -326,4 +329,4 @@ def test_budget_controls_take_a_fraction_or_a_count_and_never_clamp():
     result = app.run_comparison(MINI, "image", example_image(200), None, 2, "what is it?", ["fastervlm"], [],
                                 "native", 1, 1, values)  # fmt: skip
     label, tokens = result["rows"][1][0], result["rows"][1][4]
-    assert label == "fastervlm(budget=25 tokens)" and tokens == "144 -> 25"
+    assert label == "fastervlm(budget=25 tokens)" and tokens == "144 -> 25 (17.4% kept)"

@@ -285,6 +285,12 @@ def test_batch_records_map_back_to_samples(photos):
     assert [r.token_counts.stages for r in batched] == stages
     assert stages[0]["encoder"]["tokens_in"] > stages[1]["encoder"]["tokens_in"] > 0 and stages[2] == {}
     assert [r.token_counts.visual_tokens for r in batched] == [r.token_counts.visual_tokens for r in alone]
+    # the LLM's input, measured per row of the padded batch as alone: kept patches + the newline separators kept
+    kept = [r.token_counts.visual_kept for r in batched]
+    assert kept == [r.token_counts.visual_kept for r in alone]
+    for row in (0, 1):
+        assert stages[row]["encoder"]["tokens_out"] < kept[row] < batched[row].token_counts.visual_tokens
+    assert kept[2] == batched[2].token_counts.visual_tokens == 0
 
 
 def test_vtoken_eval_sweep(cache, tmp_path, monkeypatch):

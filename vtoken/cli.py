@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from . import api
+    from .counts import count, llm_input
     from .images import load_image, load_video
     from .prompts import build_prompt
-    from .records import llm_tokens
     from .registry import describe_method
     from .zoo import TINY_MODELS
 
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         base_answer = _answer(model, processor, inputs, args.max_new_tokens)
         methods = build(args)
-        with api.patched(model, methods) as handle:
+        with api.patched(model, methods) as handle, llm_input(model) as lengths:
             answer = _answer(model, processor, inputs, args.max_new_tokens)
             records = list(handle.records)
         timed = time_to_first_token(
@@ -185,12 +185,12 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
         )  # fmt: skip
 
-    tokens_in, tokens_out = llm_tokens(records)
+    visual = count(model, inputs, lengths, records)
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
     print(f"input:   {args.video or args.image or 'generated example scene'}")
     print(f"prompt:  {args.prompt!r}")
     print(f"method:  {' + '.join(describe_method(m) for m in methods)}")
-    print(f"visual tokens: {tokens_in} -> {tokens_out} ({tokens_out / max(tokens_in, 1):.1%} kept)")
+    print(f"visual tokens (the LLM's input): {visual.text()}")
     print(f"time to first token ({TIMING_RULE.format(n=args.repeats)}):")
     print("\n".join("  " + line for line in summary(timed, base="unpatched")))
     print(f"answer (unpatched): {base_answer!r}")

@@ -217,13 +217,14 @@ def run_comparison(
     rows = []
     for o in outcomes:
         ratio = "(baseline)" if o is outcomes[0] else str(timing.compare(base, o.ttft))
-        row = [o.label, o.answer, o.ttft.ms(), ratio, f"{o.tokens[0]} -> {o.tokens[1]}"]
+        row = [o.label, o.answer, o.ttft.ms(), ratio, o.tokens.text()]
         if check:
             row.append("yes" if (o.answer.split() or [""])[0] == expected[1] else "no")
         rows.append(row)
     chart = [(o.label, stage, n) for o in outcomes for stage, n in runs.stage_tokens(o)]
     text = "\n\n".join(f"{o.label}\n{summarize(o.records)}" for o in outcomes[1:])
-    return {"rows": rows, "pictures": pictures, "chart": chart, "records": text, "expected": check}
+    counts = [o.tokens for o in outcomes]
+    return {"rows": rows, "pictures": pictures, "chart": chart, "records": text, "expected": check, "counts": counts}
 
 
 HEADERS = [
@@ -231,7 +232,7 @@ HEADERS = [
     "answer",
     "time to first token (median, min-max)",
     "speedup vs unpatched",
-    "visual tokens (LLM input -> last)",
+    "visual tokens (the LLM's input)",
 ]
 
 

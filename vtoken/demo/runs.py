@@ -14,11 +14,12 @@ from PIL import Image
 
 from .. import api
 from ..applicability import applicable_layouts, applicable_methods, fitting_params
+from ..counts import VisualCounts, count, llm_input, placeholders
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image
 from ..methods.base import Method
 from ..prompts import build_prompt
-from ..records import Record, llm_tokens
+from ..records import Record
 from ..registry import describe_method, make_method, method_class
 from ..timing import DEFAULT_REPEATS, Timing, time_to_first_token
 
@@ -78,7 +79,7 @@ class Outcome:
     answer: str
     ttft: Timing | None  # time to first token (None until timed)
     records: list[Record]
-    tokens: tuple[int, int]  # visual tokens reaching the LLM, and after its last shortening stage
+    tokens: VisualCounts  # visual tokens of the LLM's input, unpatched and here, and after each prefill stage
     adapter: Any = None  # the patch's adapter (layout helpers for the pictures); None unpatched
     merges: list = field(default_factory=list)  # MustDrop's merge plans, one per encoder batch
 
@@ -129,21 +130,21 @@ def compare(
     """The unpatched model, then every configuration: greedy answer and records; then time to first token of all
     of them under `vtoken.timing`'s rule (one-token `generate`, settings interleaved after a warm-up, median and
     min-max of `repeats`). Call `check_configs` first."""
-    visual = sum(int((inputs["input_ids"] == t).sum()) for t in _placeholder_ids(model))
+    visual = placeholders(model, inputs["input_ids"])[0]
     steps = len(configs) + 2
     say = progress or (lambda fraction, text: None)
     say(0.0, "unpatched")
-    outcomes = [Outcome("unpatched", _answer(model, processor, inputs, max_new_tokens), None, [], (visual, visual))]
+    unpatched = VisualCounts(visual, visual)
+    outcomes = [Outcome("unpatched", _answer(model, processor, inputs, max_new_tokens), None, [], unpatched)]
     for i, config in enumerate(configs, 1):
         say(i / steps, config.label)
         methods = config.build()
         merges = _recording_merges(methods)
-        with api.patched(model, methods, layout=config.layout) as handle:
+        with api.patched(model, methods, layout=config.layout) as handle, llm_input(model) as lengths:
             answer = _answer(model, processor, inputs, max_new_tokens)
             records = list(handle.records)
             kept_merges = list(merges)
-            tokens = llm_tokens(records)
-            tokens = tokens if tokens != (0, 0) else (visual, visual)  # no stage shortened the input (sparse prefill)
+            tokens = count(model, inputs, lengths, records)
             outcomes.append(Outcome(config.label, answer, None, records, tokens, handle.adapter, kept_merges))
     say((steps - 1) / steps, f"time to first token, {repeats} interleaved runs each")
     contexts = {"unpatched": nullcontext}
@@ -156,19 +157,13 @@ def compare(
     return outcomes
 
 
-def _placeholder_ids(model) -> list[int]:
-    adapter = api._find_adapter(model)
-    ids = {getattr(model.config, m.placeholder_attr, None) for m in adapter.modalities}
-    return [i for i in ids if i is not None]
-
-
 def stage_tokens(outcome: Outcome) -> list[tuple[str, int]]:
-    """(stage, visual tokens after it) for a chart: the input, then every stage that shortens the sequence."""
-    rows = [("input", outcome.tokens[0])]
-    for stage in dict.fromkeys(r.stage for r in outcome.records):
-        if stage in ("encoder.keyset", "decode.kv"):
-            continue
-        rows.append((stage, sum(r.tokens_out for r in outcome.records if r.stage == stage)))
+    """(step, visual tokens) for a chart: the prompt's visual tokens, those of the LLM's input (when a stage
+    shortened it) and those after each prefill stage; all under `vtoken.counts`' definition."""
+    rows = [("input", outcome.tokens.unpatched)]
+    if outcome.tokens.llm_input != outcome.tokens.unpatched:
+        rows.append(("LLM input", outcome.tokens.llm_input))
+    rows += [(f"after LLM layer {stage.removeprefix('prefill.layer')}", n) for stage, n in outcome.tokens.inside]
     return rows
 
 

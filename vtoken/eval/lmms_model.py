@@ -25,6 +25,7 @@ from loguru import logger
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from .. import api
+from ..counts import llm_input, visual_in_llm
 from ..errors import InputError, VTokenError
 from ..images import load_image, load_video
 from ..zoo import BUILTIN_MODELS, load
@@ -291,7 +292,7 @@ class VTokenLMM(lmms):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), llm_input(model) as lengths:
             out = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([clock]))
         seconds = time.perf_counter() - start
         handle = api.handle_of(model)
@@ -310,6 +311,7 @@ class VTokenLMM(lmms):
             images_per_row,
             videos_per_row,
             visual_tokens=self._visual_placeholders(inputs["input_ids"]),
+            visual_kept=visual_in_llm(model, inputs, lengths),
             ttft_ms=None if clock.at is None else (clock.at - start) * 1e3,
             input_tokens=inputs["attention_mask"].sum(dim=1).tolist(),
             output_tokens=self._generated_lengths(generated),
