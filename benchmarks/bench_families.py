@@ -191,7 +191,7 @@ def main() -> None:
         del model
         if cuda:
             torch.cuda.empty_cache()
-    common.report("families", device, dtype, repeats, results, lines)
+    common.report("families", device, dtype, repeats, results, lines, args.out)
 
 
 if __name__ == "__main__":

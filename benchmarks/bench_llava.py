@@ -140,10 +140,17 @@ def measure_ttft(model, processor, batch: int, budgets, repeats: int, device, dt
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--llm-layers", type=int, default=None, help="default: 32 on cuda, 2 on cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 20 on cuda, 3 on cpu")
+    parser.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=None,
+        help="timed runs per config, interleaved after a warm-up (default: 20 on cuda, 3 on cpu)",
+    )
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 1 8 32 on cuda, 1)")
     parser.add_argument("--name", default=None, help="results file stem (default llava15_<device>)")
@@ -294,7 +301,7 @@ def main() -> None:
         },
         "targets": targets,
     }
-    json_path, md_path = common.write_results(args.name or f"llava15_{device.type}", payload, table)
+    json_path, md_path = common.write_results(args.name or f"llava15_{device.type}", payload, table, args.out)
     print(table)
     print(f"\nwrote {json_path} and {md_path}")
 

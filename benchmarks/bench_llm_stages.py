@@ -128,7 +128,7 @@ def main() -> None:
             f"{'(baseline)' if first else decode_ratio} | {row['kv'] / 2**20:.1f} | {row['kv_ratio']:.2f} | "
             f"{row['peak_mb']:.0f} |"
         )
-    common.report("llm_stages", device, dtype, repeats, results, lines)
+    common.report("llm_stages", device, dtype, repeats, results, lines, args.out)
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def main() -> None:
             f"| {row['n']} | {row['config']} | {row['selection_ms']:.1f} ({row['selection_min_ms']:.1f}-"
             f"{row['selection_max_ms']:.1f}) | {row['prefill_28_layers_ms']:.0f} | {row['share']:.1%} |"
         )
-    common.report("methods", device, dtype, repeats, results, lines)
+    common.report("methods", device, dtype, repeats, results, lines, args.out)
 
 
 if __name__ == "__main__":

@@ -316,8 +316,15 @@ def attention_seconds(seq, hq, hkv, dim, device, dtype, repeats) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 5 on cuda, 2 on cpu")
+    parser.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=None,
+        help="timed runs per config, interleaved after a warm-up (default: 5 on cuda, 2 on cpu)",
+    )
     parser.add_argument("--only", choices=["kernel", "e2e"], default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -337,10 +344,11 @@ def main() -> None:
         lines += ["", "CPU: the torch backend is the dense reference, so sparse configs cost more here, not less."]
     print(f"measured in {time.perf_counter() - start:.0f} s")
     env = common.environment(device)
-    header = f"Sparse prefill, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median of {repeats}."
+    header = (f"Sparse prefill, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median and min-max of "
+              f"{repeats} interleaved runs after a warm-up.")  # fmt: skip
     table = "\n".join([header, *lines])
     payload = {"environment": env, "repeats": repeats, "results": results}
-    json_path, md_path = common.write_results(f"sparse_prefill_{device.type}", payload, table)
+    json_path, md_path = common.write_results(f"sparse_prefill_{device.type}", payload, table, args.out)
     print(table)
     print(f"\nwrote {json_path} and {md_path}")
 

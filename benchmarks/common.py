@@ -7,9 +7,10 @@ the median and min-max of the runs, and a speedup whose spread contains 1.0 read
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
-import platform
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import torch
 
+from vtoken.provenance import run_info
 from vtoken.timing import Ratio, compare, device_sync, measure
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results"  # the tables the docs show: written only when --out names it
+DEFAULT_OUT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vtoken" / "benchmarks"
 
 
 def sync(device: torch.device) -> None:
@@ -133,21 +136,22 @@ def speedup(base: dict, result: dict) -> Ratio:
 
 
 def environment(device: torch.device) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
-    import transformers
-
-    info["transformers"] = transformers.__version__
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        info["cpu_threads"] = torch.get_num_threads()
-        info["cpu"] = platform.processor() or platform.machine()
-    return info
+    """Versions, commit, device and date of this run (every results JSON records them)."""
+    return run_info(device)
 
 
-def write_results(name: str, payload: dict, table: str) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+def add_out(parser: argparse.ArgumentParser) -> None:
+    """`--out DIR`: where results go (default outside the repository, so `make bench` never overwrites the shipped
+    tables in benchmarks/results/; pass `--out benchmarks/results` to update those on purpose)."""
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"directory for the JSON, Markdown and plots (default: {DEFAULT_OUT})")  # fmt: skip
+
+
+def write_results(name: str, payload: dict, table: str, out: Path) -> tuple[Path, Path]:
+    """`payload` as out/<name>.json (with this run's environment if it has none) and `table` as out/<name>.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = payload if "environment" in payload else {"environment": run_info("cpu"), **payload}
+    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table + "\n")
     return json_path, md_path
@@ -155,11 +159,16 @@ def write_results(name: str, payload: dict, table: str) -> tuple[Path, Path]:
 
 def ttft_parser(doc: str, cpu_layers_help: str):
     """The options every TTFT benchmark takes: device, repeats, CPU depth, budgets."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 2 on cpu")
+    parser.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=None,
+        help="timed runs per config, interleaved after a warm-up (default: 10 on cuda, 2 on cpu)",
+    )
     parser.add_argument("--cpu-layers", type=int, default=1, help=cpu_layers_help)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
     return parser
@@ -200,8 +209,9 @@ def ttft_table(title: str, rows: dict[str, dict]) -> list[str]:
     return lines
 
 
-def report(name: str, device: torch.device, dtype: torch.dtype, repeats: int, results: dict, lines: list[str]):
-    """Write `results` and the table `lines` (under a header naming the machine) to results/<name>_<device>."""
+def report(name: str, device: torch.device, dtype: torch.dtype, repeats: int, results: dict, lines: list[str],
+           out: Path):  # fmt: skip
+    """Write `results` and the table `lines` (under a header naming the machine) to out/<name>_<device>."""
     env = environment(device)
     header = (
         f"Random weights, real shapes, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median and "
@@ -209,6 +219,6 @@ def report(name: str, device: torch.device, dtype: torch.dtype, repeats: int, re
     )
     table = "\n".join([header, *lines])
     payload = {"environment": env, "repeats": repeats, "results": results}
-    json_path, md_path = write_results(f"{name}_{device.type}", payload, table)
+    json_path, md_path = write_results(f"{name}_{device.type}", payload, table, out)
     print(table)
     print(f"\nwrote {json_path} and {md_path}")
