@@ -7,7 +7,9 @@ question type, retention (pruned accuracy / unpruned accuracy) and what was kept
 the answer's object pixels (`target kept`) and of all object pixels (`objects kept`) that lie in kept patches; the
 drawing parameters say exactly where the answer is, so these two say which tokens a method keeps whatever the
 model's accuracy. `oracle` keeps the question's target patches first, then the other objects', by pixel coverage.
-Writes results/accuracy_cpu.{json,md,png}.
+Every accuracy and retention comes with n, its standard error and a 95 % interval (`vtoken.stats`). Writes
+<out>/accuracy_cpu.{json,md,png} (`--out`, default outside the repository; the shipped table is
+benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, environment, write_results  # noqa: E402
+from common import add_out, environment, write_results  # noqa: E402
 
 import vtoken  # noqa: E402
 from vtoken.mini import vqa  # noqa: E402
 from vtoken.mini.evaluate import Result, evaluate  # noqa: E402
 from vtoken.mini.model import load  # noqa: E402
 from vtoken.registry import METHODS  # noqa: E402
+from vtoken.stats import mean_estimate, ratio_estimate  # noqa: E402
 
 BUDGETS = (0.5, 0.25, 0.1, 0.05)
 
@@ -80,11 +83,25 @@ def pixels_kept(result: Result, pairs: list[tuple[int, vqa.Question]]) -> dict[s
     return {"target_kept": float(np.mean(target)), "objects_kept": float(np.mean(objects))}
 
 
+def estimates(result: Result, base: Result) -> dict[str, dict]:
+    """Per question type and "all": accuracy and retention (against `base` on the same questions), each with n,
+    standard error and 95 % interval."""
+    out = {}
+    for kind in [*vqa.QUESTION_TYPES, "all"]:
+        rows = [i for i, k in enumerate(result.kinds) if kind in ("all", k)]
+        ours = [float(result.correct[i]) for i in rows]
+        theirs = [float(base.correct[i]) for i in rows]
+        retention = ratio_estimate(ours, theirs)
+        out[kind] = {"accuracy": mean_estimate(ours).to_dict(), "retention": retention.to_dict() if retention else None}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     model, processor = load()
     pairs = vqa.question_set("test", args.questions)
     began = time.perf_counter()
-    base_acc = evaluate(model, processor, pairs, batch=args.batch).accuracy()
+    base = evaluate(model, processor, pairs, batch=args.batch)
+    base_acc = base.accuracy()
     print("unpruned", {k: round(v, 3) for k, v in base_acc.items()}, flush=True)
     runs, skipped = [], {}
     for method in [*args.methods, "oracle"]:
@@ -108,6 +125,7 @@ def run(args: argparse.Namespace) -> dict:
                 "tokens": float(np.mean(result.tokens)),
                 "accuracy": acc,
                 "retention": {k: acc[k] / base_acc[k] if base_acc[k] else None for k in acc},
+                "estimates": estimates(result, base),
                 **pixels_kept(result, pairs),
                 "seconds": round(seconds, 1),
             }
@@ -118,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
         "questions": args.questions,
         "question_types": list(vqa.QUESTION_TYPES),
         "visual_tokens": 144,
-        "unpruned": {"accuracy": base_acc, "tokens": 144},
+        "unpruned": {"accuracy": base_acc, "tokens": 144, "estimates": estimates(base, base)},
         "runs": runs,
         "skipped": skipped,
         "seconds": round(time.perf_counter() - began),
@@ -130,35 +148,44 @@ def fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
+def fmt_ci(estimate: dict | None) -> str:
+    """'0.705 ± 0.035': a value and its standard error (the JSON has the 95 % interval and n)."""
+    return "" if estimate is None else f"{estimate['value']:.3f} ± {estimate['se']:.3f}"
+
+
 def table(payload: dict) -> str:
     types = payload["question_types"]
-    base = payload["unpruned"]["accuracy"]
+    budgets = sorted({r["budget"] for r in payload["runs"]}, reverse=True) or list(BUDGETS)
     methods = list(dict.fromkeys(r["method"] for r in payload["runs"]))
     by = {(r["method"], r["budget"]): r for r in payload["runs"]}
     lines = [
         f"vtoken-mini on {payload['questions']} procedural VQA test questions ({payload['questions'] // 5} per type), "
         f"{payload['visual_tokens']} visual tokens per image, greedy answers, {payload['seconds']} s.",
         "",
-        "Unpruned accuracy: " + ", ".join(f"{k} {base[k]:.3f}" for k in [*types, "all"]) + ".",
+        "Unpruned accuracy (± standard error; 95 % intervals in the JSON): "
+        + ", ".join(f"{k} {fmt_ci(payload['unpruned']['estimates'][k]['accuracy'])}" for k in [*types, "all"])
+        + ".",
         "",
-        "Retention (pruned accuracy / unpruned accuracy), all questions; in brackets the share of the answer's",
+        f"Retention (pruned accuracy / unpruned accuracy on the same questions, ± standard error, n = "
+        f"{payload['questions']}), all questions; in brackets the share of the answer's",
         "object pixels that lie in kept patches (target kept):",
         "",
-        "| method | " + " | ".join(f"{b:.0%}" for b in BUDGETS) + " |",
-        "|---|" + "---:|" * len(BUDGETS),
+        "| method | " + " | ".join(f"{b:.0%}" for b in budgets) + " |",
+        "|---|" + "---:|" * len(budgets),
     ]
     for method in methods:
         cells = []
-        for b in BUDGETS:
+        for b in budgets:
             r = by.get((method, b))
             kept = f" ({r['target_kept']:.2f})" if r and r["target_kept"] is not None else ""
-            cells.append(fmt(r["retention"]["all"]) + kept if r else "")
+            cells.append(fmt_ci(r["estimates"]["all"]["retention"]) + kept if r else "")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    for budget in BUDGETS:
+    for budget in budgets:
         lines += [
             "",
-            f"Budget {budget:.0%}: retention per question type; tokens kept; share of the answer's object pixels "
-            "(target) and of all object pixels (objects) in kept patches:",
+            f"Budget {budget:.0%}: retention per question type (± standard error, n = {payload['questions'] // 5} "
+            "per type); tokens kept; share of the answer's object pixels (target) and of all object pixels (objects) "
+            "in kept patches:",
             "",
             "| method | tokens | " + " | ".join(types) + " | all | target kept | objects kept |",
             "|---|---:|" + "---:|" * (len(types) + 3),
@@ -166,7 +193,7 @@ def table(payload: dict) -> str:
         for method in methods:
             r = by.get((method, budget))
             if r is not None:
-                cells = [fmt(r["retention"][k]) for k in [*types, "all"]] + [
+                cells = [fmt_ci(r["estimates"][k]["retention"]) for k in [*types, "all"]] + [
                     fmt(r["target_kept"]),
                     fmt(r["objects_kept"]),
                 ]
@@ -176,7 +203,23 @@ def table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
 def plot(payload: dict, path: Path) -> None:
+    """Write `figure(payload)` to `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(payload)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def figure(payload: dict):
+    """Accuracy vs visual tokens kept, one line per method with its 95 % intervals; every method has its own marker
+    and line style and a small horizontal offset, so methods with equal results (FasterVLM and HiRED on LLaVA-1.5)
+    stay visible side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,10 +228,17 @@ def plot(payload: dict, path: Path) -> None:
     methods = list(dict.fromkeys(r["method"] for r in payload["runs"]))
     fig, axes = plt.subplots(2, 3, figsize=(13, 7.5), sharex=True, sharey=True)
     for ax, kind in zip(axes.flat, ["all", *payload["question_types"]], strict=True):
-        for method in methods:
+        for i, method in enumerate(methods):
             rows = sorted((r for r in payload["runs"] if r["method"] == method), key=lambda r: r["tokens"])
-            style = dict(ls="--", color="grey") if method == "oracle" else {}
-            ax.plot([r["tokens"] for r in rows], [r["accuracy"][kind] for r in rows], "o-", label=method, **style)
+            offset = 1 + 0.035 * (i - (len(methods) - 1) / 2)  # log-x: equal points drawn side by side
+            style = {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)],
+                     "markersize": 4, "alpha": 0.85, "capsize": 2}  # fmt: skip
+            if method == "oracle":
+                style.update(color="grey", linestyle="--")
+            ys = [r["estimates"][kind]["accuracy"]["value"] for r in rows]
+            lows = [y - r["estimates"][kind]["accuracy"]["ci95"][0] for y, r in zip(ys, rows, strict=True)]
+            highs = [r["estimates"][kind]["accuracy"]["ci95"][1] - y for y, r in zip(ys, rows, strict=True)]
+            ax.errorbar([r["tokens"] * offset for r in rows], ys, yerr=[lows, highs], label=method, **style)
         ax.axhline(payload["unpruned"]["accuracy"][kind], color="black", lw=1, ls=":", label="unpruned (144)")
         ax.set_xscale("log")
         ax.set_xticks([7, 14, 36, 72, 144], labels=["7", "14", "36", "72", "144"])
@@ -198,11 +248,11 @@ def plot(payload: dict, path: Path) -> None:
     for ax in axes[1]:
         ax.set_xlabel("visual tokens kept (of 144)")
     for ax in axes[:, 0]:
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel("accuracy (95 % interval)")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"vtoken-mini, procedural VQA test split ({payload['questions']} questions)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    return fig
 
 
 def main() -> None:
@@ -213,13 +263,14 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=vtoken.available_methods())
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--name", default="accuracy_cpu")
+    add_out(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     payload = run(args)
-    json_path, md_path = write_results(args.name, payload, table(payload))
-    plot(payload, RESULTS / f"{args.name}.png")
+    json_path, md_path = write_results(args.name, payload, table(payload), args.out)
+    plot(payload, args.out / f"{args.name}.png")
     print(table(payload))
-    print(f"wrote {json_path}, {md_path}, {RESULTS / (args.name + '.png')}")
+    print(f"wrote {json_path}, {md_path}, {args.out / (args.name + '.png')}")
 
 
 if __name__ == "__main__":

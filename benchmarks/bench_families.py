@@ -145,20 +145,15 @@ def measure(name, model, inputs, budgets, repeats, device, dtype, encoder, metho
         configs[f"oracle@{budget:g}"] = oracle
     timed = common.interleaved(configs, repeats, device, warmup=1, contexts=contexts)
     rows = {}
-    base = timed["unpatched"]["median_s"]
     for key, result in timed.items():
-        row = {
-            "visual_tokens": tokens_kept[key],
-            "ttft_ms": result["median_s"] * 1e3,
-            "speedup": base / result["median_s"],
-            "peak_mb": result["peak_bytes"] / 2**20,
-        }
+        oracle = None
+        if "@" in key and not key.startswith("oracle"):
+            oracle = timed["oracle@" + key.split("@")[1]]
+        row = {"visual_tokens": tokens_kept[key], **common.timing_row(timed["unpatched"], result, oracle),
+               "peak_mb": result["peak_bytes"] / 2**20}  # fmt: skip
         if key in selection:
             row["selection_ms"] = statistics.median(selection[key][1:]) * 1e3
         rows[key] = row
-    for key, row in rows.items():
-        if "@" in key and not key.startswith("oracle"):
-            row["speedup_vs_oracle"] = row["speedup"] / rows["oracle@" + key.split("@")[1]]["speedup"]
     return rows
 
 
@@ -196,7 +191,7 @@ def main() -> None:
         del model
         if cuda:
             torch.cuda.empty_cache()
-    common.report("families", device, dtype, repeats, results, lines)
+    common.report("families", device, dtype, repeats, results, lines, args.out)
 
 
 if __name__ == "__main__":

@@ -125,9 +125,10 @@ def measure_ttft(model, processor, batch: int, budgets, repeats: int, device, dt
     timed = common.interleaved(configs, repeats, device, warmup=1, contexts=contexts)
     rows = {}
     for name, result in timed.items():
+        oracle = timed["oracle@" + name.split("@")[1]] if name.startswith("fastervlm@") else None
         rows[name] = {
             "visual_tokens": ks[name],
-            "ttft_ms": result["median_s"] * 1e3,
+            **common.timing_row(timed["unpatched"], result, oracle),
             "ttft_runs_ms": [t * 1e3 for t in result["times_s"]],
             "peak_mb": result["peak_bytes"] / 2**20,
         }
@@ -139,10 +140,17 @@ def measure_ttft(model, processor, batch: int, budgets, repeats: int, device, dt
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--llm-layers", type=int, default=None, help="default: 32 on cuda, 2 on cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 20 on cuda, 3 on cpu")
+    parser.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=None,
+        help="timed runs per config, interleaved after a warm-up (default: 20 on cuda, 3 on cpu)",
+    )
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 1 8 32 on cuda, 1)")
     parser.add_argument("--name", default=None, help="results file stem (default llava15_<device>)")
@@ -208,7 +216,8 @@ def main() -> None:
     environment = common.environment(device)
     lines = [
         f"LLaVA-1.5-7B shapes, random weights, {device.type} ({environment.get('gpu', 'CPU')}), {dtype}, "
-        f"LLM {llm_layers}/32 layers, prompt {prompt_tokens} tokens per sample, median of {repeats}.",
+        f"LLM {llm_layers}/32 layers, prompt {prompt_tokens} tokens per sample, median and min-max of {repeats} "
+        "interleaved runs after a warm-up; a speedup whose spread contains 1.0 is within noise.",
     ]
     targets = {}
     for batch, rows in results.items():
@@ -217,29 +226,31 @@ def main() -> None:
             "",
             f"Batch {batch}:",
             "",
-            "| config | visual tokens / image | TTFT ms | speedup | speedup / oracle's | selection ms (% of unpruned "
-            "TTFT) | peak MB above weights |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| config | visual tokens / image | TTFT ms (median, min-max) | speedup (spread) | vs oracle's TTFT "
+            "| selection ms (% of unpruned TTFT) | peak MB above weights |",
+            "|---|---:|---:|---|---|---:|---:|",
         ]
         for name, row in rows.items():
-            row["speedup"] = unpruned / row["ttft_ms"]
             rel, sel = "", ""
             if name.startswith("fastervlm@"):
-                oracle = rows["oracle@" + name.split("@")[1]]
-                row["speedup_vs_oracle"] = row["speedup"] / (unpruned / oracle["ttft_ms"])
                 row["selection_share"] = row["selection_ms"] / unpruned
-                rel = f"{row['speedup_vs_oracle']:.3f}"
+                rel = row["vs_oracle_text"]
                 sel = f"{row['selection_ms']:.2f} ({row['selection_share']:.2%})"
-                targets[f"batch{batch}/{name}"] = {
-                    "speedup>=0.95*oracle": row["speedup_vs_oracle"] >= 0.95,
+                targets[f"batch{batch}/{name}"] = {  # within noise of the oracle counts as reaching it
+                    "speedup>=0.95*oracle": row["vs_oracle_high"] >= 0.95,
                     "selection<=3%": row["selection_share"] <= 0.03,
                 }
+            speed = "(baseline)" if name == "unpatched" else row["speedup_text"]
             lines.append(
-                f"| {name} | {row['visual_tokens']} | {row['ttft_ms']:.1f} | {row['speedup']:.2f}x | {rel} | {sel} | "
+                f"| {name} | {row['visual_tokens']} | {common.ttft_cell(row)} | {speed} | {rel} | {sel} | "
                 f"{row['peak_mb']:.0f} |"
             )
-    ratio = official_cost / ours_cost if ours_cost > 0 else float("inf")
-    targets["scoring>=3x cheaper"] = ratio >= 3
+    # the scores' cost: the whole tower with them against the official eager path (ratio under the timing rule);
+    # the extra costs below are differences of medians and mean something only when the towers differ beyond noise
+    towers = common.speedup(scoring["tower_official"], scoring["tower_ours"])
+    measurable = ours_cost > 0 and official_cost > 0 and not towers.within_noise
+    ratio = official_cost / ours_cost if measurable else None
+    targets["scoring>=3x cheaper"] = ratio is not None and ratio >= 3
     missed = [
         f"{name}: {goal}"
         for name, goals in targets.items()
@@ -260,8 +271,14 @@ def main() -> None:
         f"| vtoken: SDPA + [CLS] row from hooked q/k | {scoring['tower_ours']['median_s'] * 1e3:.2f} | "
         f"{ours_cost * 1e3:.3f} |",
         "",
-        f"Our scores are {ratio:.1f}x cheaper than the eager path. Targets (speedup >= 0.95 x oracle's, selection "
-        f"<= 3 % of unpruned TTFT, scoring >= 3x cheaper): {verdict}.",
+        f"Whole tower, vtoken's path vs the official eager path: {towers}. "
+        + (
+            f"Extra cost of the scores: {ratio:.1f}x lower than the eager path's. "
+            if ratio is not None
+            else "Extra cost of the scores: not measurable here (a cost at or below 0, or towers within noise). "
+        )
+        + f"Targets (speedup >= 0.95 x oracle's, selection <= 3 % of unpruned TTFT, scoring >= 3x cheaper): "
+        f"{verdict}.",
     ]
     table = "\n".join(lines)
     payload = {
@@ -275,11 +292,16 @@ def main() -> None:
         },
         "repeats": repeats,
         "ttft": {f"batch{b}": rows for b, rows in results.items()},
-        "scoring": {k: v["median_s"] for k, v in scoring.items()}
-        | {"ours_cost_s": ours_cost, "official_cost_s": official_cost, "ratio": ratio},
+        "scoring": {k: v["timing"].to_dict() for k, v in scoring.items()}
+        | {
+            "ours_cost_s": ours_cost,
+            "official_cost_s": official_cost,
+            "ratio": ratio,
+            "tower_ours_vs_official": towers.to_dict(),
+        },
         "targets": targets,
     }
-    json_path, md_path = common.write_results(args.name or f"llava15_{device.type}", payload, table)
+    json_path, md_path = common.write_results(args.name or f"llava15_{device.type}", payload, table, args.out)
     print(table)
     print(f"\nwrote {json_path} and {md_path}")
 

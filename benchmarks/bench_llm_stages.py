@@ -27,6 +27,7 @@ from vtoken.adapters import hf  # noqa: E402
 
 import vtoken  # noqa: E402
 from vtoken.images import example_image  # noqa: E402
+from vtoken.timing import Timing, compare  # noqa: E402
 from vtoken.zoo import build_prompt, tiny_llava  # noqa: E402
 
 QUESTION = "What is in the image? Describe every object, its colour and its position."
@@ -90,8 +91,13 @@ def main() -> None:
     timed = common.interleaved(runs, repeats, device, contexts=contexts)
     print(f"measured in {time.perf_counter() - start:.0f} s")
 
-    base = timed["unpatched/ttft"]["median_s"]
-    base_decode = steps / (timed["unpatched/generate"]["median_s"] - base)
+    def decode_timing(name: str) -> Timing:
+        """Seconds of the `steps` decode steps, per repetition: a generate minus the TTFT run of the same
+        repetition (interleaved, so the two saw the same machine state)."""
+        pairs = zip(timed[f"{name}/generate"]["times_s"], timed[f"{name}/ttft"]["times_s"], strict=True)
+        return Timing(tuple(max(g - t, 1e-9) for g, t in pairs))
+
+    base_decode = decode_timing("unpatched")
     results, lines = {}, []
     layers = model.config.text_config.num_hidden_layers
     width = model.config.text_config.hidden_size
@@ -100,29 +106,30 @@ def main() -> None:
         f"LLaVA-1.5 shape: CLIP-L tower ({model.config.vision_config.num_hidden_layers} layers), LLM {layers} layers "
         f"x {width} wide; {steps} decode tokens.",
         "",
-        "| config | visual tokens entering the LLM | layer-averaged | TTFT ms | TTFT speedup | decode tok/s | "
-        "decode speedup | KV cache MB | KV vs unpatched | peak MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | visual tokens entering the LLM | layer-averaged | TTFT ms (median, min-max) | TTFT speedup "
+        "| decode tok/s | decode speedup | KV cache MB | KV vs unpatched | peak MB |",
+        "|---|---:|---:|---:|---|---:|---|---:|---:|---:|",
     ]
     for name in CONFIGS:
-        ttft = timed[f"{name}/ttft"]["median_s"]
-        decode = steps / max(timed[f"{name}/generate"]["median_s"] - ttft, 1e-9)
+        decode = decode_timing(name)
+        decode_ratio = compare(base_decode, decode)
         row = {
             **facts[name],
-            "ttft_ms": ttft * 1e3,
-            "ttft_speedup": base / ttft,
-            "decode_tokens_per_s": decode,
-            "decode_speedup": decode / base_decode,
+            **common.timing_row(timed["unpatched/ttft"], timed[f"{name}/ttft"]),
+            "decode_tokens_per_s": steps / decode.median,
+            "decode_speedup": decode_ratio.to_dict(),
             "kv_ratio": facts[name]["kv"] / facts["unpatched"]["kv"],
             "peak_mb": timed[f"{name}/generate"]["peak_bytes"] / 2**20,
         }
         results[name] = row
+        first = name == "unpatched"
         lines.append(
-            f"| {name} | {row['entering']} | {row['layer_average']:.1f} | {row['ttft_ms']:.1f} | "
-            f"{row['ttft_speedup']:.2f}x | {decode:.1f} | {row['decode_speedup']:.2f}x | {row['kv'] / 2**20:.1f} | "
-            f"{row['kv_ratio']:.2f} | {row['peak_mb']:.0f} |"
+            f"| {name} | {row['entering']} | {row['layer_average']:.1f} | {common.ttft_cell(row)} | "
+            f"{'(baseline)' if first else row['speedup_text']} | {row['decode_tokens_per_s']:.1f} | "
+            f"{'(baseline)' if first else decode_ratio} | {row['kv'] / 2**20:.1f} | {row['kv_ratio']:.2f} | "
+            f"{row['peak_mb']:.0f} |"
         )
-    common.report("llm_stages", device, dtype, repeats, results, lines)
+    common.report("llm_stages", device, dtype, repeats, results, lines, args.out)
 
 
 if __name__ == "__main__":

@@ -117,8 +117,10 @@ def greedy_scaling(device, dtype, repeats: int) -> list[dict]:
         full = timed["prefill_layer"]["median_s"] * 28
         for key in configs:
             if key.startswith("mmtok"):
-                ms = timed[key]["median_s"] * 1e3
-                rows.append({"n": n, "config": key, "selection_ms": ms, "prefill_28_layers_ms": full * 1e3,
+                t = timed[key]["timing"]
+                ms = t.median * 1e3
+                rows.append({"n": n, "config": key, "selection_ms": ms, "selection_min_ms": t.low * 1e3,
+                             "selection_max_ms": t.high * 1e3, "prefill_28_layers_ms": full * 1e3,
                              "share": ms / (full * 1e3)})  # fmt: skip
     return rows
 
@@ -159,15 +161,15 @@ def main() -> None:
         "MMTok coverage + greedy at Qwen2.5-VL-7B widths vs the prefill of the full 28-layer LLM on N + 40 tokens "
         "(one decoder layer measured, x 28):",
         "",
-        "| N | config | selection ms | prefill ms (28 layers) | selection / prefill |",
+        "| N | config | selection ms (median, min-max) | prefill ms (28 layers, median) | selection / prefill |",
         "|---:|---|---:|---:|---:|",
     ]
     for row in greedy:
         lines.append(
-            f"| {row['n']} | {row['config']} | {row['selection_ms']:.1f} | {row['prefill_28_layers_ms']:.0f} | "
-            f"{row['share']:.1%} |"
+            f"| {row['n']} | {row['config']} | {row['selection_ms']:.1f} ({row['selection_min_ms']:.1f}-"
+            f"{row['selection_max_ms']:.1f}) | {row['prefill_28_layers_ms']:.0f} | {row['share']:.1%} |"
         )
-    common.report("methods", device, dtype, repeats, results, lines)
+    common.report("methods", device, dtype, repeats, results, lines, args.out)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def main() -> None:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    common.report("qwen3_vl", device, dtype, repeats, results, lines)
+    common.report("qwen3_vl", device, dtype, repeats, results, lines, args.out)
 
 
 if __name__ == "__main__":

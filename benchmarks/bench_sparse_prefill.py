@@ -97,6 +97,9 @@ def kernel_level(device, dtype, lengths, heads, repeats) -> tuple[dict, list[str
         f"Kernel level: B=1, {hq}/{hkv} heads, head dim {dim}, block {BLOCK}, {dtype}; ms per layer call; "
         "target on a GPU: within 1.2x of SDPA at density 1.0, speedup >= 0.7/density from 32k tokens.",
         "",
+        "Times are medians of interleaved runs after a warm-up; a speedup whose min-max spread contains 1.0 reads "
+        "'within noise'.",
+        "",
         "| tokens | SDPA ms | estimate ms | " + " | ".join(f"rho={r:g} ms (speedup)" for r in DENSITIES) + " |",
         "|---:|---:|---:|" + "---:|" * len(DENSITIES),
     ]
@@ -122,13 +125,16 @@ def kernel_level(device, dtype, lengths, heads, repeats) -> tuple[dict, list[str
             timed = common.interleaved(runs, repeats, device)
         sdpa = timed["sdpa"]["median_s"]
         n = mandatory.shape[0]
-        row = {"sdpa_ms": sdpa * 1e3, "estimate_ms": timed["estimate"]["median_s"] * 1e3, "densities": {}}
+        row = {"sdpa_ms": sdpa * 1e3, "estimate_ms": timed["estimate"]["median_s"] * 1e3, "densities": {},
+               "sdpa": timed["sdpa"]["timing"].to_dict()}  # fmt: skip
         cells = []
         for rho, (counts, _) in plans.items():
             achieved = float(counts.double().sum() / (hq * n * (n + 1) / 2))
             ms = timed[f"sparse@{rho:g}"]["median_s"] * 1e3
-            row["densities"][f"{rho:g}"] = {"ms": ms, "speedup": sdpa * 1e3 / ms, "achieved_density": achieved}
-            cells.append(f"{ms:.2f} ({sdpa * 1e3 / ms:.2f}x, rho'={achieved:.2f})")
+            ratio = common.speedup(timed["sdpa"], timed[f"sparse@{rho:g}"])
+            row["densities"][f"{rho:g}"] = {"ms": ms, "speedup": ratio.value, "speedup_spread": ratio.to_dict(),
+                                            "achieved_density": achieved}  # fmt: skip
+            cells.append(f"{ms:.2f} ({ratio}, rho'={achieved:.2f})")
         results[seq] = row
         lines.append(f"| {seq} | {row['sdpa_ms']:.2f} | {row['estimate_ms']:.2f} | " + " | ".join(cells) + " |")
         del q, k, v, qkv, runs, plans, vertical, slash
@@ -196,8 +202,9 @@ def end_to_end(cfg, device, dtype, repeats) -> tuple[dict, list[str]]:
         "(target on a GPU: >= 0.9). Recall: attention mass of 128 query rows of layer "
         f"{layers // 2} inside the plan, per head (min / median).",
         "",
-        "| tokens | config | LLM tokens | TTFT ms | speedup | density | a | bound | of bound | recall min / median |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens | config | LLM tokens | TTFT ms (median, min-max) | speedup vs dense (spread) | density | a | "
+        "bound | of bound | recall min / median |",
+        "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for tokens in cfg["video_tokens"]:
         inputs = video_inputs(processor, tokens, cfg["frame_side"]).to(device)
@@ -231,13 +238,14 @@ def end_to_end(cfg, device, dtype, repeats) -> tuple[dict, list[str]]:
             rho = fact["density"]
             bound = prefill_bound(a, rho) if rho is not None else None
             speedup = reference / t  # pruning + sparse: against pruning alone, the prefill it sparsifies
-            row = {"llm_tokens": fact["llm_tokens"], "ttft_ms": t * 1e3, "speedup_vs_dense": base / t,
-                   "speedup_vs_reference": speedup, "density": rho, "attention_share": a, "bound": bound,
-                   "recall": fact["recall"]}  # fmt: skip
+            row = {"llm_tokens": fact["llm_tokens"], **common.timing_row(timed["dense"], timed[name]),
+                   "speedup_vs_dense": base / t, "speedup_vs_reference": speedup, "density": rho,
+                   "attention_share": a, "bound": bound, "recall": fact["recall"]}  # fmt: skip
             results[tokens][name] = row
             recall = fact["recall"]
             lines.append(
-                f"| {tokens} | {name} | {fact['llm_tokens']} | {t * 1e3:.1f} | {base / t:.2f}x | "
+                f"| {tokens} | {name} | {fact['llm_tokens']} | {common.ttft_cell(row)} | "
+                f"{'(baseline)' if name == 'dense' else row['speedup_text']} | "
                 + (f"{rho:.3f}" if rho is not None else "1")
                 + f" | {a:.2f} | "
                 + (f"{bound:.2f}x | {speedup / bound:.2f} |" if bound else " | |")
@@ -308,8 +316,15 @@ def attention_seconds(seq, hq, hkv, dim, device, dtype, repeats) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 5 on cuda, 2 on cpu")
+    parser.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=None,
+        help="timed runs per config, interleaved after a warm-up (default: 5 on cuda, 2 on cpu)",
+    )
     parser.add_argument("--only", choices=["kernel", "e2e"], default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -329,10 +344,11 @@ def main() -> None:
         lines += ["", "CPU: the torch backend is the dense reference, so sparse configs cost more here, not less."]
     print(f"measured in {time.perf_counter() - start:.0f} s")
     env = common.environment(device)
-    header = f"Sparse prefill, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median of {repeats}."
+    header = (f"Sparse prefill, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median and min-max of "
+              f"{repeats} interleaved runs after a warm-up.")  # fmt: skip
     table = "\n".join([header, *lines])
     payload = {"environment": env, "repeats": repeats, "results": results}
-    json_path, md_path = common.write_results(f"sparse_prefill_{device.type}", payload, table)
+    json_path, md_path = common.write_results(f"sparse_prefill_{device.type}", payload, table, args.out)
     print(table)
     print(f"\nwrote {json_path} and {md_path}")
 

@@ -1,24 +1,29 @@
 """Shared benchmark helpers: interleaved timing, peak memory, result files.
 
-Every number a benchmark reports is measured in one process, configurations interleaved repetition by
-repetition so that machine drift hits all of them alike; tables report medians and ratios.
+Every number a benchmark reports is measured in one process under `vtoken.timing`'s rule: configurations
+interleaved repetition by repetition after a warm-up, so that machine drift hits all of them alike; tables report
+the median and min-max of the runs, and a speedup whose spread contains 1.0 reads "within noise".
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
-import platform
-import statistics
+import os
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+from vtoken.provenance import run_info
+from vtoken.timing import Ratio, compare, device_sync, measure
+
+RESULTS = Path(__file__).parent / "results"  # the tables the docs show: written only when --out names it
+DEFAULT_OUT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vtoken" / "benchmarks"
 
 
 def sync(device: torch.device) -> None:
@@ -75,46 +80,78 @@ def interleaved(
     warmup: int = 1,
     contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
 ):
-    """Run each config `warmup + repeats` times, interleaved; return name -> {median_s, times_s, peak_bytes}.
+    """Run each config `warmup + repeats` times under `vtoken.timing`'s rule (interleaved, order rotated each
+    repetition); name -> {median_s, times_s, timing (a `vtoken.timing.Timing`), peak_bytes}.
 
     contexts[name], if given, makes a context entered around each run of that config but outside the timer
-    (e.g. patching the model).
+    (e.g. patching the model); peak memory is measured inside it, also outside the timer.
     """
     contexts = contexts or {}
-    times: dict[str, list[float]] = {name: [] for name in configs}
     peaks: dict[str, int] = dict.fromkeys(configs, 0)
-    for rep in range(warmup + repeats):
-        for name, fn in configs.items():
+    runs = dict.fromkeys(configs, 0)
+
+    def around(name):
+        @contextmanager
+        def context():
             with contexts.get(name, nullcontext)(), PeakMemory(device) as mem:
-                sync(device)
-                start = time.perf_counter()
-                fn()
-                sync(device)
-                elapsed = time.perf_counter() - start
-            if rep >= warmup:
-                times[name].append(elapsed)
+                yield
+            runs[name] += 1
+            if runs[name] > warmup:
                 peaks[name] = max(peaks[name], mem.peak)
+
+        return context
+
+    timed = measure(configs, repeats, warmup, around={name: around(name) for name in configs},
+                    sync=device_sync(device))  # fmt: skip
     return {
-        name: {"median_s": statistics.median(t), "times_s": t, "peak_bytes": peaks[name]} for name, t in times.items()
+        name: {"median_s": t.median, "times_s": list(t.times), "timing": t, "peak_bytes": peaks[name]}
+        for name, t in timed.items()
     }
 
 
+def timing_row(base: dict, result: dict, oracle: dict | None = None) -> dict:
+    """A results row's timing fields: TTFT median, min, max and runs; the speedup over `base` with its spread
+    and verdict ('faster', 'slower', 'within noise'); with `oracle`, the same against the oracle's time."""
+    t, r = result["timing"], speedup(base, result)
+    row = {"ttft_ms": t.median * 1e3, "ttft_min_ms": t.low * 1e3, "ttft_max_ms": t.high * 1e3, "runs": t.n,
+           "speedup": r.value, "speedup_low": r.low, "speedup_high": r.high, "speedup_verdict": r.verdict,
+           "speedup_text": str(r)}  # fmt: skip
+    if oracle is not None:
+        o = speedup(oracle, result)  # > 1: faster than the oracle (< 1 is the expected overhead)
+        row.update(vs_oracle=o.value, vs_oracle_low=o.low, vs_oracle_high=o.high, vs_oracle_text=str(o))
+    return row
+
+
+def ttft_cell(row: dict) -> str:
+    """'median (min-max)' of a `timing_row`, in milliseconds."""
+    if row["runs"] < 2:
+        return f"{row['ttft_ms']:.1f}"
+    return f"{row['ttft_ms']:.1f} ({row['ttft_min_ms']:.1f}-{row['ttft_max_ms']:.1f})"
+
+
+def speedup(base: dict, result: dict) -> Ratio:
+    """The speedup of `result` over `base` under the timing rule (its str says 'within noise' when the spreads
+    cannot tell them apart)."""
+    return compare(base["timing"], result["timing"])
+
+
 def environment(device: torch.device) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
-    import transformers
-
-    info["transformers"] = transformers.__version__
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        info["cpu_threads"] = torch.get_num_threads()
-        info["cpu"] = platform.processor() or platform.machine()
-    return info
+    """Versions, commit, device and date of this run (every results JSON records them)."""
+    return run_info(device)
 
 
-def write_results(name: str, payload: dict, table: str) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+def add_out(parser: argparse.ArgumentParser) -> None:
+    """`--out DIR`: where results go (default outside the repository, so `make bench` never overwrites the shipped
+    tables in benchmarks/results/; pass `--out benchmarks/results` to update those on purpose)."""
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"directory for the JSON, Markdown and plots (default: {DEFAULT_OUT})")  # fmt: skip
+
+
+def write_results(name: str, payload: dict, table: str, out: Path) -> tuple[Path, Path]:
+    """`payload` as out/<name>.json (with this run's environment if it has none) and `table` as out/<name>.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = payload if "environment" in payload else {"environment": run_info("cpu"), **payload}
+    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table + "\n")
     return json_path, md_path
@@ -122,11 +159,16 @@ def write_results(name: str, payload: dict, table: str) -> tuple[Path, Path]:
 
 def ttft_parser(doc: str, cpu_layers_help: str):
     """The options every TTFT benchmark takes: device, repeats, CPU depth, budgets."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on cuda, 2 on cpu")
+    parser.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=None,
+        help="timed runs per config, interleaved after a warm-up (default: 10 on cuda, 2 on cpu)",
+    )
     parser.add_argument("--cpu-layers", type=int, default=1, help=cpu_layers_help)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
     return parser
@@ -151,29 +193,32 @@ def ttft_table(title: str, rows: dict[str, dict]) -> list[str]:
         "",
         title,
         "",
-        "| config | visual tokens | TTFT ms | speedup | speedup / oracle's | selection ms | selection / TTFT "
-        "| peak MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | visual tokens | TTFT ms (median, min-max) | speedup (spread) | vs oracle's TTFT | selection ms "
+        "| selection / TTFT | peak MB |",
+        "|---|---:|---:|---|---|---:|---:|---:|",
     ]
     for name, row in rows.items():
-        rel = f"{row['speedup_vs_oracle']:.3f}" if "speedup_vs_oracle" in row else ""
+        rel = row.get("vs_oracle_text", "")
         sel = f"{row['selection_ms']:.2f}" if "selection_ms" in row else ""
         share = f"{row['selection_ms'] / row['ttft_ms']:.1%}" if "selection_ms" in row else ""
+        speed = "(baseline)" if name == "unpatched" else row["speedup_text"]
         lines.append(
-            f"| {name} | {row['visual_tokens']} | {row['ttft_ms']:.1f} | {row['speedup']:.2f}x | {rel} | {sel} | "
-            f"{share} | {row['peak_mb']:.0f} |"
+            f"| {name} | {row['visual_tokens']} | {ttft_cell(row)} | {speed} | {rel} | {sel} | {share} | "
+            f"{row['peak_mb']:.0f} |"
         )
     return lines
 
 
-def report(name: str, device: torch.device, dtype: torch.dtype, repeats: int, results: dict, lines: list[str]):
-    """Write `results` and the table `lines` (under a header naming the machine) to results/<name>_<device>."""
+def report(name: str, device: torch.device, dtype: torch.dtype, repeats: int, results: dict, lines: list[str],
+           out: Path):  # fmt: skip
+    """Write `results` and the table `lines` (under a header naming the machine) to out/<name>_<device>."""
     env = environment(device)
     header = (
-        f"Random weights, real shapes, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median of {repeats}."
+        f"Random weights, real shapes, {device.type} ({env.get('gpu', 'CPU')}), {dtype}, batch 1, median and "
+        f"min-max of {repeats} interleaved runs after a warm-up; a speedup whose spread contains 1.0 is within noise."
     )
     table = "\n".join([header, *lines])
     payload = {"environment": env, "repeats": repeats, "results": results}
-    json_path, md_path = write_results(f"{name}_{device.type}", payload, table)
+    json_path, md_path = write_results(f"{name}_{device.type}", payload, table, out)
     print(table)
     print(f"\nwrote {json_path} and {md_path}")

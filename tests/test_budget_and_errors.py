@@ -90,7 +90,7 @@ def test_non_vlm_model_is_rejected():
     )
     with pytest.raises(UnsupportedModelError) as err:
         vtoken.patch(model, "random", budget=0.5)
-    assert "LlamaForCausalLM" in str(err.value) and "LlavaForConditionalGeneration" in str(err.value)
+    assert "LlamaForCausalLM" in str(err.value) and "llava-1.5" in str(err.value)  # the families, briefly
     _assert_untouched(model)
 
 
@@ -124,3 +124,21 @@ def test_patching_twice_is_a_clear_error(llava):
 def test_registries():
     assert {"fastervlm", "random", "pool"} <= set(vtoken.available_methods())
     assert "LlavaForConditionalGeneration" in vtoken.supported_models()["llava-1.5"]
+
+
+@pytest.mark.parametrize("budget, text", [(0.25, "25%"), (0.125, "12.5%"), (1.0, "100%"), (144, "144 tokens"),
+                                          (1, "1 token")])  # fmt: skip
+def test_a_budget_reads_with_its_unit(budget, text):
+    from vtoken.budget import describe
+
+    assert describe(budget) == text
+
+
+def test_a_method_is_described_by_what_it_applies():
+    from vtoken.registry import describe_method
+
+    assert describe_method(vtoken.FasterVLM(budget=25)) == "fastervlm(budget=25 tokens)"
+    assert describe_method(vtoken.FasterVLM(budget=0.25)) == "fastervlm(budget=25%)"
+    assert describe_method(vtoken.HiRED(budget=0.25)) == "hired(budget=25%)"  # its `rate` alias follows the budget
+    assert describe_method(vtoken.HiRED(budget=0.25, alpha=0.3)) == "hired(budget=25%, alpha=0.3)"
+    assert describe_method(vtoken.FastV(layer=1)) == "fastv(layer=1, keep=50%)"

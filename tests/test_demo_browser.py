@@ -106,7 +106,7 @@ def test_the_page_in_a_browser(browser, url):
     for i in range(offered.count()):
         if not offered.nth(i).is_checked():
             offered.nth(i).check()
-    page.get_by_label("timed runs (median, after a warm-up)").last.fill("1")
+    page.get_by_label("timed runs per setting (interleaved, after a warm-up)").last.fill("1")
     page.get_by_label("max new tokens").last.fill("2")
     run_and_wait(page, len(names))  # every offered method, each with its own defaults
     table = page.locator("#vtoken-results").inner_text()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -285,6 +286,12 @@ def test_batch_records_map_back_to_samples(photos):
     assert [r.token_counts.stages for r in batched] == stages
     assert stages[0]["encoder"]["tokens_in"] > stages[1]["encoder"]["tokens_in"] > 0 and stages[2] == {}
     assert [r.token_counts.visual_tokens for r in batched] == [r.token_counts.visual_tokens for r in alone]
+    # the LLM's input, measured per row of the padded batch as alone: kept patches + the newline separators kept
+    kept = [r.token_counts.visual_kept for r in batched]
+    assert kept == [r.token_counts.visual_kept for r in alone]
+    for row in (0, 1):
+        assert stages[row]["encoder"]["tokens_out"] < kept[row] < batched[row].token_counts.visual_tokens
+    assert kept[2] == batched[2].token_counts.visual_tokens == 0
 
 
 def test_vtoken_eval_sweep(cache, tmp_path, monkeypatch):
@@ -299,24 +306,50 @@ def test_vtoken_eval_sweep(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(lmms_model, "load", lambda *a, **k: loads.append(a) or load(*a, **k))
     out = tmp_path / "sweep"
     assert main(["eval", "--model", "vtoken-mini", "--methods", "fastervlm,pool", "--budgets", "0.25",
-                 "--limit", "10", "--batch-size", "5", "--out", str(out)]) == 0  # fmt: skip
+                 "--limit", "10", "--batch-size", "5", "--repeats", "2", "--out", str(out)]) == 0  # fmt: skip
     assert len(loads) == 1
     report = json.loads((out / "sweep.json").read_text())
     model, processor = load("vtoken-mini")
     pairs = vqa.question_set("test", 10)
+    correct = {}
     for setting in report["settings"]:
         method = setting["method"]
         if method != "none":
             vtoken.patch(model, method, budget=0.25)
         try:
-            expected = evaluate(model, processor, pairs, batch=5).accuracy()["all"]
+            result = evaluate(model, processor, pairs, batch=5)
         finally:
             if method != "none":
                 vtoken.unpatch(model)
+        expected = result.accuracy()["all"]
         assert setting["scores"]["vtoken_mini_vqa/accuracy"] == pytest.approx(expected), method
         assert setting["means"]["vtoken_visual_kept"] == (144 if method == "none" else 36)
+        # n, standard error and 95 % interval beside the accuracy and the retention, recomputed by hand
+        right = np.array(result.correct, dtype=float)
+        correct[method] = right
+        found = setting["estimates"]["vtoken_mini_vqa/accuracy"]
+        assert found["score"]["n"] == 10 and found["score"]["value"] == pytest.approx(right.mean())
+        assert found["score"]["se"] == pytest.approx(right.std(ddof=1) / np.sqrt(10))
+        low, high = found["score"]["ci95"]
+        assert low <= right.mean() <= high
+        base = correct["none"]
+        assert found["retention"]["value"] == pytest.approx(right.mean() / base.mean())
+        residual = right - found["retention"]["value"] * base
+        assert found["retention"]["se"] == pytest.approx(residual.std(ddof=1) / np.sqrt(10) / base.mean())
+    env = report["environment"]
+    assert {"date", "vtoken", "commit", "torch", "transformers", "device", "lmms_eval"} <= set(env)
     assert [s["method"] for s in report["settings"]] == ["none", "fastervlm", "pool"]
-    assert "retention" in (out / "sweep.md").read_text()
+    for i, setting in enumerate(report["settings"]):  # TTFT under the timing rule: n runs, median, spread
+        ttft = setting["ttft"]
+        assert ttft["n"] == 2 and ttft["min_ms"] <= ttft["median_ms"] <= ttft["max_ms"]
+        ratio = setting["ttft_vs_unpatched"]
+        assert (ratio is None) == (i == 0)
+        if ratio:
+            assert ratio["low"] <= ratio["ratio"] <= ratio["high"]
+            assert ratio["verdict"] == ("within noise" if ratio["low"] <= 1 <= ratio["high"] else
+                                        "faster" if ratio["low"] > 1 else "slower")  # fmt: skip
+    table = (out / "sweep.md").read_text()
+    assert "retention" in table and "(n=10)" in table and " ± " in table and "n=10 |" in table
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -369,3 +402,21 @@ def test_batch_of_a_video_and_an_image(family, cache):
     assert [r.token_counts.stages for r in batched] == [r.token_counts.stages for r in alone]
     video_stages, image_stages = (r.token_counts.stages for r in alone)
     assert video_stages["encoder"] != image_stages["encoder"]
+
+
+def test_sweep_plot_keeps_equal_lines_apart():
+    """Methods with identical scores at identical token counts stay visible: own marker and line style, and
+    x positions offset from each other."""
+    from vtoken.eval.sweep import Setting, figure
+
+    key = "t/accuracy"
+    samples = {key: {i: float(i % 2) for i in range(10)}}
+    points = [Setting("none", None, {}, {key: 0.5}, {"vtoken_visual_kept": 144.0}, samples)]
+    points += [Setting(m, b, {}, {key: 0.5}, {"vtoken_visual_kept": 144.0 * b}, samples)
+               for m in ("fastervlm", "hired") for b in (0.5, 0.25)]  # fmt: skip
+    fig = figure(points, "t")
+    bars = {c.get_label(): c.lines[0] for c in fig.axes[0].containers}
+    a, b = bars["fastervlm"], bars["hired"]
+    assert (a.get_marker(), a.get_linestyle()) != (b.get_marker(), b.get_linestyle())
+    assert all(x != y for x, y in zip(a.get_xdata(), b.get_xdata(), strict=True))
+    assert list(a.get_ydata()) == list(b.get_ydata()) == [0.5, 0.5]

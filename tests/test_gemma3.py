@@ -6,8 +6,7 @@ import torch
 from conftest import assert_batch_beams_and_restore, assert_identity, make_image, shortened_prompt
 
 import vtoken
-from vtoken.zoo import build_prompt
-from vtoken.zoo_internvl_gemma import tiny_gemma3
+from vtoken.zoo import build_prompt, tiny_gemma3
 
 # (width, height, pan_and_scan) -> crops the processor makes (the image, then its pan-and-scan crops)
 CASES = {(800, 300, False): 1, (900, 300, True): 4, (300, 700, True): 3, (400, 400, True): 1, (50, 20, True): 1}

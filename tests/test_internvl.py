@@ -5,8 +5,7 @@ import torch
 from conftest import assert_batch_beams_and_restore, assert_identity, make_image, shortened_prompt, video_inputs
 
 import vtoken
-from vtoken.zoo import build_prompt
-from vtoken.zoo_internvl_gemma import tiny_internvl
+from vtoken.zoo import build_prompt, tiny_internvl
 
 # (width, height) -> tiles the processor cuts (max 6), a thumbnail added when there is more than one
 SIZES = {(800, 300): 4, (300, 900): 4, (224, 224): 1, (1000, 700): 7, (50, 20): 3}

@@ -5,43 +5,102 @@ handle = vtoken.patch(model, "fastervlm", budget=0.25)
 model.generate(**processor(images=image, text=prompt, return_tensors="pt"))
 print(handle.summary())
 vtoken.unpatch(model)
+
+The names below are imported on first use (PEP 562), so that `import vtoken` and `vtoken --help` stay light (no
+torch, no transformers); the method and adapter registries fill themselves when first asked.
 """
 
-from . import adapters as _adapters  # noqa: F401  (registers the adapters)
-from .api import PatchHandle, handle_of, patch, patched, unpatch
-from .applicability import applicable_methods
-from .budget import tokens_to_keep
-from .errors import (
-    AlreadyPatchedError,
-    BudgetError,
-    InputError,
-    MissingSignalError,
-    UnknownMethodError,
-    UnsupportedModelError,
-    VTokenError,
-)
-from .functional import encode, select
-from .methods import (
-    EncoderMethod,
-    FasterVLM,
-    FastV,
-    FourierDCT,
-    HiRED,
-    Method,
-    MMTok,
-    MustDrop,
-    Pool,
-    PrefillMethod,
-    Random,
-    ScoreMethod,
-    SparsePrefill,
-)
-from .question import remember_tokenizer
-from .records import Record
-from .registry import available_methods, make_method, supported_models
-from .tokens import LayerTokens, Selection, TextQuery, VisualTokens
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module (relative to vtoken) that defines it
+_EXPORTS = {
+    **dict.fromkeys(("PatchHandle", "handle_of", "patch", "patched", "unpatch"), "api"),
+    "applicable_methods": "applicability",
+    "tokens_to_keep": "budget",
+    **dict.fromkeys(
+        (
+            "AlreadyPatchedError",
+            "BudgetError",
+            "InputError",
+            "MissingSignalError",
+            "UnknownMethodError",
+            "UnsupportedModelError",
+            "VTokenError",
+        ),
+        "errors",
+    ),  # fmt: skip
+    **dict.fromkeys(("encode", "select"), "functional"),
+    "remember_tokenizer": "question",
+    "Record": "records",
+    **dict.fromkeys(("available_methods", "make_method", "supported_models"), "registry"),
+    **dict.fromkeys(("LayerTokens", "Selection", "TextQuery", "VisualTokens"), "tokens"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use: the table above, then every method class `vtoken.methods` exports, then
+    a submodule (`vtoken.adapters`, `vtoken.zoo`, ...)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:
+        methods = importlib.import_module(".methods", __name__)
+        if name in getattr(methods, "__all__", ()):
+            value = getattr(methods, name)
+        else:
+            try:
+                value = importlib.import_module(f".{name}", __name__)
+            except ModuleNotFoundError as err:
+                if err.name != f"{__name__}.{name}":
+                    raise
+                raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from .api import PatchHandle, handle_of, patch, patched, unpatch
+    from .applicability import applicable_methods
+    from .budget import tokens_to_keep
+    from .errors import (
+        AlreadyPatchedError,
+        BudgetError,
+        InputError,
+        MissingSignalError,
+        UnknownMethodError,
+        UnsupportedModelError,
+        VTokenError,
+    )
+    from .functional import encode, select
+    from .methods import (
+        EncoderMethod,
+        FasterVLM,
+        FastV,
+        FourierDCT,
+        HiRED,
+        Method,
+        MMTok,
+        MustDrop,
+        Pool,
+        PrefillMethod,
+        Random,
+        ScoreMethod,
+        SparsePrefill,
+    )
+    from .question import remember_tokenizer
+    from .records import Record
+    from .registry import available_methods, make_method, supported_models
+    from .tokens import LayerTokens, Selection, TextQuery, VisualTokens
 
 __all__ = [
     "patch",

@@ -12,7 +12,7 @@ from .adapters import hf
 from .errors import AlreadyPatchedError, UnsupportedModelError, VTokenError
 from .methods.base import Method
 from .records import Record, summarize
-from .registry import ADAPTERS, make_method, supported_models
+from .registry import adapters, make_method, supported_models
 
 _HANDLE_ATTR = "_vtoken_patch"
 
@@ -66,11 +66,14 @@ def _resolve_methods(method: str | Method | Sequence[str | Method], params: dict
 
 
 def _find_adapter(model: nn.Module):
-    for adapter in ADAPTERS:
+    for adapter in adapters():
         if adapter.matches(model):
             return adapter
-    known = "; ".join(f"{family}: {', '.join(classes)}" for family, classes in supported_models().items())
-    raise UnsupportedModelError(f"{type(model).__name__} is not a supported vision-language model; supported: {known}")
+    families = ", ".join(supported_models())
+    raise UnsupportedModelError(
+        f"{type(model).__name__} is not a supported vision-language model; supported families: {families} "
+        "(`vtoken list` or vtoken.supported_models() names their model classes)"
+    )
 
 
 def patch(

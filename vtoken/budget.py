@@ -14,6 +14,9 @@ from .errors import BudgetError
 Budget = float | int
 
 ACCEPTED = "a float fraction in (0, 1] (e.g. 0.25) or an int token count >= 1 (e.g. 144)"
+# the budget the CLI and the demo start every method's `budget` at (the methods' own defaults follow their papers:
+# FasterVLM 0.25, HiRED and MMTok 0.2), so that side-by-side rows keep the same share of tokens
+DEFAULT_BUDGET = 0.25
 
 
 def check_budget(budget: object, name: str = "budget") -> Budget:
@@ -36,6 +39,15 @@ def tokens_to_keep(budget: Budget, n: int) -> int:
     if isinstance(budget, int):
         return min(budget, n)
     return max(1, min(n, math.floor(budget * n + 0.5)))
+
+
+def describe(budget: Budget) -> str:
+    """How a budget reads to a user: 0.25 -> '25%' (a fraction kept), 144 -> '144 tokens' (a count)."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        return repr(budget)
+    if isinstance(budget, numbers.Integral):
+        return f"{budget} token" if budget == 1 else f"{budget} tokens"
+    return f"{float(budget) * 100:.4g}%"
 
 
 def parse_number(text: str) -> Budget:

@@ -1,25 +1,26 @@
 """`vtoken` command line: run a model with and without token reduction on one image and compare."""
 
+# Only light modules at the top (argparse, vtoken's budget/errors/specs/timing): `vtoken --help` must not import
+# torch or transformers. Everything heavy is imported inside the command that needs it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from . import api
-from .budget import parse_number
+from .budget import DEFAULT_BUDGET, parse_number
 from .errors import InputError, VTokenError
-from .images import example_image, load_image, load_video
-from .registry import available_methods, make_method, method_class, supported_models
-from .zoo import BUILTIN_MODELS, MINI, TINY_MODELS, build_prompt, load
+from .specs import build_methods, method_names, parse_param
+from .timing import DEFAULT_REPEATS, summary, time_to_first_token
+
+DEFAULT_MODEL = "vtoken-mini"  # vtoken.zoo.MINI (the zoo imports torch, so the name is repeated; a test checks it)
 
 DEFAULT_PROMPT = "What is in the image?"
 DTYPES = ("float32", "bfloat16", "float16")
+TIMING_RULE = "median of {n} interleaved runs after a warm-up, min-max in brackets; ratio vs unpatched"
 
 
 def parse_budget(text: str) -> float | int:
@@ -30,45 +31,39 @@ def parse_budget(text: str) -> float | int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _time_to_first_token(model, inputs, repeats: int) -> float:
-    """Median seconds of a one-token generate (image encoding + selection + prefill)."""
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(**inputs, max_new_tokens=1, do_sample=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
 def _answer(model, processor, inputs, max_new_tokens: int) -> str:
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0].strip()
 
 
-def method_params(name: str, budget: float | int) -> dict:
-    """What `--budget` sets on a method: its `budget`, FastV's `keep`; MustDrop's knobs are its thresholds."""
-    method = method_class(name)
-    if method is None:  # patch names the unknown method and the known ones
-        return {"budget": budget}
-    accepted = {f.name for f in fields(method)}
-    for field_name in ("budget", "keep"):
-        if field_name in accepted:
-            return {field_name: budget}
-    return {}
+def method_params(spec: str, budget: float | int | None, params: list[str] = ()) -> dict[str, Any]:
+    """`--method`, `--budget` and `--param` as `vtoken.specs` parameters ("name.param" -> value).
+
+    `--budget` sets every listed method's own knob: its `budget`, FastV's `keep` (MustDrop's knobs are its
+    thresholds). Without it, every method with a `budget` starts at `DEFAULT_BUDGET` (as in the demo) and FastV
+    keeps its own `keep`. `--param name.param=value` (or an unprefixed `param=value`) comes last and wins."""
+    from .registry import method_class
+
+    names = method_names(spec, "--method")
+    given = dict(parse_param(p) for p in params)
+    explicit = set()  # (method, parameter) pairs --param sets: --budget leaves those alone
+    for key in given:
+        prefix, dot, param = key.partition(".")
+        cls = method_class(prefix) if dot else None
+        explicit.update([(cls.name if cls else prefix, param)] if dot else [(n, key) for n in names])
+    out: dict[str, Any] = {}
+    for name in names:
+        accepted = {f.name for f in fields(method_class(name))}
+        knobs = ["budget"] if budget is None else ["budget", "keep"]
+        knob = next((k for k in knobs if k in accepted), None)
+        if knob is not None and (name, knob) not in explicit:
+            out[f"{name}.{knob}"] = DEFAULT_BUDGET if budget is None else budget
+    return {**out, **given}
 
 
-def llm_tokens(records) -> tuple[int, int]:
-    """Visual tokens before the first stage and after the last that shortens the LLM's input."""
-    stages = [s for s in dict.fromkeys(r.stage for r in records)
-              if s not in ("encoder.keyset", "decode.kv") and not s.startswith("sparse")]  # fmt: skip
-    if not stages:
-        return 0, 0
-    tokens_in = sum(r.tokens_in for r in records if r.stage == stages[0])
-    return tokens_in, sum(r.tokens_out for r in records if r.stage == stages[-1])
+def build(args: argparse.Namespace) -> list:
+    """Fresh method objects of `--method` with `--budget` and `--param` (errors name the flag)."""
+    return build_methods(args.method, method_params(args.method, args.budget, args.param), [], source="--param")
 
 
 def kept_map(record) -> str:
@@ -81,11 +76,13 @@ def kept_map(record) -> str:
 def _example(args: argparse.Namespace) -> tuple:
     """(image, question, expected answer or None) when no image/video is given: vtoken-mini's generated scene
     and its question, else the generic example scene."""
-    if args.model == MINI:
+    if args.model == DEFAULT_MODEL:
         from .mini import example
 
         image, question, answer = example()
         return image, args.prompt or question, answer if args.prompt in (None, question) else None
+    from .images import example_image
+
     return example_image(), args.prompt or DEFAULT_PROMPT, None
 
 
@@ -95,6 +92,8 @@ def _first_line(err: BaseException) -> str:
 
 def check_device(name: str) -> None:
     """Raise unless `name` is a torch device this machine has (e.g. --device cuda without a GPU)."""
+    import torch
+
     try:
         torch.empty(0, device=torch.device(name))
     except (RuntimeError, AssertionError) as err:  # unknown device string; no driver; torch built without it
@@ -103,9 +102,9 @@ def check_device(name: str) -> None:
                           f"{', '.join(here)}") from None  # fmt: skip
 
 
-def check_run_args(args: argparse.Namespace) -> dict:
-    """Everything about `vtoken run`'s arguments that can be checked before the model loads; returns the
-    method's parameters (an unknown method or a bad budget fails here, not after loading)."""
+def check_run_args(args: argparse.Namespace) -> None:
+    """Everything about `vtoken run`'s arguments that can be checked before the model loads (an unknown method, a
+    bad budget or parameter fails here, not after loading)."""
     for flag, value in (("--frames", args.frames), ("--max-new-tokens", args.max_new_tokens),
                         ("--repeats", args.repeats)):  # fmt: skip
         if value < 1:
@@ -119,13 +118,18 @@ def check_run_args(args: argparse.Namespace) -> dict:
     for what, path in (("image", args.image), ("video", args.video)):
         if path is not None and not Path(path).is_file():
             raise InputError(f"cannot read {what} {path!r}: no such file")
-    params = method_params(args.method, args.budget)
-    make_method(args.method, **params)
-    return params
+    if "/" in args.model and not Path(args.model).exists():  # a hub id: an unreachable hub fails now, in seconds
+        from .hub import hub_kwargs
+
+        hub_kwargs(args.model)
+    build(args)
 
 
 def load_model(args: argparse.Namespace) -> tuple:
     """(model, processor) of --model, with load failures (offline hub, bad checkpoint) as one-line errors."""
+    from . import api
+    from .zoo import load
+
     try:
         model, processor = load(args.model, dtype=args.dtype, device=args.device)
     except VTokenError:
@@ -139,8 +143,17 @@ def load_model(args: argparse.Namespace) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_run_args(args)
+    import torch
+
+    from . import api
+    from .counts import count, llm_input
+    from .images import load_image, load_video
+    from .prompts import build_prompt
+    from .registry import describe_method
+    from .zoo import TINY_MODELS
+
     torch.manual_seed(0)
-    params = check_run_args(args)
     model, processor = load_model(args)
     expected = None
     if args.video:
@@ -163,22 +176,23 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.inference_mode():
         base_answer = _answer(model, processor, inputs, args.max_new_tokens)
-        base_ttft = _time_to_first_token(model, inputs, args.repeats)
-        with api.patched(model, args.method, **params) as handle:
+        methods = build(args)
+        with api.patched(model, methods) as handle, llm_input(model) as lengths:
             answer = _answer(model, processor, inputs, args.max_new_tokens)
             records = list(handle.records)
-            ttft = _time_to_first_token(model, inputs, args.repeats)
+        timed = time_to_first_token(
+            model, inputs, {"unpatched": nullcontext, "patched": lambda: api.patched(model, build(args))},
+            repeats=args.repeats,
+        )  # fmt: skip
 
-    tokens_in, tokens_out = llm_tokens(records)
+    visual = count(model, inputs, lengths, records)
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
     print(f"input:   {args.video or args.image or 'generated example scene'}")
     print(f"prompt:  {args.prompt!r}")
-    print(f"method:  {args.method} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'its defaults'})")
-    print(f"visual tokens: {tokens_in} -> {tokens_out} ({tokens_out / max(tokens_in, 1):.1%} kept)")
-    print(
-        f"time to first token: unpatched {base_ttft * 1e3:.1f} ms, patched {ttft * 1e3:.1f} ms "
-        f"({base_ttft / ttft:.2f}x)"
-    )
+    print(f"method:  {' + '.join(describe_method(m) for m in methods)}")
+    print(f"visual tokens (the LLM's input): {visual.text()}")
+    print(f"time to first token ({TIMING_RULE.format(n=args.repeats)}):")
+    print("\n".join("  " + line for line in summary(timed, base="unpatched")))
     print(f"answer (unpatched): {base_answer!r}")
     print(f"answer (patched):   {answer!r}")
     if expected is not None:
@@ -192,18 +206,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def list_all(args: argparse.Namespace) -> int:
+    from .registry import available_methods, supported_models
+    from .zoo import BUILTIN_MODELS
+
     print("methods:", ", ".join(available_methods()))
     for family, classes in supported_models().items():
         print(f"model family {family}: {', '.join(classes)}")
     print("built-in models:", ", ".join(BUILTIN_MODELS))
     return 0
-
-
-def demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=MINI, help=f"built-in ({', '.join(BUILTIN_MODELS)}) or checkpoint dir")
-    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--share", action="store_true", help="also serve through a public Gradio share link")
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -217,15 +227,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtoken", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="answer a prompt about an image, unpatched and patched, and compare")
-    p.add_argument("--model", default=MINI, help=f"built-in ({', '.join(BUILTIN_MODELS)}), checkpoint dir or hub id")
-    p.add_argument("--method", default="fastervlm", help=f"one of: {', '.join(available_methods())}")
-    p.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0.25) or tokens per crop (144)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a built-in model (vtoken-mini, tiny-llava, ...: see `vtoken list`), a local checkpoint "
+                        "directory or a hub id (owner/name)")  # fmt: skip
+    p.add_argument(
+        "--method",
+        default="fastervlm",
+        help="a method (see `vtoken list`), or several joined by '+' to compose stages (hired+fastv)",
+    )
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="a method parameter, as in `vtoken eval`: fastv.keep=0.5, mustdrop.layers=[2,6] "
+                        "(repeatable; wins over --budget)")  # fmt: skip
+    p.add_argument("--budget", type=parse_budget, default=None,
+                   help=f"a fraction kept (0.25) or a token count (144, per crop or image as the method counts); "
+                        f"default {DEFAULT_BUDGET} for every method with a budget, FastV's own keep")  # fmt: skip
     p.add_argument("--image", default=None, help="image file (default: a generated example scene and its question)")
     p.add_argument("--video", default=None, help="video file (GIF; MP4 and others with PyAV) instead of an image")
     p.add_argument("--frames", type=int, default=8, help="frames sampled uniformly from --video")
     p.add_argument("--prompt", default=None, help=f"question (default: the example's own, else {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median reported)")
+    p.add_argument(
+        "--repeats",
+        "--runs",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="timed runs per setting, interleaved after a warm-up (median and min-max printed)",
+    )
     p.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cpu)")
     p.set_defaults(func=run)
@@ -234,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     p = sub.add_parser("demo", help="the Gradio demo in a browser (needs pip install 'vtoken[demo]')")
+    from .demo import demo_arguments
+
     demo_arguments(p)
     p.set_defaults(func=demo)
     return parser

@@ -16,7 +16,9 @@ class Record:
     stage: e.g. "encoder"; method: the method's registered name.
     image: index of the image (or video) in the call, row-major over the batch; crop: index of the crop (or
         frame) within it; modality: "image" or "video".
-    tokens_in / tokens_out: visual tokens before and after this stage.
+    tokens_in / tokens_out: tokens before and after this stage: at the encoder, the crop's tokens the method chose
+        among (patches; [CLS] and newline separators excluded); at an LLM stage, the row's visual tokens inside
+        the LLM. The headline count, the visual tokens of the LLM's input, is `vtoken.counts`'.
     kept: sorted LongTensor [tokens_out] of kept indices into the crop's token sequence as the vision tower
         emits it (without [CLS]), on the model's device; None for merging methods.
     grid: (rows, cols) of the crop's token grid that `kept` indexes in raster order.
@@ -75,5 +77,16 @@ def summarize(records: list[Record]) -> str:
             continue
         tin = sum(r.tokens_in for r in records if r.stage == stage)
         tout = sum(r.tokens_out for r in records if r.stage == stage)
-        lines.append(f"{stage}: {tin} -> {tout} visual tokens ({tout / max(tin, 1):.1%} kept)")
+        share = f"{tout / max(tin, 1):.1%} kept"
+        if stage == "decode.kv":  # cache entries, not tokens of the LLM's input
+            lines.append(f"{stage}: the KV cache keeps {tout} of {tin} visual entries per layer ({share})")
+        elif stage == "encoder.keyset":  # MustDrop marks key tokens here; nothing is removed
+            lines.append(f"{stage}: {tout} of {tin} tokens marked as keys (none removed)")
+        elif tin == tout:
+            lines.append(f"{stage}: all {tin} kept")
+        elif stage.startswith("prefill.layer"):
+            layer = stage.removeprefix("prefill.layer")
+            lines.append(f"{stage}: {tin} -> {tout} visual tokens after LLM layer {layer} ({share})")
+        else:  # encoder stages count what the method chose among (a crop's patches: no newline, no [CLS])
+            lines.append(f"{stage}: {tin} -> {tout} selected ({share})")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from typing import Any
 
 from PIL import Image
 
+from .. import timing
 from ..applicability import applicable_layouts, llm_depth
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image, load_video
@@ -215,16 +216,24 @@ def run_comparison(
     check = expected is not None and expected[0] == question
     rows = []
     for o in outcomes:
-        row = [o.label, o.answer, round(o.ttft * 1e3, 1), round(base / o.ttft, 2), f"{o.tokens[0]} -> {o.tokens[1]}"]
+        ratio = "(baseline)" if o is outcomes[0] else str(timing.compare(base, o.ttft))
+        row = [o.label, o.answer, o.ttft.ms(), ratio, o.tokens.text()]
         if check:
             row.append("yes" if (o.answer.split() or [""])[0] == expected[1] else "no")
         rows.append(row)
     chart = [(o.label, stage, n) for o in outcomes for stage, n in runs.stage_tokens(o)]
     text = "\n\n".join(f"{o.label}\n{summarize(o.records)}" for o in outcomes[1:])
-    return {"rows": rows, "pictures": pictures, "chart": chart, "records": text, "expected": check}
+    counts = [o.tokens for o in outcomes]
+    return {"rows": rows, "pictures": pictures, "chart": chart, "records": text, "expected": check, "counts": counts}
 
 
-HEADERS = ["configuration", "answer", "time to first token (ms)", "speedup", "visual tokens (LLM input -> last)"]
+HEADERS = [
+    "configuration",
+    "answer",
+    "time to first token (median, min-max)",
+    "speedup vs unpatched",
+    "visual tokens (the LLM's input)",
+]
 
 
 # ----------------------------------------------------------------- the page
@@ -276,7 +285,13 @@ def build_demo(start_model: str = MINI):
                                     components.append(make_control(gr, control, start["defaults"].get(name, {})))
                         groups[name] = group
                     with gr.Row():
-                        repeats = gr.Slider(1, 10, value=3, step=1, label="timed runs (median, after a warm-up)")
+                        repeats = gr.Slider(
+                            1,
+                            20,
+                            value=timing.DEFAULT_REPEATS,
+                            step=1,
+                            label="timed runs per setting (interleaved, after a warm-up)",
+                        )
                         max_new = gr.Slider(1, 64, value=16, step=1, label="max new tokens")
                     run_button = gr.Button("Run", variant="primary")
             error = gr.Markdown(visible=False, elem_id="vtoken-error")
@@ -405,7 +420,9 @@ def build_demo(start_model: str = MINI):
                 (item["question"], item["expected"]) if item["expected"] else None,
                 picked,
                 *[
-                    gr.update(value=budgets_[c.method, c.param]) if (c.method, c.param) in budgets_ else gr.update()
+                    gr.update(value=str(budgets_[c.method, c.param]))
+                    if (c.method, c.param) in budgets_
+                    else gr.update()
                     for c in specs
                 ],
             ]
@@ -461,11 +478,18 @@ def model_state(name: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """`python demo/app.py [options]`: the same as `vtoken demo [options]`."""
+    import argparse
     import sys
 
-    from ..cli import main as cli_main
+    from . import demo_arguments
 
-    sys.exit(cli_main(["demo", *(sys.argv[1:] if argv is None else argv)]))
+    parser = argparse.ArgumentParser(prog="python -m vtoken.demo", description="the vtoken Gradio demo")
+    demo_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        launch(args.model, args.host, args.port, args.share)
+    except VTokenError as err:
+        sys.exit(f"vtoken demo: error: {err}")
 
 
 def launch(model: str = MINI, host: str = "127.0.0.1", port: int = 7860, share: bool = False, **kwargs):

@@ -8,8 +8,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..applicability import fitting_params
-from ..errors import InputError
+from ..budget import DEFAULT_BUDGET, parse_budget
+from ..errors import BudgetError, InputError
 from ..registry import available_methods, method_class
+
+BUDGET_HINT = "a fraction kept (0.25) or a token count (144)"
 
 
 @dataclass
@@ -18,7 +21,7 @@ class Control:
 
     method: str
     param: str
-    kind: str  # "float", "int", "count", "choice", "optional_int", "optional_float", "layers", "free"
+    kind: str  # "budget", "float", "int", "count", "choice", "optional_int", "optional_float", "layers", "free"
 
 
 def control_specs() -> list[Control]:
@@ -29,7 +32,7 @@ def control_specs() -> list[Control]:
         cls = method_class(name)
         names = {f.name for f in fields(cls)}
         known = {
-            "fastv": [("layer", "int"), ("keep", "float")],
+            "fastv": [("layer", "int"), ("keep", "budget")],
             "mustdrop": [
                 ("layers", "layers"),
                 ("global_thr", "float"),
@@ -37,9 +40,9 @@ def control_specs() -> list[Control]:
                 ("merge_threshold", "float"),
                 ("key_rate", "float"),
             ],  # fmt: skip
-            "hired": [("budget", "float"), ("alpha", "float"), ("partition", "choice")],
-            "mmtok": [("budget", "float"), ("scope", "choice"), ("alpha", "float")],
-            "fourier": [("budget", "float"), ("reserve", "optional_int"), ("ratio", "optional_float")],
+            "hired": [("budget", "budget"), ("alpha", "float"), ("partition", "choice")],
+            "mmtok": [("budget", "budget"), ("scope", "choice"), ("alpha", "float")],
+            "fourier": [("budget", "budget"), ("reserve", "optional_int"), ("ratio", "optional_float")],
             "sparse_prefill": [
                 ("pattern", "choice"),
                 ("density", "optional_float"),
@@ -48,8 +51,8 @@ def control_specs() -> list[Control]:
                 ("min_length", "count"),
             ],  # fmt: skip
         }.get(name)
-        if known is None and {"budget", "scope"} <= names:
-            known = [("budget", "float"), ("scope", "choice")]
+        if known is None and "budget" in names:
+            known = [("budget", "budget")] + [("scope", "choice")] * ("scope" in names)
         if known is None:
             known = [("params", "free")]
         specs += [Control(name, param, kind) for param, kind in known]
@@ -57,9 +60,12 @@ def control_specs() -> list[Control]:
 
 
 def default_params(model, name: str) -> dict[str, Any]:
-    """The demo's starting values for method `name` on `model`: the method's defaults, drop layers that fit the
+    """The demo's starting values for method `name` on `model`: the method's defaults, one budget for every method
+    that has one (`DEFAULT_BUDGET`, as the CLI: rows side by side keep the same share), drop layers that fit the
     LLM, and MustDrop thresholds that drop tokens (its own defaults drop none in the prefill)."""
     params = {f.name: f.default for f in fields(method_class(name)) if f.init and not callable(f.default)}
+    if "budget" in params:
+        params["budget"] = DEFAULT_BUDGET
     params.update(fitting_params(model, name))
     if name == "mustdrop":
         params.update(global_thr=0.01, individual_thr=0.01)
@@ -69,7 +75,13 @@ def default_params(model, name: str) -> dict[str, Any]:
 
 
 def control_value(control: Control, value: Any) -> tuple[bool, Any]:
-    """(set it?, parameter value) from a UI value; raises InputError naming the control on bad text."""
+    """(set it?, parameter value) from a UI value; raises InputError naming the control on bad text. A budget is
+    read as the library reads it ('0.25' a fraction kept, '144' a token count), never clamped."""
+    if control.kind == "budget":
+        try:
+            return True, parse_budget(str(value).strip())
+        except BudgetError as err:
+            raise InputError(f"{control.method} {control.param}: {err}") from None
     if control.kind in ("int", "count"):
         return True, int(value)
     if control.kind == "float":
@@ -123,12 +135,13 @@ def make_control(gr, control: Control, defaults: dict[str, Any]):
     label = f"{control.method} {control.param}"
     value = defaults.get(control.param)
     cls = method_class(control.method)
+    if control.kind == "budget":  # text, so that 0.25 (a fraction) and 144 (a count) stay apart; no clamping
+        return gr.Textbox(value=str(value), label=f"{label}: {BUDGET_HINT}")
     if control.kind == "float":
-        top = 1.0 if control.param in ("budget", "keep", "alpha", "key_rate", "merge_threshold") else None
+        top = 1.0 if control.param in ("alpha", "key_rate", "merge_threshold") else None
         if top is None:
             return gr.Number(value=value, label=label)
-        return gr.Slider(0.01 if control.param in ("budget", "keep") else 0.0, top, value=value, step=0.01,
-                         label=label)  # fmt: skip
+        return gr.Slider(0.0, top, value=value, step=0.01, label=label)
     if control.kind == "int":
         return gr.Slider(0, max(int(value or 0), 1), value=value, step=1, label=label)
     if control.kind == "count":

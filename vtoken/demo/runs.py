@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -13,14 +14,14 @@ from PIL import Image
 
 from .. import api
 from ..applicability import applicable_layouts, applicable_methods, fitting_params
-from ..cli import _time_to_first_token as time_to_first_token
-from ..cli import llm_tokens
+from ..counts import VisualCounts, count, llm_input, placeholders
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image
 from ..methods.base import Method
+from ..prompts import build_prompt
 from ..records import Record
-from ..registry import make_method, method_class
-from ..zoo import build_prompt
+from ..registry import describe_method, make_method, method_class
+from ..timing import DEFAULT_REPEATS, Timing, time_to_first_token
 
 Progress = Callable[[float, str], None]
 
@@ -62,24 +63,12 @@ class Config:
 
     @property
     def label(self) -> str:
-        parts = []
-        for name in self.methods:
-            defaults = {f.name: f.default for f in fields(method_class(name))}
-            shown = ", ".join(f"{k}={_short(v)}" for k, v in self.params.get(name, {}).items()
-                              if k in ("budget", "keep", "layer") or defaults.get(k) != v)  # fmt: skip
-            parts.append(f"{name}({shown})" if shown else name)
+        """What the row applies: each method with its budget (a % or a token count), layer and changed knobs."""
+        parts = [describe_method(m) for m in self.build()]
         return " + ".join(parts) + (f" [layout={self.layout}]" if self.layout != "native" else "")
 
     def build(self) -> list[Method]:
         return [make_method(name, **self.params.get(name, {})) for name in self.methods]
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, tuple):
-        return "(" + ",".join(map(str, value)) + ")"
-    return str(value)
 
 
 @dataclass
@@ -88,9 +77,9 @@ class Outcome:
 
     label: str
     answer: str
-    ttft: float
+    ttft: Timing | None  # time to first token (None until timed)
     records: list[Record]
-    tokens: tuple[int, int]  # visual tokens reaching the LLM, and after its last shortening stage
+    tokens: VisualCounts  # visual tokens of the LLM's input, unpatched and here, and after each prefill stage
     adapter: Any = None  # the patch's adapter (layout helpers for the pictures); None unpatched
     merges: list = field(default_factory=list)  # MustDrop's merge plans, one per encoder batch
 
@@ -134,54 +123,47 @@ def compare(
     processor,
     inputs,
     configs: list[Config],
-    repeats: int = 3,
+    repeats: int = DEFAULT_REPEATS,
     max_new_tokens: int = 16,
     progress: Progress | None = None,
 ) -> list[Outcome]:
-    """The unpatched model, then every configuration: greedy answer, time to first token (one-token `generate`,
-    warmed up, median of `repeats`: the CLI's measure) and records. Call `check_configs` first."""
-    visual = sum(int((inputs["input_ids"] == t).sum()) for t in _placeholder_ids(model))
-    steps = len(configs) + 1
+    """The unpatched model, then every configuration: greedy answer and records; then time to first token of all
+    of them under `vtoken.timing`'s rule (one-token `generate`, settings interleaved after a warm-up, median and
+    min-max of `repeats`). Call `check_configs` first."""
+    visual = placeholders(model, inputs["input_ids"])[0]
+    steps = len(configs) + 2
     say = progress or (lambda fraction, text: None)
     say(0.0, "unpatched")
-    outcomes = [
-        Outcome(
-            "unpatched",
-            _answer(model, processor, inputs, max_new_tokens),
-            time_to_first_token(model, inputs, repeats),
-            [],
-            (visual, visual),
-        )
-    ]
+    unpatched = VisualCounts(visual, visual)
+    outcomes = [Outcome("unpatched", _answer(model, processor, inputs, max_new_tokens), None, [], unpatched)]
     for i, config in enumerate(configs, 1):
         say(i / steps, config.label)
         methods = config.build()
         merges = _recording_merges(methods)
-        with api.patched(model, methods, layout=config.layout) as handle:
+        with api.patched(model, methods, layout=config.layout) as handle, llm_input(model) as lengths:
             answer = _answer(model, processor, inputs, max_new_tokens)
             records = list(handle.records)
             kept_merges = list(merges)
-            ttft = time_to_first_token(model, inputs, repeats)
-            tokens = llm_tokens(records)
-            tokens = tokens if tokens != (0, 0) else (visual, visual)  # no stage shortened the input (sparse prefill)
-            outcomes.append(Outcome(config.label, answer, ttft, records, tokens, handle.adapter, kept_merges))
+            tokens = count(model, inputs, lengths, records)
+            outcomes.append(Outcome(config.label, answer, None, records, tokens, handle.adapter, kept_merges))
+    say((steps - 1) / steps, f"time to first token, {repeats} interleaved runs each")
+    contexts = {"unpatched": nullcontext}
+    for i, config in enumerate(configs, 1):  # a fresh patch around every timed run, outside the timer
+        contexts[i] = lambda config=config: api.patched(model, config.build(), layout=config.layout)
+    timed = time_to_first_token(model, inputs, contexts, repeats=repeats)
+    for outcome, key in zip(outcomes, contexts, strict=True):
+        outcome.ttft = timed[key]
     say(1.0, "done")
     return outcomes
 
 
-def _placeholder_ids(model) -> list[int]:
-    adapter = api._find_adapter(model)
-    ids = {getattr(model.config, m.placeholder_attr, None) for m in adapter.modalities}
-    return [i for i in ids if i is not None]
-
-
 def stage_tokens(outcome: Outcome) -> list[tuple[str, int]]:
-    """(stage, visual tokens after it) for a chart: the input, then every stage that shortens the sequence."""
-    rows = [("input", outcome.tokens[0])]
-    for stage in dict.fromkeys(r.stage for r in outcome.records):
-        if stage in ("encoder.keyset", "decode.kv"):
-            continue
-        rows.append((stage, sum(r.tokens_out for r in outcome.records if r.stage == stage)))
+    """(step, visual tokens) for a chart: the prompt's visual tokens, those of the LLM's input (when a stage
+    shortened it) and those after each prefill stage; all under `vtoken.counts`' definition."""
+    rows = [("input", outcome.tokens.unpatched)]
+    if outcome.tokens.llm_input != outcome.tokens.unpatched:
+        rows.append(("LLM input", outcome.tokens.llm_input))
+    rows += [(f"after LLM layer {stage.removeprefix('prefill.layer')}", n) for stage, n in outcome.tokens.inside]
     return rows
 
 

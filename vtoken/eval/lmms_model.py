@@ -25,6 +25,7 @@ from loguru import logger
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from .. import api
+from ..counts import llm_input, visual_in_llm
 from ..errors import InputError, VTokenError
 from ..images import load_image, load_video
 from ..zoo import BUILTIN_MODELS, load
@@ -139,6 +140,7 @@ class VTokenLMM(lmms):
         self._rank = accelerator.process_index
         self._world_size = accelerator.num_processes
         self._warned: set[str] = set()
+        self.timing_inputs = None  # the first batch `generate` saw: what `vtoken eval` times TTFT on
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> VTokenLMM:
@@ -284,11 +286,13 @@ class VTokenLMM(lmms):
             if value.is_floating_point():
                 inputs[key] = value.to(model.dtype)
 
+        if self.timing_inputs is None:
+            self.timing_inputs = inputs
         clock = _FirstTokenClock()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), llm_input(model) as lengths:
             out = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([clock]))
         seconds = time.perf_counter() - start
         handle = api.handle_of(model)
@@ -307,6 +311,7 @@ class VTokenLMM(lmms):
             images_per_row,
             videos_per_row,
             visual_tokens=self._visual_placeholders(inputs["input_ids"]),
+            visual_kept=visual_in_llm(model, inputs, lengths),
             ttft_ms=None if clock.at is None else (clock.at - start) * 1e3,
             input_tokens=inputs["attention_mask"].sum(dim=1).tolist(),
             output_tokens=self._generated_lengths(generated),

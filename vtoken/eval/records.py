@@ -16,16 +16,15 @@ from lmms_eval.api.instance import TokenCounts
 from ..records import Record
 
 LLM_STAGE_PREFIXES = ("prefill", "decode")
-# stages that do not shorten the LLM's input: the key set only marks tokens, the KV cut acts after prefill
-NOT_INPUT_STAGES = ("encoder.keyset", "decode.kv")
 
 
 @dataclass
 class VisualTokenCounts(TokenCounts):
     """lmms-eval's `TokenCounts` (prompt and generated text tokens) plus what vtoken did to one sample's visuals.
 
-    visual_tokens: placeholder tokens of the sample's images/videos in the prompt (what the unpatched model sees).
-    visual_kept: visual tokens at the LLM after every stage that shortens its input (= visual_tokens unpatched).
+    visual_tokens: placeholder tokens of the sample's images/videos in the prompt (the unpatched LLM's input).
+    visual_kept: visual tokens of the LLM's input, measured (`vtoken.counts`: the same definition as visual_tokens;
+        = visual_tokens unpatched, and with stages that keep every token).
     stages: stage -> {"tokens_in", "tokens_out"} summed over the sample's crops/frames (one entry per stage).
     selection_ms: time the methods spent scoring and selecting for this sample (its share of the batch).
     ttft_ms: time to first token of the batch the sample ran in (encoding, selection, prefill, first step).
@@ -78,15 +77,18 @@ def sample_counts(
     ttft_ms: float | None,
     input_tokens: list[int],
     output_tokens: list[int],
+    visual_kept: list[int] | None = None,
 ) -> list[VisualTokenCounts]:
     """One `VisualTokenCounts` per batch row from the records of one batched `generate`.
 
-    visual_tokens[row]: the row's visual placeholder tokens in the prompt; input/output_tokens[row]: its prompt
+    visual_tokens[row]: the row's visual placeholder tokens in the prompt; visual_kept[row]: the visual tokens its
+    LLM received (`vtoken.counts.visual_in_llm`; default: all of them); input/output_tokens[row]: its prompt
     and generated token counts (padding excluded).
     """
+    kept = visual_tokens if visual_kept is None else visual_kept
     out = [
-        VisualTokenCounts(input_tokens=n_in, output_tokens=n_out, visual_tokens=v, visual_kept=v, ttft_ms=ttft_ms)
-        for n_in, n_out, v in zip(input_tokens, output_tokens, visual_tokens, strict=True)
+        VisualTokenCounts(input_tokens=n_in, output_tokens=n_out, visual_tokens=v, visual_kept=k, ttft_ms=ttft_ms)
+        for n_in, n_out, v, k in zip(input_tokens, output_tokens, visual_tokens, kept, strict=True)
     ]
     for record, row in zip(records, owner_rows(records, images_per_row, videos_per_row), strict=True):
         counts = out[row]
@@ -96,10 +98,6 @@ def sample_counts(
         counts.selection_ms += record.seconds * 1e3
         if "layer_average" in record.extra:  # the same value on each of the row's prefill records
             counts.layer_average = float(record.extra["layer_average"])
-    for counts in out:
-        input_stages = [s for s in counts.stages if s not in NOT_INPUT_STAGES]
-        if input_stages:  # the last stage that shortens the LLM's input, in the order the stages ran
-            counts.visual_kept = counts.stages[input_stages[-1]]["tokens_out"]
     return out
 
 

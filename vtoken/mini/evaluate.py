@@ -37,7 +37,7 @@ def evaluate(model, processor, pairs: list[tuple[int, vqa.Question]], split: str
     vtoken, the kept tokens of every image are recorded too."""
     import vtoken
 
-    from ..zoo import build_prompt
+    from ..prompts import build_prompt
 
     result = Result()
     for start in range(0, len(pairs), batch):

@@ -49,14 +49,14 @@ def build_tokenizer():
 
 def build_processor(tokenizer=None):
     """The real `LlavaProcessor` (CLIP image processor at 192 px, LLaVA chat template) around `tokenizer`."""
-    from ..zoo import llava_processor
+    from ..parts import llava_processor
 
     return llava_processor(tokenizer or build_tokenizer(), image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
 
 
 def build_config(tokenizer):
     """The `LlavaConfig` of vtoken-mini: CLIP tower (6 layers, [CLS]), 2-layer GELU projector, 4-layer Llama."""
-    from ..zoo import llava_config
+    from ..parts import llava_config
 
     return llava_config(tokenizer, vision=dict(VISION), text=dict(TEXT), image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
 

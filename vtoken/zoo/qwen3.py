@@ -10,9 +10,10 @@ placeholder run after a `<t seconds>` timestamp, as the real processor writes th
 
 from __future__ import annotations
 
-from .question import remember_tokenizer
+from ..parts import tiny_tokenizer
+from ..question import remember_tokenizer
+from .common import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, _instantiate, tiny_text
 
-# (vtoken.zoo imports this module for its TINY_MODELS: its helpers are imported inside the builders)
 QWEN3_VISION = dict(
     depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, num_position_embeddings=64
 )  # out_hidden_size: the tiny LLM's width
@@ -22,8 +23,6 @@ def _qwen3_processor():
     """A real `Qwen3VLProcessor` (Qwen2-VL image processor at 16 px patches, Qwen3-VL video processor with
     timestamps), at most 256 merged tokens per image and 64 per frame pair."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
-
-    from .zoo import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, tiny_tokenizer
 
     tokenizer = tiny_tokenizer(QWEN_SPECIALS, named={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
     pixels = dict(min_pixels=64 * 64, max_pixels=32 * 32 * 256)
@@ -36,8 +35,6 @@ def _qwen3_processor():
 
 
 def _tiny_qwen3(config_cls, model_cls, vision: dict, text: dict, seed: int):
-    from .zoo import QWEN_SPECIALS, _instantiate, tiny_text
-
     processor = _qwen3_processor()
     tokenizer = processor.tokenizer
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}

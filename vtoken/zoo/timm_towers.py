@@ -1,14 +1,15 @@
 """Tiny offline models of the transformers VLMs built on timm towers (`TimmWrapperModel`): FastVLM and PerceptionLM.
 
 Built from configs as the real checkpoints are (a `TimmWrapperConfig` naming the timm architecture, with
-`model_args` shrinking it; random weights, nothing downloaded), with the tiny BPE tokenizer of `vtoken.zoo`.
+`model_args` shrinking it; random weights, nothing downloaded), with the tiny BPE tokenizer of `vtoken.parts`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .zoo import LLAVA_CHAT_TEMPLATE, _instantiate, _with_tokenizer, tiny_text, tiny_tokenizer
+from ..parts import LLAVA_CHAT_TEMPLATE, tiny_tokenizer
+from .common import _instantiate, _with_tokenizer, tiny_text
 
 # FastViT-MCi3 cut to one block per stage and narrow widths: still stem stride 4, four stride-2 stages (feature
 # stride 64), repmixer stages then two attention stages, and a final conv doubling the last width

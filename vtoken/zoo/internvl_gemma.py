@@ -1,4 +1,4 @@
-"""Tiny random-weight InternVL and Gemma 3 models (offline, < 1 s), registered in `vtoken.zoo.TINY_MODELS`.
+"""Tiny random-weight InternVL and Gemma 3 models (offline, < 1 s), in `vtoken.zoo.TINY_MODELS`.
 
 Real transformers classes and real processors (`GotOcr2ImageProcessor` tiling, `Gemma3ImageProcessor` with
 pan-and-scan) at smaller image sizes, with configs whose token grids match them: InternVL tiles of 224 px with
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .zoo import _instantiate, _with_tokenizer, tiny_text, tiny_tokenizer
+from ..parts import tiny_tokenizer
+from .common import _instantiate, _with_tokenizer, tiny_text
 
 INTERNVL_SPECIALS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
 INTERNVL_CHAT_TEMPLATE = (
@@ -106,6 +107,3 @@ def tiny_gemma3(seed: int = 0):
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, processor
-
-
-TINY_MODELS = {"tiny-internvl": tiny_internvl, "tiny-gemma3": tiny_gemma3}
