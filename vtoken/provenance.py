@@ -31,9 +31,9 @@ def run_info(device: object = "cpu") -> dict:
     """Versions (vtoken, Python, torch, transformers, lmms-eval when installed), commit, device, the machine and
     the date (UTC, ISO 8601), for a results JSON."""
     import torch
-    import transformers
 
     import vtoken
+    from vtoken.adapters import hf
 
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -41,7 +41,7 @@ def run_info(device: object = "cpu") -> dict:
         **commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": str(hf.INSTALLED),  # adapters/hf.py is the one reader of this version
         "platform": platform.platform(),
         "device": str(device),
     }
