@@ -260,13 +260,23 @@ def test_budget_sweep_matches_evaluate_run_by_hand():
     seen = []
     base, points = runs.sweep(model, processor, ["random", "fastv"], [0.1], 5, lambda f, t: seen.append(t))
     pairs = vqa.question_set("test", 5)
-    assert base == evaluate(model, processor, pairs).accuracy()["all"]
+    right = evaluate(model, processor, pairs).correct
+    assert base.value == sum(right) / 5 and base.n == 5
+    assert base.se == pytest.approx(np.std(np.array(right, dtype=float), ddof=1) / np.sqrt(5))
     with vtoken.patched(model, "fastv", keep=0.1):
-        assert points[1].accuracy == evaluate(model, processor, pairs).accuracy()["all"]
+        assert points[1].accuracy == points[1].estimate.value == evaluate(model, processor, pairs).accuracy()["all"]
     assert [p.method for p in points] == ["random", "fastv"] and points[0].tokens == 14
     assert seen[0] == "unpruned" and seen[-1] == "done"
-    with pytest.raises(vtoken.InputError, match="no token budget"):
-        runs.sweep(model, processor, ["mustdrop"], [0.1], 5)
+    for name in ("mustdrop", "sparse_prefill"):
+        with pytest.raises(vtoken.InputError, match="no token budget"):
+            runs.sweep(model, processor, [name], [0.1], 5)
+
+
+def test_the_sweep_offers_only_what_it_can_sweep():
+    offered = app.offered_names(MINI, "image")
+    sweepable = [m for m in offered if runs.sweep_knob(m) is not None]
+    assert "sparse_prefill" not in sweepable and "mustdrop" not in sweepable
+    assert {"fastervlm", "fastv", "random", "pool"} <= set(sweepable)
 
 
 def test_vtoken_demo_command_line():

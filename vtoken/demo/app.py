@@ -25,6 +25,8 @@ from ..zoo import BUILTIN_MODELS, MINI, TINY_MODELS, load
 from . import runs, views
 from .charts import sweep_figure, tokens_figure
 from .controls import control_specs, control_update, default_params, make_control, method_params
+from .tables import CSS as TABLE_CSS
+from .tables import html_table
 
 DEFAULT_QUESTION = "What is in the image?"
 DEFAULT_METHODS = ("fastervlm", "hired", "mmtok", "random")  # the first one offered is ticked at start
@@ -36,10 +38,19 @@ RANDOM_WEIGHTS_NOTE = (
 # (scene index, question type, method, budget)
 CHANGED_ANSWERS = ((0, "colour", "random", 0.1), (26, "shape", "random", 0.1), (44, "read", "random", 0.1))
 
-CSS = """
+CSS = (
+    """
 #vtoken-error { border: 2px solid #d33; background: #fff0f0; padding: 8px 12px; border-radius: 6px; }
 #vtoken-sweep-error { border: 2px solid #d33; background: #fff0f0; padding: 8px 12px; border-radius: 6px; }
+/* the kept-token gallery grows with its pictures (no fixed height, no cut second row); captions wrap */
+#vtoken-kept .grid-wrap { height: auto !important; max-height: none !important; overflow: visible !important; }
+#vtoken-kept .caption-label { white-space: normal; max-width: calc(100% - 8px); }
+@media (max-width: 640px) {
+  #vtoken-kept .grid-container { grid-template-columns: minmax(0, 1fr) !important; }
+}
 """
+    + TABLE_CSS
+)
 _LOCK = threading.Lock()  # one model call at a time: patching is in place
 _MODELS: dict[str, tuple] = {}
 _OFFERED: dict[str, dict] = {}
@@ -227,6 +238,7 @@ def run_comparison(
     return {"rows": rows, "pictures": pictures, "chart": chart, "records": text, "expected": check, "counts": counts}
 
 
+SWEEP_HEADERS = ["method", "budget", "visual tokens kept", "accuracy ± standard error [95 % interval] n"]
 HEADERS = [
     "configuration",
     "answer",
@@ -295,9 +307,9 @@ def build_demo(start_model: str = MINI):
                         max_new = gr.Slider(1, 64, value=16, step=1, label="max new tokens")
                     run_button = gr.Button("Run", variant="primary")
             error = gr.Markdown(visible=False, elem_id="vtoken-error")
-            table = gr.Dataframe(headers=HEADERS, label="results", wrap=True, elem_id="vtoken-results")
+            table = gr.HTML(label="results", elem_id="vtoken-results")
             gallery = gr.Gallery(label="what was kept (first image or video)", columns=3, object_fit="contain",
-                                 elem_id="vtoken-kept")  # fmt: skip
+                                 height="auto", elem_id="vtoken-kept")  # fmt: skip
             chart = gr.Plot(label="visual tokens per stage")
             records = gr.Code(label="records", language=None, lines=8)
 
@@ -306,7 +318,7 @@ def build_demo(start_model: str = MINI):
                 "Accuracy of vtoken-mini on its procedural test questions (the benchmark's question set, every "
                 "question type in turn) against the visual tokens kept, for each method at each budget."
             )
-            sweepable = [m for m in offered_names(MINI, "image") if m != "mustdrop"]
+            sweepable = [m for m in offered_names(MINI, "image") if runs.sweep_knob(m) is not None]
             sweep_methods = gr.CheckboxGroup(sweepable, value=[m for m in ("fastervlm", "random") if m in sweepable],
                                              elem_id="vtoken-sweep-methods",
                                              label="methods to sweep")  # fmt: skip
@@ -316,16 +328,14 @@ def build_demo(start_model: str = MINI):
             sweep_button = gr.Button("Run sweep", variant="primary")
             sweep_error = gr.Markdown(visible=False, elem_id="vtoken-sweep-error")
             sweep_plot = gr.Plot(label="accuracy vs visual tokens kept")
-            sweep_table = gr.Dataframe(headers=["method", "budget", "tokens kept", "accuracy"], label="sweep",
-                                       elem_id="vtoken-sweep")  # fmt: skip
+            sweep_table = gr.HTML(label="sweep", elem_id="vtoken-sweep")
 
         # ------------------------------------------------------------- events
         outputs = [error, table, gallery, chart, records]
 
         def cleared(message: str | None = None) -> list:
             shown = gr.update(value=f"**Error:** {message}", visible=True) if message else gr.update(visible=False)
-            return [shown, gr.update(value=None, headers=HEADERS), gr.update(value=None), gr.update(value=None),
-                    gr.update(value="")]  # fmt: skip
+            return [shown, gr.update(value=""), gr.update(value=None), gr.update(value=None), gr.update(value="")]
 
         def on_run(*values, progress=gr.Progress()):  # noqa: B008 (how Gradio injects progress)
             (name, kind_, image_, video_, frames_, question_, methods_, compose_, layout_, repeats_, max_new_,
@@ -341,7 +351,7 @@ def build_demo(start_model: str = MINI):
             headers = HEADERS + (["matches expected"] if result["expected"] else [])
             return [
                 gr.update(visible=False),
-                gr.update(value=result["rows"], headers=headers),
+                gr.update(value=html_table(headers, result["rows"])),
                 result["pictures"],
                 tokens_figure(result["chart"]),
                 result["records"],
@@ -438,10 +448,10 @@ def build_demo(start_model: str = MINI):
                                               [float(b.rstrip("%")) / 100 for b in budgets_], int(questions_),
                                               lambda f, text: progress(f, desc=text))  # fmt: skip
             except VTokenError as err:
-                return [gr.update(value=f"**Error:** {err}", visible=True), None, None]
-            rows = [["unpruned", "100%", 144, round(base, 3)]]
-            rows += [[p.method, f"{p.budget:.0%}", round(p.tokens, 1), round(p.accuracy, 3)] for p in points]
-            return [gr.update(visible=False), sweep_figure(base, points), rows]
+                return [gr.update(value=f"**Error:** {err}", visible=True), None, ""]
+            rows = [["unpruned", "100%", 144, base.text()]]
+            rows += [[p.method, f"{p.budget:.0%}", round(p.tokens, 1), p.estimate.text()] for p in points]
+            return [gr.update(visible=False), sweep_figure(base, points), html_table(SWEEP_HEADERS, rows)]
 
         sweep_button.click(on_sweep, [sweep_methods, budgets, questions], [sweep_error, sweep_plot, sweep_table],
                            concurrency_limit=1)  # fmt: skip

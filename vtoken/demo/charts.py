@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..stats import Estimate
 from .runs import SweepPoint
 
 
@@ -42,21 +43,32 @@ def _stage_order(stage: str) -> tuple:
     return (1, 0, stage)
 
 
-def sweep_figure(base: float, points: list[SweepPoint]):
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def sweep_figure(base: Estimate, points: list[SweepPoint]):
+    """Accuracy (95 % intervals) vs visual tokens kept, one line per method; each method its own marker, line
+    style and a small x offset, so equal results stay visible side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for method in dict.fromkeys(p.method for p in points):
+    methods = list(dict.fromkeys(p.method for p in points))
+    for i, method in enumerate(methods):
         mine = sorted((p for p in points if p.method == method), key=lambda p: p.tokens)
-        ax.plot([p.tokens for p in mine], [p.accuracy for p in mine], "o-", label=method)
-    ax.axhline(base, color="black", ls=":", label="unpruned (144 tokens)")
+        offset = 1 + 0.035 * (i - (len(methods) - 1) / 2)
+        errors = [[p.accuracy - p.estimate.low for p in mine], [p.estimate.high - p.accuracy for p in mine]]
+        ax.errorbar([p.tokens * offset for p in mine], [p.accuracy for p in mine], yerr=errors, capsize=2,
+                    marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)], markersize=5,
+                    alpha=0.85, label=method)  # fmt: skip
+    ax.axhline(base.value, color="black", ls=":", label=f"unpruned (144 tokens), n={base.n}")
     ax.set_xscale("log")
     ax.set_xticks([7, 14, 36, 72, 144], labels=["7", "14", "36", "72", "144"])
     ax.set_xlabel("visual tokens kept (of 144)")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel("accuracy (95 % interval)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -21,6 +21,7 @@ from ..methods.base import Method
 from ..prompts import build_prompt
 from ..records import Record
 from ..registry import describe_method, make_method, method_class
+from ..stats import Estimate, mean_estimate
 from ..timing import DEFAULT_REPEATS, Timing, time_to_first_token
 
 Progress = Callable[[float, str], None]
@@ -200,10 +201,22 @@ def offered_methods(model, processor) -> dict[str, dict[str, str | None]]:
 
 @dataclass
 class SweepPoint:
+    """One method at one budget: mean visual tokens kept, accuracy, and the accuracy with n / standard error /
+    95 % interval."""
+
     method: str
     budget: float
     tokens: float
     accuracy: float
+    estimate: Estimate
+
+
+def sweep_knob(method: str) -> str | None:
+    """The parameter a budget sweep sets on `method`: its `budget`, FastV's `keep`; None if it has neither (its
+    knobs are thresholds, e.g. MustDrop, or it keeps every token, e.g. sparse prefill): the sweep does not offer
+    it."""
+    names = _fields(method)
+    return next((k for k in ("budget", "keep") if k in names), None)
 
 
 def sweep(
@@ -215,7 +228,7 @@ def sweep(
     progress: Progress | None = None,
 ) -> tuple[float, list[SweepPoint]]:
     """Accuracy on `questions` procedural test questions of vtoken-mini (the benchmark's question set) unpruned,
-    and for every method at every budget (its `budget`, FastV's `keep`): (unpruned accuracy, points)."""
+    and for every method at every budget (its `budget`, FastV's `keep`): (unpruned accuracy estimate, points)."""
     from ..mini import vqa
     from ..mini.evaluate import evaluate
 
@@ -225,18 +238,20 @@ def sweep(
     say = progress or (lambda fraction, text: None)
     total = 1 + len(methods) * len(budgets)
     say(0.0, "unpruned")
-    base = evaluate(model, processor, pairs).accuracy()["all"]
+    base = mean_estimate([float(c) for c in evaluate(model, processor, pairs).correct])
     points, step = [], 1
     for method in methods:
-        knob = "keep" if "budget" not in _fields(method) else "budget"
-        if knob not in _fields(method):
-            raise InputError(f"{method} has no token budget (its knobs are thresholds); sweep another method")
+        knob = sweep_knob(method)
+        if knob is None:
+            raise InputError(f"{method} has no token budget (its knobs are thresholds, or it keeps every token); "
+                             "sweep another method")  # fmt: skip
         for budget in budgets:
             say(step / total, f"{method} at {budget:.0%}")
             step += 1
             with api.patched(model, method, **{knob: budget}):
                 result = evaluate(model, processor, pairs)
-            points.append(SweepPoint(method, budget, statistics.mean(result.tokens), result.accuracy()["all"]))
+            estimate = mean_estimate([float(c) for c in result.correct])
+            points.append(SweepPoint(method, budget, statistics.mean(result.tokens), estimate.value, estimate))
     say(1.0, "done")
     return base, points
 

@@ -1,4 +1,4 @@
-"""Pictures of what a configuration kept, drawn on what the model saw: every crop of an anyres image, a strip of
+"""Pictures of what a configuration kept, drawn on what the model saw: every crop of an anyres image, a grid of
 frames for a video, merged groups tinted, and the tokens that survived the LLM's drop layers.
 
 Records index tokens per crop (encoder stages) or per batch row over the row's visual tokens in the order the LLM
@@ -210,8 +210,8 @@ def picture(outcome, model, processor, inputs, image=None, frames=None, probe=No
     ]
     if any(c.groups for c in crops):
         notes.append("merged groups tinted")
-    if crops[0].modality == "video":
-        per_row = 8
+    if crops[0].modality == "video":  # a near-square grid of frames: a one-row strip is unreadably thin
+        per_row = math.ceil(math.sqrt(len(tiles)))
         layout = [tiles[i : i + per_row] for i in range(0, len(tiles), per_row)]
         notes.insert(0, f"{len(tiles)} frames")
     elif len(tiles) > 1 and adapter is not None and adapter.family in ("llava-next", "llava-next-video"):
