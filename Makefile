@@ -27,7 +27,7 @@ PYTEST_ARGS ?= -q
 # stamps are written as new files (rm, then touch): a venv may be a hard-linked copy of another, whose stamps touch
 # would update too
 
-.PHONY: setup test-setup test-min-setup browser run test test-min lint bench lock compat
+.PHONY: setup test-setup test-min-setup browser run test test-min lint bench lock compat docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -85,8 +85,15 @@ test-min: test-min-setup
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
+# results go to ~/.cache/vtoken/benchmarks (the scripts' default --out): the shipped tables in benchmarks/results/
+# change only with ARGS="--out benchmarks/results"
 bench: setup
 	$(BIN)/python benchmarks/bench_llava.py $(ARGS)
+
+# the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, anchor or API reference fails
+docs: setup
+	$(PY) -m pip install -q -c $(LOCK) -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # the newest release of every requirement (all extras) that .ci/lock-constraints.txt allows; then the same again
 # with the lowest supported transformers, keeping every other version of the first lock where it can

@@ -39,7 +39,7 @@ METHODS = {
     "random": lambda b: vtoken.Random(budget=b),
     "pool": lambda b: vtoken.Pool(budget=b),
 }
-APPLIES = {  # method -> families it runs on (README table: the others are n/a)
+APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the others are n/a)
     "llava-1.5-7b": ("fastervlm", "hired", "mmtok", "fourier", "random", "pool"),
     "llava-next-7b": ("fastervlm", "hired", "mmtok", "random", "pool"),
     "qwen2.5-vl-7b": ("mmtok", "fourier", "random", "pool"),

@@ -5,7 +5,7 @@ sides, methods and stage combinations (an encoder method + FastV).
 Properties: budgets are exact (records against `vtoken.tokens_to_keep` or the method's published formula, and the
 LLM's input shrinks by exactly the dropped tokens), keeping everything is the unpatched model (<= 1e-5), a padded
 batch equals its rows run one by one, `unpatch` restores parameters, hooks and outputs exactly, and whatever goes
-wrong is a `vtoken.VTokenError`, raised at `patch` exactly where the README's table says "n/a".
+wrong is a `vtoken.VTokenError`, raised at `patch` exactly where the tables of docs/guide/methods.md say "n/a".
 
 Derandomised and time-bounded: every tiny model is built once per module, images are small, no shrinking phase (a
 failure prints its falsifying example), no example database on disk.
@@ -40,7 +40,7 @@ FUZZ = dict(
     print_blob=False,
 )
 
-# every built-in family; the facts below are README's method x family tables and the tiny models' shapes
+# every built-in family; the facts below are docs/guide/methods.md's method x family tables and the tiny models' shapes
 FAMILIES = sorted(TINY_MODELS)
 VIDEO = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-video", "tiny-video-llava",
          "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-internvl",
@@ -53,7 +53,7 @@ NO_CLS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-gemma3", "
 MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl"} | QWEN3  # (t, h, w) positions: an LLM stage keeps the original ones
 SINGLE_CROP = {"tiny-llava", "tiny-video-llava", "tiny-fastvlm"}  # one crop per image
 NEWLINES = {"tiny-llava-next", "tiny-llava-next-video", "tiny-onevision"}  # native image rows end with a newline
-# README's "n/a" cells (beyond NO_CLS for fastervlm/hired and the layouts): method -> families that refuse it
+# docs/guide/methods.md's "n/a" cells (beyond NO_CLS for fastervlm/hired, layouts): method -> families refusing it
 REFUSED = {
     "hired": NO_CLS | {"tiny-perception-lm"},  # PerceptionLM: the split needs the tile grid
     "fastervlm": NO_CLS,
@@ -190,9 +190,9 @@ def make_inputs(processor, batch: list[dict], side: str = "left"):
         tokenizer.padding_side = before
 
 
-# --------------------------------------------------------------------------- what the README promises
+# --------------------------------------------------------------------------- what the docs promise
 def refused_at_patch(family: str, stack: list, layout: str) -> bool:
-    """Where `patch` must refuse (the README's "n/a" cells, layouts, drop points deeper than the LLM)."""
+    """Where `patch` must refuse (the docs' "n/a" cells, layouts, drop points deeper than the LLM)."""
     for method in stack:
         name = method.name
         if name in ("fastervlm", "hired", "fourier") and family in REFUSED[name]:
