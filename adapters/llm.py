@@ -26,7 +26,7 @@ from vtoken.errors import InputError, VTokenError
 from vtoken.methods.base import PrefillMethod
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
-from vtoken.tokens import LayerTokens
+from vtoken.tokens import LayerTokens, Merged, TextTokens
 
 from . import hf
 from .state import PerThread
@@ -68,20 +68,27 @@ class LayerView:
 
     def slots_of(self, other: LayerView) -> torch.Tensor:
         """[B, C'] slots of this view holding the columns of `other` (a subset of this view's columns)."""
-        width = int(max(self.column.max(), other.column.max())) + 2
+        return self.slots_of_columns(other.column)
+
+    def slots_of_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """[B, R] slots of this view holding prompt columns `columns` [B, R] (-1: padding, and not held)."""
+        width = int(max(self.column.max(), columns.max())) + 2
         lookup = torch.full((self.column.shape[0], width), -1, dtype=torch.long, device=self.column.device)
         slots = torch.arange(self.column.shape[1], device=self.column.device).expand_as(self.column)
         lookup.scatter_(1, self.column.clamp(min=-1) + 1, slots)
-        found = lookup.gather(1, other.column + 1)
-        return found.masked_fill(other.column < 0, -1)
+        found = lookup.gather(1, columns.clamp(min=-1) + 1)
+        return found.masked_fill(columns < 0, -1)
 
 
-def _left_packed(keep: torch.Tensor, right: bool = False) -> torch.Tensor:
+def _left_packed(keep: torch.Tensor, right: bool = False, order: torch.Tensor | None = None) -> torch.Tensor:
     """[B, C] bool -> [B, C'] indices of the kept slots of each row, left-padded with -1 (C' = most kept), or
-    right-padded with `right`."""
+    right-padded with `right`; kept slots in ascending slot order, or ascending `order` [B, C] (ties: by slot)."""
     counts = keep.sum(1)
-    width = int(counts.max())
-    order = torch.sort((~keep).long(), dim=1, stable=True).indices[:, :width]  # kept slots first, in order
+    width = int(counts.max()) if keep.shape[0] else 0
+    if order is None:
+        order = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
+    key = order.masked_fill(~keep, int(order.max()) + 1 if order.numel() else 0)
+    order = torch.sort(key, dim=1, stable=True).indices[:, :width]  # kept slots first, in order
     rank = torch.arange(width, device=keep.device)
     if right:
         return order.masked_fill(rank >= counts[:, None], -1)
@@ -91,6 +98,37 @@ def _left_packed(keep: torch.Tensor, right: bool = False) -> torch.Tensor:
     rows = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(order)
     slots[rows[valid], (rank + shift).expand_as(order)[valid]] = order[valid]
     return slots
+
+
+def _text_after_image(view: LayerView) -> torch.Tensor:
+    """[B, C] bool: real, non-visual slots after each row's first visual slot."""
+    return (view.mask != 0) & ~view.visual & (view.visual.long().cumsum(1) > 0)
+
+
+def _with_merged(
+    view: LayerView, hidden: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor, merged: Merged
+) -> tuple[LayerView, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`view`, `hidden` [B, C, D] and `keep` [B, C] extended by M slots holding the merged tokens, and the order
+    [B, C + M] that puts them right after each row's last visual slot. A merged token takes its anchor's prompt
+    column (a token dropped here), so columns stay unique in every view."""
+    batch, width = keep.shape
+    count = merged.valid.shape[1]
+    real = merged.valid
+    anchors = slots.gather(1, merged.anchors.clamp(min=0))  # [B, M] slots of the anchors
+    column = view.column.gather(1, anchors).masked_fill(~real, -1)
+    extended = LayerView(
+        torch.cat([view.column, column], 1),
+        torch.cat([view.mask, real.to(view.mask.dtype)], 1),
+        torch.cat([view.positions, view.positions.gather(1, anchors).masked_fill(~real, 0)], 1),
+        torch.cat([view.visual, real], 1),
+        None if view.protected is None else torch.cat([view.protected, torch.zeros_like(real)], 1),
+        view.lost - real.long().sum(1),  # merged tokens come back: later positions move less far
+    )
+    features = merged.features.to(hidden.dtype).masked_fill(~real[:, :, None], 0.0)
+    slot = torch.arange(width, device=keep.device).expand(batch, -1)
+    last_visual = slot.masked_fill(~view.visual, -1).amax(1, keepdim=True)  # [B, 1]
+    order = torch.cat([slot * (count + 1), last_visual * (count + 1) + 1 + torch.arange(count, device=keep.device)], 1)
+    return extended, torch.cat([hidden, features], 1), torch.cat([keep, real], 1), order
 
 
 class QueryKeyProbe:
@@ -104,25 +142,29 @@ class QueryKeyProbe:
     from the modelling module's own `apply_rotary_pos_emb`, so partial rotary (Qwen3.5, Phi-3) is the model's own.
     """
 
-    def __init__(self, attention: nn.Module):
+    def __init__(self, attention: nn.Module, capture: bool = True):
         self.check(attention)  # before any hook: a refused probe leaves nothing behind
         self.attention = attention
         self._rotary = _rotary_function(attention)
         self.head_dim = int(attention.head_dim)
         self.heads = _heads(attention)
         self._captures = PerThread(_Captures)  # per thread: hooks run in the calling thread
-        hooks = [attention.register_forward_pre_hook(self._on_input, with_kwargs=True)]
-        if _module(attention, "q_proj") is None:  # fused: [B, S, (H + 2 Hkv) * d], queries first, then keys
-            self._fused = (self.heads * self.head_dim, _kv_heads(attention) * self.head_dim)
-            hooks.append(attention.qkv_proj.register_forward_hook(self._on_fused))
-        for name in ("q", "k"):
-            source = _module(attention, f"{name}_norm") or _module(attention, f"{name}_proj")
-            if source is not None:  # bound methods and partials, never closures: a patched model pickles
-                hooks.append(source.register_forward_hook(functools.partial(self._on_output, name)))
+        fused = _module(attention, "q_proj") is None  # fused: [B, S, (H + 2 Hkv) * d], queries first, then keys
+        self._fused = (self.heads * self.head_dim, _kv_heads(attention) * self.head_dim) if fused else None
+        hooks = []
+        if capture:  # else only `replay` fills the store (the layer is scored before it runs)
+            hooks.append(attention.register_forward_pre_hook(self._on_input, with_kwargs=True))
+            if fused:
+                hooks.append(attention.qkv_proj.register_forward_hook(self._on_fused))
+            for name in ("q", "k"):
+                source = _module(attention, f"{name}_norm") or _module(attention, f"{name}_proj")
+                if source is not None:  # bound methods and partials, never closures: a patched model pickles
+                    hooks.append(source.register_forward_hook(functools.partial(self._on_output, name)))
         self._hooks = hooks
         proj = _module(attention, "q_proj")
-        self._gated = (_module(attention, "q_norm") is None and proj is not None
-                       and getattr(proj, "out_features", 0) == 2 * self.heads * self.head_dim)  # fmt: skip
+        # a gated q_proj: query and gate interleaved per head (Qwen3.5)
+        self._gated_proj = proj is not None and getattr(proj, "out_features", 0) == 2 * self.heads * self.head_dim
+        self._gated = _module(attention, "q_norm") is None and self._gated_proj  # what the capture hook sees
 
     @staticmethod
     def missing(attention: nn.Module) -> list[str]:
@@ -203,22 +245,56 @@ class QueryKeyProbe:
             sequence_first = x.stride(1) >= x.stride(2)
         return x if sequence_first else x.transpose(1, 2)
 
+    def replay(self, hidden: torch.Tensor, rotary: Any) -> None:
+        """Compute the queries and keys this attention would compute from its (normed) input `hidden` [B, S, D],
+        with rotary tables `rotary`, into the store, as its forward would (for `attention_rows` / `keys`)."""
+        attention, (batch, seq) = self.attention, hidden.shape[:2]
+        if self._fused is not None:
+            queries, keys = self._fused
+            fused = attention.qkv_proj(hidden)
+            q, k = fused[..., :queries], fused[..., queries : queries + keys]
+        else:
+            q, k = attention.q_proj(hidden), attention.k_proj(hidden)
+        q = q.view(batch, seq, -1, (2 if self._gated_proj else 1) * self.head_dim)[..., : self.head_dim]
+        k = k.view(batch, seq, -1, self.head_dim)
+        norms = _module(attention, "q_norm"), _module(attention, "k_norm")
+        q, k = (x if norm is None else norm(x) for x, norm in zip((q, k), norms, strict=True))
+        self._store.update(q=q, k=k, rotary=rotary, length=seq)
+
+    def _take(self, key_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The stored queries [B, S, H, d] and keys [B, S, Hkv, d] (before rotary) and rotary tables, removed."""
+        store = self._store
+        q, k, rotary = store.pop("q"), store.pop("k"), store.pop("rotary", None)
+        seq = store.pop("length", None) or key_valid.shape[1]
+        return self._per_head(q, seq, self._gated), self._per_head(k, seq), rotary  # replayed: already per head
+
+    def _rotated_keys(self, k: torch.Tensor, rotary: Any) -> torch.Tensor:
+        """[B, S, Hkv, d] keys -> [B, Hkv, S, d] with rotary applied."""
+        k = k.transpose(1, 2)
+        if rotary is None:
+            return k
+        cos, sin = (t.expand(k.shape[0], *t.shape[1:]) for t in rotary)
+        return self._rotary(k, k, cos, sin)[1]
+
     def attention_rows(self, rows: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """[B, H, R, S] causal attention of query rows `rows` [B, R] (sequence indices) over the S keys, padding
         (`key_valid` [B, S] False) excluded."""
-        q, k, rotary = self._store.pop("q"), self._store.pop("k"), self._store.pop("rotary", None)
-        seq = self._store.pop("length", None) or key_valid.shape[1]
-        q = self._per_head(q, seq, self._gated)
-        k = self._per_head(k, seq)
+        q, k, rotary = self._take(key_valid)
         batch = k.shape[0]
         q = q.gather(1, rows[:, :, None, None].expand(-1, -1, *q.shape[2:])).transpose(1, 2)  # [B, H, R, d]
-        k = k.transpose(1, 2)  # [B, Hkv, S, d]
         if rotary is not None:
             cos, sin = (t.expand(batch, *t.shape[1:]) for t in rotary)
             row_cos, row_sin = (t.gather(1, rows[:, :, None].expand(-1, -1, t.shape[-1])) for t in (cos, sin))
             q = self._rotary(q, q, row_cos, row_sin)[0]
-            k = self._rotary(k, k, cos, sin)[1]
-        return causal_rows_probs(q, k, rows, key_valid, self.attention.scaling)
+        return causal_rows_probs(q, self._rotated_keys(k, rotary), rows, key_valid, self.attention.scaling)
+
+    def keys(self, key_valid: torch.Tensor) -> torch.Tensor:
+        """[B, S, H * d] post-rotary keys of every token, heads concatenated, GQA key heads repeated (as
+        `repeat_kv` groups them) so that each query head has its key."""
+        _, k, rotary = self._take(key_valid)
+        k = self._rotated_keys(k, rotary)
+        k = k.repeat_interleave(self.heads // k.shape[1], dim=1)
+        return k.transpose(1, 2).flatten(2)
 
 
 class _Captures:
@@ -270,6 +346,7 @@ class _Prefill:
     records: list[Record] = field(default_factory=list)
     right: bool = False  # the batch is right-padded: rows that keep fewer tokens are re-padded on the right
     visual_rank: Any = None  # [B, L] rank of each prompt column among its row's visual tokens
+    row_columns: Any = None  # query_rows="chosen": [B, R] prompt columns of the chosen rows (-1: padding)
 
 
 def _take_columns(x: torch.Tensor, column: torch.Tensor, dim: int) -> torch.Tensor:
@@ -312,9 +389,15 @@ class LanguageModelStages:
         unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"}) if self.recurrent else []
         if unknown:
             raise VTokenError(f"{self.method.name}: hybrid LLM with layer types {unknown} is not supported")
+        if "normed" in self.method.reads and not isinstance(getattr(self.lm, "norm", None), nn.Module):
+            raise VTokenError(f"{self.method.name}: {type(self.lm).__name__} has no final `norm` to read")
         for index in self.drop_layers:  # every drop layer is checked before anything is registered
-            layer = self.layers[index]
-            QueryKeyProbe.check(getattr(layer, "self_attn", None), f"{type(layer).__name__} {index}")
+            scored = self._scored_layer(index)
+            if scored is not None:
+                layer = self.layers[scored]
+                QueryKeyProbe.check(getattr(layer, "self_attn", None), f"{type(layer).__name__} {scored}")
+                if scored != index and not isinstance(getattr(layer, "input_layernorm", None), nn.Module):
+                    raise VTokenError(f"{self.method.name}: {type(layer).__name__} {scored} has no input_layernorm")
         try:
             self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
             self._hooks.append(self.lm.register_forward_hook(self._after_lm))
@@ -322,12 +405,21 @@ class LanguageModelStages:
                 hook = functools.partial(self._layer_input, index)
                 self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
             for index in self.drop_layers:
-                self._probes[index] = QueryKeyProbe(self.layers[index].self_attn)
+                scored = self._scored_layer(index)
+                if scored is not None:  # the next layer is scored before it runs: replayed, not captured
+                    self._probes[index] = QueryKeyProbe(self.layers[scored].self_attn, capture=scored == index)
                 hook = functools.partial(self._layer_output, index)
                 self._hooks.append(self.layers[index].register_forward_hook(hook))
         except BaseException:
             self.remove()
             raise
+
+    def _scored_layer(self, drop: int) -> int | None:
+        """The layer whose queries/keys the method reads at drop point `drop` (None: none)."""
+        reads = self.method.reads
+        if "next_attention" in reads:
+            return drop + 1
+        return drop if "attention" in reads or "keys" in reads else None
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -386,7 +478,10 @@ class LanguageModelStages:
                          torch.zeros(batch, dtype=torch.long, device=device))  # fmt: skip
         self._call.prompt_length = length
         right = bool((mask[:, -1] == 0).any())  # right-padded: keep the padding on that side
-        self._call.prefill = _Prefill(view, cache, right=right, visual_rank=view.visual.long().cumsum(1) - 1)
+        state = _Prefill(view, cache, right=right, visual_rank=view.visual.long().cumsum(1) - 1)
+        if self.method.query_rows == "chosen":
+            state.row_columns = self._chosen_rows(embeds, view)
+        self._call.prefill = state
         for probe in self._probes.values():
             probe.active = True
 
@@ -463,6 +558,19 @@ class LanguageModelStages:
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
     # ----------------------------------------------------------------- one drop point
+    def _chosen_rows(self, embeds: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """query_rows="chosen": [B, R] prompt columns of the text tokens the method picks from the LLM's input
+        embeddings (left-packed, -1 padded)."""
+        visual, text = _left_packed(view.visual), _left_packed(_text_after_image(view))
+        with torch.no_grad():
+            chosen = self.method.choose_rows(
+                _take_columns(embeds, visual, 1), visual >= 0, _take_columns(embeds, text, 1), text >= 0
+            ).bool() & (text >= 0)
+        if not bool(chosen.any()):
+            return torch.full((embeds.shape[0], 1), -1, dtype=torch.long, device=embeds.device)
+        picked = _left_packed(chosen)  # [B, R] indices into each row's text tokens
+        return text.gather(1, picked.clamp(min=0)).masked_fill(picked < 0, -1)
+
     def _query_rows(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, R] sequence indices of the method's query rows and [B, R] which are real."""
         batch, length = view.mask.shape
@@ -470,37 +578,81 @@ class LanguageModelStages:
             columns = torch.arange(length, device=view.mask.device).expand(batch, -1)
             last = columns.masked_fill(view.mask == 0, -1).amax(1, keepdim=True)
             return last.clamp(min=0), last >= 0
-        after_first = view.visual.long().cumsum(1) > 0
-        text = (view.mask != 0) & ~view.visual & after_first
+        if self.method.query_rows == "chosen":  # text tokens are never dropped: their columns are still there
+            slots = view.slots_of_columns(self._call.prefill.row_columns)
+            return slots.clamp(min=0), slots >= 0
+        text = _text_after_image(view)
         if not bool(text.any()):
             return torch.zeros(batch, 1, dtype=torch.long, device=text.device), torch.zeros_like(text[:, :1])
         slots = _left_packed(text)
         return slots.clamp(min=0), slots >= 0
 
+    def _layer_tokens(self, layer: int, hidden: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> LayerTokens:
+        """What the method reads at drop point `layer` (see `PrefillMethod.reads`); slots / valid: [B, V] each
+        row's visual slots in the current view."""
+        state = self._call.prefill
+        view, reads = state.view, self.method.reads
+        key_valid = view.mask != 0
+        rows = row_valid = attention = keys = None
+        if "attention" in reads or "next_attention" in reads:
+            rows, row_valid = self._query_rows(view)
+            probe = self._probes[layer]
+            if "next_attention" in reads:  # the next layer's own input norm and the rotary tables it will get
+                rotary = state.overrides.position_embeddings if state.overrides is not None else state.rotary
+                probe.replay(self.layers[layer + 1].input_layernorm(hidden), rotary)
+            probs = probe.attention_rows(rows, key_valid).mean(dim=1)  # [B, R, S]
+            attention = probs.gather(2, slots[:, None, :].expand(-1, probs.shape[1], -1))
+            attention = attention * row_valid[:, :, None] * valid[:, None, :]
+        if "keys" in reads:
+            keys = self._probes[layer].keys(key_valid)  # [B, S, H * d]
+        normed = self.lm.norm(hidden) if "normed" in reads else None
+        first = view.column.gather(1, (view.mask != 0).long().argmax(1, keepdim=True))
+        index = view.column - first  # each slot's index in its row's unpadded LLM input
+
+        def visual_part(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else _take_columns(x, slots, 1)
+
+        text = None
+        if keys is not None or normed is not None:
+            text_slots = _left_packed(_text_after_image(view))
+            text_valid, text_slots = text_slots >= 0, text_slots.clamp(min=0)
+            text = TextTokens(text_valid, index.gather(1, text_slots),
+                              None if keys is None else _take_columns(keys, text_slots, 1),
+                              None if normed is None else _take_columns(normed, text_slots, 1))  # fmt: skip
+        protected = view.protected.gather(1, slots) & valid if view.protected is not None else None
+        received = state.views[0].visual.sum(1).tolist()
+        hidden_visual = visual_part(hidden) if "hidden" in reads else None
+        return LayerTokens(layer, attention, row_valid, valid, protected, received, index.gather(1, slots),
+                           visual_part(keys), visual_part(normed), hidden_visual, text)  # fmt: skip
+
     def _drop(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         state = self._call.prefill
         view = state.view
         timer = Stopwatch(hidden.device).start()
-        rows, row_valid = self._query_rows(view)
-        probs = self._probes[layer].attention_rows(rows, view.mask != 0).mean(dim=1)  # [B, R, S]
         slots = _left_packed(view.visual)  # [B, V] each row's visual slots
         valid = slots >= 0
         slots = slots.clamp(min=0)
-        attention = probs.gather(2, slots[:, None, :].expand(-1, probs.shape[1], -1))
-        attention = attention * row_valid[:, :, None] * valid[:, None, :]
-        protected = view.protected.gather(1, slots) & valid if view.protected is not None else None
-        tokens = LayerTokens(layer, attention, row_valid, valid, protected)
-        keep_visual = self.method.keep_mask(tokens).bool() & valid
-        if protected is not None:
-            keep_visual |= protected
+        with torch.no_grad():  # a selection: nothing to differentiate
+            tokens = self._layer_tokens(layer, hidden, slots, valid)
+            merged = None
+            if slots.shape[1] == 0:  # no row has visual tokens left
+                keep_visual = valid
+            else:
+                keep_visual = self.method.keep_mask(tokens).bool() & valid
+                if tokens.protected is not None:
+                    keep_visual |= tokens.protected
+                merged = self.method.merge(tokens, keep_visual)
         keep = (view.mask != 0) & ~view.visual
         keep.scatter_(1, slots, keep.gather(1, slots) | keep_visual)
-        new_slots = _left_packed(keep, right=state.right)
-        new_view = view.gather(new_slots, self.renumber)
-        timer.stop()
         # kept: each row's kept tokens as ranks among the visual tokens the LLM received in that row
         ranks = state.visual_rank.gather(1, view.column.gather(1, slots).clamp(min=0))
-        state.records += self._records(layer, tokens, keep_visual, ranks, timer)
+        order = None
+        if merged is not None:
+            view, hidden, keep, order = _with_merged(view, hidden, keep, slots, merged)
+        new_slots = _left_packed(keep, right=state.right, order=order)
+        new_view = view.gather(new_slots, self.renumber)
+        timer.stop()
+        state.records += self._records(layer, tokens, keep_visual, ranks, timer, merged)
         state.view = new_view
         hidden = _take_columns(hidden, new_slots, 1).masked_fill((new_slots < 0)[:, :, None], 0.0)
         state.overrides = self._overrides_for(hidden, new_view, state, layer + 1)
@@ -519,10 +671,18 @@ class LanguageModelStages:
         return _Overrides(mask, positions, rotary)
 
     def _records(
-        self, layer: int, tokens: LayerTokens, keep: torch.Tensor, ranks: torch.Tensor, timer: Stopwatch
+        self,
+        layer: int,
+        tokens: LayerTokens,
+        keep: torch.Tensor,
+        ranks: torch.Tensor,
+        timer: Stopwatch,
+        merged: Merged | None = None,
     ) -> list[Record]:
-        """One record per row; keep / ranks: [B, V] over each row's (left-packed) visual slots."""
+        """One record per row; keep / ranks: [B, V] over each row's (left-packed) visual slots. Merged tokens
+        count in tokens_out (extra["merged"]), not in `kept`."""
         counts, kept = tokens.counts, keep.sum(1).tolist()
+        added = merged.counts if merged is not None else [0] * len(counts)
         return [
             Record(
                 f"prefill.layer{layer}",
@@ -530,11 +690,12 @@ class LanguageModelStages:
                 image=row,
                 crop=0,
                 tokens_in=counts[row],
-                tokens_out=kept[row],
+                tokens_out=kept[row] + added[row],
                 kept=ranks[row][keep[row] & tokens.valid[row]],
                 grid=(1, counts[row]),
                 timer=timer,
                 share=1 / len(counts),
+                extra={"merged": added[row]} if merged is not None else {},
             )
             for row in range(len(counts))
         ]

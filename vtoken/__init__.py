@@ -38,7 +38,7 @@ _EXPORTS = {
     "remember_tokenizer": "question",
     "Record": "records",
     **dict.fromkeys(("available_methods", "make_method", "supported_models"), "registry"),
-    **dict.fromkeys(("LayerTokens", "Selection", "TextQuery", "VisualTokens"), "tokens"),
+    **dict.fromkeys(("LayerTokens", "Merged", "Selection", "TextQuery", "TextTokens", "VisualTokens"), "tokens"),
 }
 
 
@@ -83,6 +83,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     )
     from .functional import encode, select
     from .methods import (
+        DART,
         EncoderMethod,
         FasterVLM,
         FastV,
@@ -93,14 +94,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         MustDrop,
         Pool,
         PrefillMethod,
+        PyramidDrop,
         Random,
         ScoreMethod,
         SparsePrefill,
+        SparseVLM,
     )
     from .question import remember_tokenizer
     from .records import Record
     from .registry import available_methods, make_method, supported_models
-    from .tokens import LayerTokens, Selection, TextQuery, VisualTokens
+    from .tokens import LayerTokens, Merged, Selection, TextQuery, TextTokens, VisualTokens
 
 __all__ = [
     "patch",
@@ -116,6 +119,7 @@ __all__ = [
     "supported_models",
     "tokens_to_keep",
     "remember_tokenizer",
+    "DART",
     "FasterVLM",
     "FastV",
     "FourierDCT",
@@ -125,6 +129,8 @@ __all__ = [
     "Random",
     "Pool",
     "SparsePrefill",
+    "SparseVLM",
+    "PyramidDrop",
     "Method",
     "EncoderMethod",
     "PrefillMethod",
@@ -132,6 +138,8 @@ __all__ = [
     "Selection",
     "VisualTokens",
     "LayerTokens",
+    "TextTokens",
+    "Merged",
     "TextQuery",
     "Record",
     "VTokenError",

@@ -129,22 +129,67 @@ class Selection:
 
 
 @dataclass
+class TextTokens:
+    """The text tokens after a row's first visual token, at a drop point inside the LLM (padded per row to T).
+
+    valid: [B, T] bool, real tokens. index: [B, T] each token's index in its row's unpadded LLM input.
+    keys: [B, T, H*d] the drop layer's post-RoPE keys, heads concatenated (GQA key heads repeated), or None.
+    normed: [B, T, D] the drop layer's output through the LLM's final norm, or None.
+    """
+
+    valid: torch.Tensor
+    index: torch.Tensor
+    keys: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+
+
+@dataclass
 class LayerTokens:
     """The visual tokens of a batch inside the LLM, at a drop point after decoder layer `layer`.
 
     attention: [B, R, V] post-softmax attention of R query rows (the method's `query_rows`, padded) to each row's
-        V visual tokens (padded), mean over heads, normalised over all keys the rows see.
+        V visual tokens (padded), mean over heads, normalised over all keys the rows see; None unless the method
+        reads "attention" or "next_attention".
     row_valid: [B, R] bool, real query rows. valid: [B, V] bool, real visual tokens.
     protected: [B, V] bool, tokens an earlier stage marked as never dropped (MustDrop's key set), or None.
+    received: visual tokens each row brought into the LLM (before any drop), or None.
+    index: [B, V] each visual token's index in its row's unpadded LLM input, or None.
+    keys / normed / hidden: [B, V, H*d] post-RoPE keys (as `TextTokens.keys`), [B, V, D] the layer's output
+        through the final norm, [B, V, D] the layer's output itself; None unless the method reads them.
+    text: the text tokens after the first visual token (`TextTokens`), for methods that read "keys" or "normed".
     """
 
     layer: int
-    attention: torch.Tensor
-    row_valid: torch.Tensor
+    attention: torch.Tensor | None
+    row_valid: torch.Tensor | None
     valid: torch.Tensor
     protected: torch.Tensor | None = None
+    received: list[int] | None = None
+    index: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    text: TextTokens | None = None
 
     @property
     def counts(self) -> list[int]:
         """Visual tokens of every row."""
+        return self.valid.sum(1).tolist()
+
+
+@dataclass
+class Merged:
+    """Tokens a prefill method adds after a row's kept visual tokens (SparseVLM's recycled clusters).
+
+    features: [B, M, D] their hidden states (rows padded to M); valid: [B, M] bool, real ones; anchors: [B, M]
+    the visual slot (an index into `LayerTokens.valid`'s V, a token dropped at this point) each one stands for in
+    records and labels.
+    """
+
+    features: torch.Tensor
+    valid: torch.Tensor
+    anchors: torch.Tensor
+
+    @property
+    def counts(self) -> list[int]:
         return self.valid.sum(1).tolist()

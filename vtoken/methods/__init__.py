@@ -1,6 +1,7 @@
 """Methods, one file each; importing this package registers them."""
 
 from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
+from .dart import DART
 from .fastervlm import FasterVLM
 from .fastv import FastV
 from .fourier import FourierDCT
@@ -8,14 +9,17 @@ from .hired import HiRED
 from .mmtok import MMTok
 from .mustdrop import MustDrop
 from .pool import Pool
+from .pyramiddrop import PyramidDrop
 from .random import Random
 from .sparse_prefill import SparsePrefill
+from .sparsevlm import SparseVLM
 
 __all__ = [
     "Method",
     "EncoderMethod",
     "PrefillMethod",
     "ScoreMethod",
+    "DART",
     "FasterVLM",
     "FastV",
     "FourierDCT",
@@ -23,6 +27,8 @@ __all__ = [
     "MMTok",
     "MustDrop",
     "Pool",
+    "PyramidDrop",
     "Random",
     "SparsePrefill",
+    "SparseVLM",
 ]

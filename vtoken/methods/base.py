@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from ..budget import Budget, check_budget, tokens_to_keep
-from ..tokens import LayerTokens, Selection, VisualTokens
+from ..tokens import LayerTokens, Merged, Selection, VisualTokens
 from ..validation import choice
 
 
@@ -123,15 +123,21 @@ class ScoreMethod(EncoderMethod):
 class PrefillMethod(Method):
     """A method that drops visual tokens inside the LLM, after decoder layers (the prefill stage).
 
-    After each layer in `drop_layers(num_layers)` the adapter computes that layer's post-softmax attention (head
-    mean) from the method's query rows to the visual tokens, for those rows only while the layer itself keeps
-    SDPA/flash, and calls `keep_mask`; later layers run on [prefix, kept visual, text]. `positions`: "renumber"
-    (contiguous positions after each drop) or "original" (kept tokens keep theirs).
-    query_rows: "last" = the last prompt token; "text" = every text token after the row's first visual token.
+    After each layer in `drop_layers(num_layers)` the adapter gathers what the method `reads` at that point and
+    calls `keep_mask` (then `merge`); later layers run on [prefix, kept visual, merged, text]. `positions`:
+    "renumber" (contiguous positions after each drop) or "original" (kept tokens keep theirs).
+    reads: "attention" = the drop layer's post-softmax attention (head mean) from the query rows to the visual
+    tokens, for those rows only while the layer itself keeps SDPA/flash; "next_attention" = the same rows of the
+    *next* layer's attention, recomputed from the drop layer's output (its input norm, q/k projections and
+    rotary at the current positions: PyramidDrop scores a layer before it runs); "keys" = the drop layer's
+    post-RoPE keys; "normed" = its output through the LLM's final norm; "hidden" = its output (see `LayerTokens`).
+    query_rows: "last" = the last prompt token; "text" = every text token after the row's first visual token;
+    "chosen" = the text tokens `choose_rows` picks once, from the LLM's input embeddings.
     """
 
     stages: ClassVar[tuple[str, ...]] = ("prefill",)
     query_rows: ClassVar[str] = "last"
+    reads: ClassVar[tuple[str, ...]] = ("attention",)
     positions: str = "renumber"
 
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
@@ -140,6 +146,19 @@ class PrefillMethod(Method):
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored)."""
+        raise NotImplementedError
+
+    def merge(self, tokens: LayerTokens, keep: torch.Tensor) -> Merged | None:
+        """Tokens to add right after each row's kept visual tokens, made from what `keep` [B, V] drops (None:
+        nothing added). They count as visual tokens at later drops."""
+        return None
+
+    def choose_rows(
+        self, visual: torch.Tensor, visual_valid: torch.Tensor, text: torch.Tensor, text_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """query_rows="chosen": [B, T] bool, the text tokens whose attention rows score the visual tokens, from
+        the LLM's input embeddings of each row's visual tokens [B, V, D] and of its text after the first visual
+        token [B, T, D] (valid masks [B, V], [B, T])."""
         raise NotImplementedError
 
     def cut_layers(self, drop_layers: tuple[int, ...]) -> range:

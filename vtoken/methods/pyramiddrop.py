@@ -1,0 +1,74 @@
+"""PyramidDrop: visual tokens dropped in stages, more at each (Xing et al., "PyramidDrop: Accelerating Your Large
+Vision-Language Models via Pyramid Visual Redundancy Reduction", CVPR 2025; official code Cooperx521/PyramidDrop).
+
+Before each layer l in `layers` (after layer l - 1) a row keeps int(N * ratio) of the N visual tokens it brought
+into the LLM (`ratios`, one per stage, non-increasing). Score of a visual token: the attention of the last prompt
+token (the last instruction token) to it in layer l itself, recomputed from layer l - 1's output with layer l's
+input norm, q/k projections and rotary at the current positions, softmax over its whole causal row in fp32, mean
+over heads (GQA key heads repeated, so every query head reads its own key head). Kept tokens stay in order; later
+layers get contiguous renumbered positions (official) and decoding continues, layer by layer, right after that
+layer's own prompt; `positions="original"` keeps the kept tokens' own (e.g. M-RoPE) positions instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import VTokenError
+from ..registry import register_method
+from ..tokens import LayerTokens
+from ..validation import choice, layer_indices, real
+from .base import PrefillMethod, topk_mask
+
+POSITIONS = ("renumber", "original")
+
+
+@register_method
+@dataclass
+class PyramidDrop(PrefillMethod):
+    """`layers`: the layers before which each stage drops (the paper's 8, 16, 24 on a 32-layer LLM); `ratios`: the
+    share of the row's visual tokens each stage keeps, counted on the tokens it brought into the LLM."""
+
+    layers: tuple[int, ...] = (8, 16, 24)
+    ratios: tuple[float, ...] = (0.5, 0.25, 0.125)
+    positions: str = "renumber"
+
+    name = "pyramiddrop"
+    query_rows = "last"
+    reads = ("next_attention",)
+
+    def __post_init__(self) -> None:
+        self.layers = layer_indices(self.name, "layers", self.layers, "(8, 16, 24)")
+        if self.layers[0] < 1:
+            raise VTokenError(
+                f"pyramiddrop: layers={self.layers}; a stage drops before a layer and is scored by it, after the "
+                "layer before it, so every layer must be >= 1"
+            )
+        expected = f"{len(self.layers)} non-increasing fractions in (0, 1], one per layer, e.g. (0.5, 0.25, 0.125)"
+        ratios = self.ratios
+        if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Sequence) or len(ratios) != len(self.layers):
+            raise VTokenError(f"pyramiddrop: ratios={ratios!r}; expected {expected}")
+        self.ratios = tuple(real(self.name, "ratios", r, "(0, 1]", hint=expected) for r in ratios)
+        if list(self.ratios) != sorted(self.ratios, reverse=True):
+            raise VTokenError(f"pyramiddrop: ratios={ratios!r} are not non-increasing; expected {expected}")
+        self.positions = choice(self.name, "positions", self.positions, POSITIONS)
+
+    def drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        if self.layers[-1] > num_layers - 1:
+            raise VTokenError(
+                f"pyramiddrop: layers={self.layers} drop before layers this LLM does not have: it has {num_layers} "
+                f"layers (0..{num_layers - 1}), so every layer must be at most {num_layers - 1}"
+            )
+        return tuple(layer - 1 for layer in self.layers)
+
+    def keep_counts(self, tokens: LayerTokens) -> list[int]:
+        """Visual tokens each row keeps at this stage: int(N * ratio) of the N it brought into the LLM."""
+        ratio = self.ratios[self.layers.index(tokens.layer + 1)]
+        return [min(int(received * ratio), n) for received, n in zip(tokens.received, tokens.counts, strict=True)]
+
+    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+        scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
+        return topk_mask(scores, self.keep_counts(tokens))

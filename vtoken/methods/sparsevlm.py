@@ -1,0 +1,163 @@
+"""SparseVLM: text-guided visual-token sparsification with token recycling (Zhang et al., "SparseVLM: Visual Token
+Sparsification for Efficient Vision-Language Model Inference", ICML 2025; official code Gumpest/SparseVLMs, v1.0).
+
+- Raters, once per prompt, from the LLM's input embeddings: with V a row's visual embeddings and T every token
+  after its (first) image, m = softmax over T of the raw dot products V T^T, averaged over V; the raters are the
+  text tokens with m_t > mean(m) (when all m_t are equal, e.g. a single text token: all of them).
+- After each layer in `layers`, score of a visual token = that layer's post-softmax causal attention (head mean)
+  from the raters to it, averaged over the raters (rows only: SDPA/flash stay on). A row keeps its top
+  min(k_s, n - 1) of its n current visual tokens (`keep`, or the official table chosen by `budget`): one token is
+  always dropped, so there is no keep-all setting.
+- Recycling: the top int(0.3 * n_drop) + 1 dropped tokens by the same score are clustered by DPC-kNN on the
+  layer's output hidden states (distances / sqrt(C), k = cluster count = int(m / 10) + 1, density exp(-mean
+  squared distance to the k nearest) plus U(0, 1e-6) noise from a generator seeded with `seed` for every row and
+  drop, centres = the largest distance-to-denser-token x density, every token to its nearest centre); each cluster
+  becomes sum / (count + 1e-6), placed right after the row's kept visual tokens, in centre order; they count as
+  visual tokens at later drops.
+Later layers get contiguous renumbered positions; decoding continues, layer by layer, right after that layer's own
+prompt (the official code has no decode stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import VTokenError
+from ..registry import register_method
+from ..tokens import LayerTokens, Merged
+from ..validation import integer, layer_indices
+from .base import PrefillMethod, topk_mask
+
+# the official settings: visual tokens kept after layers 2, 6 and 15 for an average of ~192/128/96/64 per layer
+BUDGETS = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
+RECYCLED_SHARE = 0.3  # of the dropped tokens, the best scored this share (+ 1) are recycled
+TOKENS_PER_CLUSTER = 10
+NOISE = 1e-6
+
+
+def rater_mask(visual: torch.Tensor, visual_valid: torch.Tensor, text: torch.Tensor, text_valid: torch.Tensor):
+    """[B, T] bool: the raters among text tokens [B, T, D] by the visual embeddings [B, V, D] (see the module)."""
+    logits = (visual.float() @ text.float().transpose(1, 2)).masked_fill(~text_valid[:, None, :], float("-inf"))
+    relevance = logits.softmax(dim=-1).nan_to_num(0.0) * visual_valid[:, :, None]  # [B, V, T]
+    m = relevance.sum(1) / visual_valid.sum(1, keepdim=True).clamp(min=1)  # [B, T]
+    mean = (m * text_valid).sum(1, keepdim=True) / text_valid.sum(1, keepdim=True).clamp(min=1)
+    raters = (m > mean) & text_valid
+    alike = ~raters.any(1, keepdim=True)  # every m_t equal: none is above the mean
+    return raters | (alike & text_valid)
+
+
+def dpc_knn_merge(x: torch.Tensor, clusters: int, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cluster tokens x [N, C] into `clusters` by DPC-kNN and merge each cluster to sum / (count + 1e-6).
+
+    noise: [N] added to the densities (ties). Returns the merged tokens [clusters, C] (fp32) in centre order (by
+    descending distance x density) and the centres' indices into x [clusters].
+    """
+    x = x.float()
+    distance = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") / x.shape[1] ** 0.5
+    nearest = distance.topk(clusters, dim=-1, largest=False).values
+    density = (-(nearest**2).mean(-1)).exp() + noise.to(x)
+    denser = density[None, :] > density[:, None]  # [i, j]: token j is denser than token i
+    parent = torch.where(denser, distance, distance.max()).min(-1).values
+    centres = (parent * density).topk(clusters).indices
+    assign = distance[centres].argmin(0)  # nearest centre (first on ties)
+    assign[centres] = torch.arange(clusters, device=x.device)
+    sums = x.new_zeros(clusters, x.shape[1]).index_add_(0, assign, x)
+    counts = torch.bincount(assign, minlength=clusters).to(x)
+    return sums / (counts[:, None] + 1e-6), centres
+
+
+@register_method
+@dataclass
+class SparseVLM(PrefillMethod):
+    """`budget`: the official setting (192, 128, 96 or 64 visual tokens on average, default 192) or `keep`: the
+    tokens kept after each layer of `layers` explicitly; `seed`: the density noise's generator seed."""
+
+    budget: int | None = None
+    keep: tuple[int, ...] | None = None
+    layers: tuple[int, ...] = (2, 6, 15)
+    seed: int = 0
+
+    name = "sparsevlm"
+    query_rows = "chosen"
+    reads = ("attention", "hidden")
+
+    def __post_init__(self) -> None:
+        self.layers = layer_indices(self.name, "layers", self.layers, "(2, 6, 15)")
+        self.seed = integer(self.name, "seed", self.seed, 0, hint="the density noise's generator seed")
+        if self.budget is not None and self.keep is not None:
+            raise VTokenError("sparsevlm: give budget (an official setting) or keep (explicit counts), not both")
+        if self.budget is not None and (isinstance(self.budget, bool) or self.budget not in BUDGETS):
+            raise VTokenError(
+                f"sparsevlm: budget={self.budget!r}; expected one of the official settings {sorted(BUDGETS)} "
+                "(average visual tokens per layer), or keep=(k1, k2, ...) with explicit counts"
+            )
+        if self.keep is not None:
+            expected = f"{len(self.layers)} token counts >= 1, one per layer of layers={self.layers}"
+            keep = self.keep
+            if isinstance(keep, (str, bytes)) or not isinstance(keep, Sequence) or len(keep) != len(self.layers):
+                raise VTokenError(f"sparsevlm: keep={keep!r}; expected {expected}, e.g. (300, 200, 110)")
+            self.keep = tuple(integer(self.name, "keep", k, 1, hint=expected) for k in keep)
+        elif len(self.layers) != 3:
+            raise VTokenError(
+                f"sparsevlm: the official budgets give 3 counts, for 3 layers; layers={self.layers} has "
+                f"{len(self.layers)}: give keep=(...) with one count per layer"
+            )
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Visual tokens kept after each layer of `layers` (before recycling)."""
+        return self.keep if self.keep is not None else BUDGETS[self.budget or 192]
+
+    def drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        if self.layers[-1] >= num_layers - 1:
+            raise VTokenError(
+                f"sparsevlm: layers={self.layers} needs drop points before the last layer; this LLM has "
+                f"{num_layers} layers (0..{num_layers - 1})"
+            )
+        return self.layers
+
+    def choose_rows(self, visual, visual_valid, text, text_valid) -> torch.Tensor:
+        return rater_mask(visual, visual_valid, text, text_valid)
+
+    def scores(self, tokens: LayerTokens) -> torch.Tensor:
+        """[B, V] the raters' mean attention to each visual token (-inf where invalid)."""
+        raters = tokens.row_valid.sum(1, keepdim=True).clamp(min=1)
+        return (tokens.attention.float().sum(1) / raters).masked_fill(~tokens.valid, float("-inf"))
+
+    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+        k = self.counts[self.layers.index(tokens.layer)]
+        return topk_mask(self.scores(tokens), [min(k, n - 1) if n else 0 for n in tokens.counts])
+
+    def merge(self, tokens: LayerTokens, keep: torch.Tensor) -> Merged | None:
+        scores = self.scores(tokens)
+        dropped = tokens.valid & ~keep
+        rows = []
+        for row in range(dropped.shape[0]):
+            candidates = dropped[row].nonzero().squeeze(1)
+            if len(candidates) == 0:
+                rows.append(None)
+                continue
+            recycled = int(len(candidates) * RECYCLED_SHARE) + 1
+            best = candidates[torch.sort(-scores[row, candidates], stable=True).indices[:recycled]]
+            noise = torch.rand(recycled, generator=torch.Generator().manual_seed(self.seed)) * NOISE
+            merged, centres = dpc_knn_merge(tokens.hidden[row, best], recycled // TOKENS_PER_CLUSTER + 1, noise)
+            rows.append((merged, best[centres]))
+        width = max((len(r[1]) for r in rows if r is not None), default=0)
+        if width == 0:
+            return None
+        batch, dim = dropped.shape[0], tokens.hidden.shape[-1]
+        features = tokens.hidden.new_zeros(batch, width, dim, dtype=torch.float32)
+        valid = torch.zeros(batch, width, dtype=torch.bool, device=dropped.device)
+        anchors = torch.zeros(batch, width, dtype=torch.long, device=dropped.device)
+        for row, found in enumerate(rows):
+            if found is not None:
+                merged, centre = found
+                features[row, : len(centre)], valid[row, : len(centre)], anchors[row, : len(centre)] = (
+                    merged,
+                    True,
+                    centre,
+                )
+        return Merged(features, valid, anchors)
