@@ -39,7 +39,9 @@ class LayerView:
     column: [B, C] prompt column of each slot (-1 = padding slot); mask: [B, C] 1 for real tokens;
     positions: [B, C] position of each slot (prefill numbering); visual: [B, C] bool, visual tokens;
     protected: [B, C] bool, visual tokens no drop may remove, or None; lost: [B] tokens dropped before this view
-    (new tokens of a renumbered view sit `lost` positions earlier than in the prompt's own numbering).
+    (new tokens of a renumbered view sit `lost` positions earlier than in the prompt's own numbering);
+    merged: [B, C] bool, tokens a method added (they hold the column of a token dropped where they were made), or
+    None.
     """
 
     column: torch.Tensor
@@ -48,6 +50,7 @@ class LayerView:
     visual: torch.Tensor
     protected: torch.Tensor | None
     lost: torch.Tensor
+    merged: torch.Tensor | None = None
 
     def gather(self, slots: torch.Tensor, renumber: bool) -> LayerView:
         """The view of slots [B, C'] of this one (-1 = padding)."""
@@ -64,7 +67,7 @@ class LayerView:
             positions = (start + mask.long().cumsum(1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
         lost = self.lost + self.mask.long().sum(1) - mask.long().sum(1)
         return LayerView(take(self.column, -1), mask, positions, take(self.visual, False),
-                         take(self.protected, False), lost)  # fmt: skip
+                         take(self.protected, False), lost, take(self.merged, False))  # fmt: skip
 
     def slots_of(self, other: LayerView) -> torch.Tensor:
         """[B, C'] slots of this view holding the columns of `other` (a subset of this view's columns)."""
@@ -123,6 +126,7 @@ def _with_merged(
         torch.cat([view.visual, real], 1),
         None if view.protected is None else torch.cat([view.protected, torch.zeros_like(real)], 1),
         view.lost - real.long().sum(1),  # merged tokens come back: later positions move less far
+        torch.cat([view.merged if view.merged is not None else torch.zeros_like(keep), real], 1),
     )
     features = merged.features.to(hidden.dtype).masked_fill(~real[:, :, None], 0.0)
     slot = torch.arange(width, device=keep.device).expand(batch, -1)
@@ -644,8 +648,11 @@ class LanguageModelStages:
                 merged = self.method.merge(tokens, keep_visual)
         keep = (view.mask != 0) & ~view.visual
         keep.scatter_(1, slots, keep.gather(1, slots) | keep_visual)
-        # kept: each row's kept tokens as ranks among the visual tokens the LLM received in that row
+        # kept: each row's kept tokens as ranks among the visual tokens the LLM received in that row (merged
+        # tokens are none of those)
         ranks = state.visual_rank.gather(1, view.column.gather(1, slots).clamp(min=0))
+        if view.merged is not None:
+            ranks = ranks.masked_fill(view.merged.gather(1, slots), -1)
         order = None
         if merged is not None:
             view, hidden, keep, order = _with_merged(view, hidden, keep, slots, merged)
@@ -691,7 +698,7 @@ class LanguageModelStages:
                 crop=0,
                 tokens_in=counts[row],
                 tokens_out=kept[row] + added[row],
-                kept=ranks[row][keep[row] & tokens.valid[row]],
+                kept=ranks[row][keep[row] & tokens.valid[row] & (ranks[row] >= 0)],
                 grid=(1, counts[row]),
                 timer=timer,
                 share=1 / len(counts),

@@ -11,9 +11,9 @@ Sparsification for Efficient Vision-Language Model Inference", ICML 2025; offici
 - Recycling: the top int(0.3 * n_drop) + 1 dropped tokens by the same score are clustered by DPC-kNN on the
   layer's output hidden states (distances / sqrt(C), k = cluster count = int(m / 10) + 1, density exp(-mean
   squared distance to the k nearest) plus U(0, 1e-6) noise from a generator seeded with `seed` for every row and
-  drop, centres = the largest distance-to-denser-token x density, every token to its nearest centre); each cluster
-  becomes sum / (count + 1e-6), placed right after the row's kept visual tokens, in centre order; they count as
-  visual tokens at later drops.
+  drop, centres = the largest distance-to-denser-token x density, every token to its nearest centre; in float64);
+  each cluster becomes sum / (count + 1e-6), placed right after the row's kept visual tokens, in centre order;
+  they count as visual tokens at later drops.
 Later layers get contiguous renumbered positions; decoding continues, layer by layer, right after that layer's own
 prompt (the official code has no decode stage).
 """
@@ -53,9 +53,11 @@ def dpc_knn_merge(x: torch.Tensor, clusters: int, noise: torch.Tensor) -> tuple[
     """Cluster tokens x [N, C] into `clusters` by DPC-kNN and merge each cluster to sum / (count + 1e-6).
 
     noise: [N] added to the densities (ties). Returns the merged tokens [clusters, C] (fp32) in centre order (by
-    descending distance x density) and the centres' indices into x [clusters].
+    descending distance x density) and the centres' indices into x [clusters]. Computed in float64: the densities
+    of close tokens differ by about the 1e-6 noise, which fp32 near 1.0 (a 6e-8 step) cannot order reliably, so
+    in fp32 the clusters would follow rounding (and differ between a batch and its rows run alone).
     """
-    x = x.float()
+    x = x.double()
     distance = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") / x.shape[1] ** 0.5
     nearest = distance.topk(clusters, dim=-1, largest=False).values
     density = (-(nearest**2).mean(-1)).exp() + noise.to(x)
@@ -66,7 +68,7 @@ def dpc_knn_merge(x: torch.Tensor, clusters: int, noise: torch.Tensor) -> tuple[
     assign[centres] = torch.arange(clusters, device=x.device)
     sums = x.new_zeros(clusters, x.shape[1]).index_add_(0, assign, x)
     counts = torch.bincount(assign, minlength=clusters).to(x)
-    return sums / (counts[:, None] + 1e-6), centres
+    return (sums / (counts[:, None] + 1e-6)).float(), centres
 
 
 @register_method
