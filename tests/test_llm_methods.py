@@ -67,8 +67,9 @@ def reference_generate(lm, head, embeds, visual, rule, drop_layers, renumber, st
         for i, layer in enumerate(lm.layers):
             held.append(len(labels))
             pos = torch.tensor([positions])
-            hidden = layer(hidden, attention_mask=causal(len(labels), hidden.dtype), position_ids=pos,
-                           past_key_values=cache, use_cache=True, position_embeddings=lm.rotary_emb(hidden, pos))  # fmt: skip
+            mask, rotary = causal(len(labels), hidden.dtype), lm.rotary_emb(hidden, pos)
+            hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                           position_embeddings=rotary)  # fmt: skip
             if i not in drop_layers:
                 continue
             ctx = dict(layer=i, hidden=hidden[0], weights=weights[i][0], keys=cache.layers[i].keys[0],
@@ -252,3 +253,241 @@ def test_method_matches_the_layer_by_layer_reference(deep_llava, eager_lm, singl
     held = [len(visual)] + [r.tokens_out for r in prefill]
     average = sum(held[sum(k < i for k in drop_layers)] for i in range(LAYERS)) / LAYERS
     assert prefill[0].extra["layer_average"] == pytest.approx(average)
+
+
+# --------------------------------------------------------------------------- spec parity on hand-made inputs
+def test_dart_visits_pivots_in_pythons_set_order():
+    """Pool tokens A, B, C; the image pivot finds them least similar in the order A, B, C, the text pivot A, C, B.
+    With the image pivot at index 2 and the text pivot at 9, `list(set([2, 9]))` is [9, 2]: the text pivot picks
+    first (A), the image pivot then B. At 9 and 2 the image pivot picks first (A) and the text pivot C."""
+    assert list(set([2, 9])) == [9, 2] == list(set([9, 2]))  # noqa: C405 - the official visiting order
+    keys = torch.tensor([[5.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])  # token 0: the image pivot
+    normed = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 0.0, -1.0], [0.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    text_keys, text_normed = torch.tensor([[3.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0]])
+    text_first = dart_pick(keys, normed, [2, 3, 4, 5], text_keys, text_normed, [9], 1, 1, per_pivot=1)
+    assert text_first == [0, 1, 2]  # visiting in list order (image first) would keep [0, 1, 3]
+    image_first = dart_pick(keys, normed, [9, 3, 4, 5], text_keys, text_normed, [2], 1, 1, per_pivot=1)
+    assert image_first == [0, 1, 3]
+    everything = dart_pick(keys, normed, [2, 3, 4, 5], text_keys, text_normed, [9], 1, 1, per_pivot=5)
+    assert everything == [0, 1, 2, 3]  # picks stop at the pool's size
+
+
+def test_rater_mask_by_hand():
+    visual = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    text = torch.tensor([[[2.0, 0.0], [0.0, 0.0], [0.0, 3.0], [9.0, 9.0]]])
+    text_valid = torch.tensor([[True, True, True, False]])
+    m = torch.zeros(3)
+    for v in visual[0]:
+        m += torch.softmax(text[0, :3] @ v, 0) / 2
+    expected = (m > m.mean()).tolist() + [False]
+    assert rater_mask(visual, torch.ones(1, 2, dtype=torch.bool), text, text_valid)[0].tolist() == expected
+    alike = rater_mask(visual, torch.ones(1, 2, dtype=torch.bool), text[:, :1], text_valid[:, :1])
+    assert alike.tolist() == [[True]]  # a single text token: it is the rater
+
+
+@pytest.mark.parametrize("n,clusters", [(1, 1), (5, 1), (40, 4), (120, 12)])
+def test_dpc_knn_merge_matches_loops(n, clusters):
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(n)) * 0.01  # small, close: densities near 1
+    noise = torch.rand(n, generator=torch.Generator().manual_seed(0)) * 1e-6
+    merged, centres = dpc_knn_merge(x, clusters, noise)
+    expected = loop_dpc(x.double(), clusters, noise.double())
+    assert centres.tolist() == [c for _, c in expected]
+    assert torch.allclose(merged, torch.stack([t for t, _ in expected]).float(), atol=1e-7)
+
+
+def test_pyramiddrop_counts_on_the_tokens_the_row_brought():
+    method = vtoken.PyramidDrop(layers=(1, 2, 3), ratios=(0.5, 0.3, 0.3))
+    attention = torch.rand(2, 1, 10)
+    valid = torch.tensor([[True] * 10, [True] * 7 + [False] * 3])
+    tokens = vtoken.LayerTokens(0, attention, torch.ones(2, 1, dtype=torch.bool), valid, received=[20, 7])
+    assert method.keep_counts(tokens) == [10, 3]  # the first stage (before layer 1): int(N * 0.5)
+    later = vtoken.LayerTokens(1, attention, torch.ones(2, 1, dtype=torch.bool), valid, received=[20, 7])
+    assert method.keep_counts(later) == [6, 2]  # before layer 2: int(20 * 0.3), int(7 * 0.3)
+    kept = method.keep_mask(tokens)
+    for row, count in enumerate([10, 3]):
+        scores = attention[row, 0, : int(valid[row].sum())]
+        assert kept[row].nonzero().squeeze(1).tolist() == sorted(scores.topk(count).indices.tolist())
+
+
+# --------------------------------------------------------------------------- invariants
+MAKERS = {
+    "dart": lambda: vtoken.DART(layer=2, keep=0.222),
+    "pyramiddrop": lambda: vtoken.PyramidDrop(layers=(1, 3, 5), ratios=(0.5, 0.25, 0.125)),
+    "sparsevlm": lambda: vtoken.SparseVLM(keep=(300, 200, 110), layers=(1, 2, 4)),
+}
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        vtoken.DART(layer=1, keep=1.0),
+        vtoken.DART(layer=3, keep=10**6, positions="renumber"),
+        vtoken.PyramidDrop(layers=(1, 4), ratios=(1.0, 1.0)),
+        vtoken.PyramidDrop(layers=(2,), ratios=(1.0,), positions="original"),
+    ],
+    ids=["dart", "dart-count-renumber", "pyramiddrop", "pyramiddrop-original"],
+)
+def test_keeping_everything_is_the_identity(deep_llava, photos, method):
+    """Invariant 1: DART at keep=1.0 (or a count >= V) and PyramidDrop at ratio 1.0 give the unpatched logits and
+    greedy tokens on a padded batch (SparseVLM always drops one token: it has no such setting)."""
+    model, processor = deep_llava
+    inputs = inputs_for(processor, [photos["astronaut"], photos["coffee"]], ["what is this?", "describe it please."])
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        with vtoken.patched(model, method) as handle:
+            logits = model(**inputs).logits
+    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
+    prefill = [r for r in handle.records if r.stage.startswith("prefill")]
+    assert len(prefill) == 2 * len(method.drop_layers(LAYERS)) and all(r.tokens_out == r.tokens_in for r in prefill)
+    assert_identity(model, method, inputs)
+
+
+def two_rows(processor, photos, side):
+    images = [photos["astronaut"], photos["coffee"]]
+    questions = ["what is this?", "describe the image in detail. how many shapes are there?"]
+    texts = [build_prompt(processor, q) for q in questions]
+    batched = processor(images=images, text=texts, return_tensors="pt", padding=True, padding_side=side)
+    singles = [processor(images=[i], text=[t], return_tensors="pt") for i, t in zip(images, texts, strict=True)]
+    return batched, singles
+
+
+def prefill_summary(records, row=None):
+    return [(r.stage, r.tokens_in, r.tokens_out, r.kept.tolist(), r.extra.get("merged"))
+            for r in records if r.stage.startswith("prefill") and (row is None or r.image == row)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_padded_batches_and_beams_equal_rows_alone(deep_llava, photos, name):
+    """Invariant 5: a left-padded batch generates (12 greedy tokens, per-step logits) and beam-searches (with
+    num_return_sequences) exactly what each row does alone; left- and right-padded forwards give each row's logits
+    and records alone."""
+    model, processor = deep_llava
+    left, singles = two_rows(processor, photos, "left")
+    right, _ = two_rows(processor, photos, "right")
+    width = left["input_ids"].shape[1]
+    greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    beams = dict(max_new_tokens=4, min_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    with vtoken.patched(model, MAKERS[name]()) as handle, torch.no_grad():
+        out = model.generate(**left, **greedy)
+        beam_out = model.generate(**left, **beams)
+        alone = []
+        for row, one in enumerate(singles):
+            own = model.generate(**one, **greedy)
+            length = one["input_ids"].shape[1]
+            assert torch.equal(out.sequences[row, width:], own.sequences[0, length:])
+            step_logits = torch.stack([s[row] for s in out.logits])
+            assert (step_logits - torch.cat(own.logits)).abs().max() <= 1e-4
+            beam_alone = model.generate(**one, **beams)
+            assert torch.equal(beam_out[2 * row : 2 * row + 2, width:], beam_alone[:, length:])
+            alone.append((model(**one).logits[0], prefill_summary(handle.records)))
+        for side, inputs in (("left", left), ("right", right)):
+            positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # as generate numbers them
+            logits = model(**inputs, position_ids=positions).logits
+            records = handle.records
+            for row, (expected, expected_records) in enumerate(alone):
+                got = logits[row, : expected.shape[0]] if side == "right" else logits[row, -expected.shape[0] :]
+                assert (got - expected).abs().max() <= 1e-4, (side, row)
+                assert prefill_summary(records, row) == expected_records, (side, row)
+    assert any(r[2] < r[1] for r in alone[0][1])  # tokens were dropped
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_use_cache_threads_and_restore(deep_llava, single, photos, name):
+    """use_cache=False generates what use_cache=True does; two threads calling generate on one patched model get
+    what each call gets alone; unpatching removes every hook and gives the unpatched outputs exactly."""
+    model, processor = deep_llava
+    other = inputs_for(processor, [photos["rocket"]], ["is it day or night?"])
+
+    def hook_count():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    greedy = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        with vtoken.patched(model, MAKERS[name]()):  # transformers adds its own hooks on first use
+            model(**single)
+        before, hooks = model(**single).logits, hook_count()
+        with vtoken.patched(model, MAKERS[name]()) as handle:
+            cached = model.generate(**single, **greedy)
+            records = prefill_summary(handle.records)
+            uncached = model.generate(**single, **greedy, use_cache=False)
+            assert prefill_summary(handle.records) == records
+            alone = [model.generate(**inputs, max_new_tokens=4, do_sample=False) for inputs in (single, other)]
+            results, errors = {}, []
+
+            def work(t):
+                try:
+                    for round_ in range(2):
+                        results[t, round_] = model.generate(**(single, other)[t], max_new_tokens=4, do_sample=False)
+                except BaseException as error:  # noqa: BLE001 - re-raised below
+                    errors.append(error)
+
+            pool = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+            for thread in pool:
+                thread.start()
+            for thread in pool:
+                thread.join()
+            assert hook_count() > hooks
+        after = model(**single).logits
+    assert not errors and all(torch.equal(tokens, alone[t]) for (t, _), tokens in results.items())
+    assert torch.equal(uncached.sequences, cached.sequences)
+    assert (torch.cat(uncached.logits) - torch.cat(cached.logits)).abs().max() <= 1e-4
+    assert hook_count() == hooks and torch.equal(after, before)
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_composes_with_an_encoder_method_and_sparse_prefill(deep_llava, single, name):
+    """HiRED (encoder) then the method: the LLM receives HiRED's tokens and the method counts on those; an
+    all-covering A-shape sparse prefill on top changes nothing."""
+    model, _ = deep_llava
+    stack = [vtoken.HiRED(budget=0.5), MAKERS[name]()]
+    with torch.no_grad():
+        with vtoken.patched(model, stack) as handle:
+            logits = model(**single).logits
+            records = handle.records
+        wide = vtoken.SparsePrefill(pattern="a_shape", sink=0, window=10**6, block_size=16, min_length=16)
+        with vtoken.patched(model, [*stack, wide]) as handle:
+            sparse_logits = model(**single).logits
+            sparse_records = handle.records
+    encoder = sum(r.tokens_out for r in records if r.stage == "encoder")
+    prefill = [r for r in records if r.stage.startswith("prefill")]
+    assert encoder == 288 and prefill[0].tokens_in == encoder and prefill[-1].tokens_out < encoder
+    assert (sparse_logits - logits).abs().max() <= 1e-5
+    assert prefill_summary(sparse_records) == prefill_summary(records)
+    assert any(r.stage.startswith("sparse") for r in sparse_records)
+
+
+def test_bad_parameters_fail_clearly(deep_llava):
+    model, _ = deep_llava
+    at_patch = [
+        (vtoken.DART(layer=6), "at most 5"),
+        (vtoken.PyramidDrop(layers=(8, 16, 24)), "at most 5"),
+        (vtoken.SparseVLM(), "has 6 layers"),
+        ([vtoken.FastV(), vtoken.DART()], "prefill stage"),
+    ]
+    for method, message in at_patch:
+        with pytest.raises(vtoken.VTokenError, match=message):
+            vtoken.patch(model, method)
+        assert vtoken.handle_of(model) is None
+    at_construction = [
+        (vtoken.DART, dict(layer=0), "layer=0"),
+        (vtoken.DART, dict(keep=0.0), "keep=0.0"),
+        (vtoken.DART, dict(image_pivots=0), "image_pivots=0"),
+        (vtoken.DART, dict(positions="x"), "accepted"),
+        (vtoken.PyramidDrop, dict(ratios=(0.5, 0.6, 0.1)), "non-increasing"),
+        (vtoken.PyramidDrop, dict(ratios=(0.5, 0.25)), "3 non-increasing fractions"),
+        (vtoken.PyramidDrop, dict(ratios=(1.5, 0.5, 0.1)), r"\(0, 1\]"),
+        (vtoken.PyramidDrop, dict(layers=(0, 8)), ">= 1"),
+        (vtoken.PyramidDrop, dict(layers=(16, 8, 24)), "ascending"),
+        (vtoken.SparseVLM, dict(budget=100), "official settings"),
+        (vtoken.SparseVLM, dict(budget=192, keep=(1, 2, 3)), "not both"),
+        (vtoken.SparseVLM, dict(keep=(300, 200)), "3 token counts"),
+        (vtoken.SparseVLM, dict(keep=(300, 0, 1)), "keep=0"),
+        (vtoken.SparseVLM, dict(layers=(2, 6)), "give keep"),
+        (vtoken.SparseVLM, dict(seed=-1), "seed=-1"),
+    ]
+    for cls, params, message in at_construction:
+        with pytest.raises(vtoken.VTokenError, match=message):
+            cls(**params)
+    assert vtoken.make_method("sparsevlm", budget=64).counts == (66, 30, 17)
+    assert vtoken.SparseVLM().counts == (300, 200, 110)

@@ -113,15 +113,16 @@ class DART(PrefillMethod):
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         kept = torch.zeros_like(tokens.valid)
         text = tokens.text
-        for row, n in enumerate(tokens.counts):  # visual and text tokens are left-packed: the first n are real
+        for row, n in enumerate(tokens.counts):
+            mine = tokens.valid[row].nonzero().squeeze(1)  # this row's visual slots (rows are padded)
             if n == 0 or self.keeps_all(n):
-                kept[row, :n] = True
+                kept[row, mine] = True
                 continue
-            t = int(text.valid[row].sum())
+            words = text.valid[row]
             picks = dart_pick(
-                tokens.keys[row, :n], tokens.normed[row, :n], tokens.index[row, :n].tolist(),
-                text.keys[row, :t], text.normed[row, :t], text.index[row, :t].tolist(),
+                tokens.keys[row, mine], tokens.normed[row, mine], tokens.index[row, mine].tolist(),
+                text.keys[row, words], text.normed[row, words], text.index[row, words].tolist(),
                 self.image_pivots, self.text_pivots, self.per_pivot(n),
             )  # fmt: skip
-            kept[row, picks] = True
+            kept[row, mine[picks]] = True
         return kept
