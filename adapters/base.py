@@ -12,7 +12,7 @@ is in `calls.py` (`CallPath`, mixed in here); this file holds validation, instal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -319,9 +319,12 @@ class Adapter(CallPath):
         prefill = self.prefill_method
         if prefill is not None:
             if self.multi_axis_positions and prefill.positions == "renumber":
+                fix = "use positions='original' (kept tokens keep their (t, h, w) positions)"
+                if "positions" not in {f.name for f in fields(prefill)}:  # SparseVLM: renumbering is the method
+                    fix = f"{prefill.name} always renumbers (its merged tokens have no position of their own)"
                 raise VTokenError(
                     f"{prefill.name}: positions='renumber' is not defined for {self.family}'s multi-axis (M-RoPE) "
-                    "positions; use positions='original' (kept tokens keep their (t, h, w) positions)"
+                    f"positions; {fix}"
                 )
             layers = getattr(self.language_model, "layers", None)
             if layers is None or not hasattr(self.language_model, "rotary_emb"):

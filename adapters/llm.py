@@ -420,10 +420,8 @@ class LanguageModelStages:
 
     def _scored_layer(self, drop: int) -> int | None:
         """The layer whose queries/keys the method reads at drop point `drop` (None: none)."""
-        reads = self.method.reads
-        if "next_attention" in reads:
-            return drop + 1
-        return drop if "attention" in reads or "keys" in reads else None
+        scored = dict(zip(self.drop_layers, self.method.scored_layers(len(self.layers)), strict=False))
+        return scored.get(drop)
 
     def remove(self) -> None:
         for hook in self._hooks:

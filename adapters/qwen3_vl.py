@@ -106,11 +106,21 @@ class Qwen35Adapter(Qwen3VLAdapter):
         prefill = self.prefill_method
         if prefill is not None:
             types = self.model.config.text_config.layer_types
-            linear = [i for i in prefill.drop_layers(len(types)) if types[i] != "full_attention"]
+            scored = prefill.scored_layers(len(types))
+            linear = [i for i in scored if types[i] != "full_attention"]
             if linear:
                 full = [i for i, kind in enumerate(types[:-1]) if kind == "full_attention"]
+                where = "drop after" if scored == prefill.drop_layers(len(types)) else "score with"
                 raise VTokenError(
                     f"{prefill.name}: layer(s) {linear} of {type(self.model).__name__}'s hybrid LLM are Gated DeltaNet "
-                    "linear attention (a recurrent state, no attention rows to score tokens with); drop after a "
+                    f"linear attention (a recurrent state, no attention rows to score tokens with); {where} a "
                     f"full-attention layer: {full or 'none in this model leaves a later layer'}"
+                )
+            first = types.index("full_attention")  # transformers reads the cache length from its cache
+            early = [i for i in prefill.drop_layers(len(types)) if i < first]
+            if early:
+                raise VTokenError(
+                    f"{prefill.name}: a drop after layer(s) {early} of {type(self.model).__name__}'s hybrid LLM would "
+                    f"shorten the cache of layer {first}, its first full-attention layer, from which the cache length "
+                    f"(the next position) is read; drop after layer {first} or later"
                 )

@@ -144,6 +144,14 @@ class PrefillMethod(Method):
         """Indices of the decoder layers after which `keep` is called (0-based, ascending)."""
         raise NotImplementedError
 
+    def scored_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers whose queries/keys the method reads: the drop layers, or the layers right after them for
+        "next_attention"; none if it reads neither attention nor keys."""
+        drops = self.drop_layers(num_layers)
+        if "next_attention" in self.reads:
+            return tuple(k + 1 for k in drops)
+        return drops if "attention" in self.reads or "keys" in self.reads else ()
+
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored)."""
         raise NotImplementedError
