@@ -2,6 +2,14 @@
 next to the unpatched model: time to first token, decode tokens/s, KV-cache bytes after the prefill, peak
 memory, and the visual tokens the LLM sees (entering it, and averaged over its layers as MustDrop reports).
 
+A second table puts DART, PyramidDrop and SparseVLM (their papers' settings) next to FastV and the oracle at the
+same layer-averaged visual tokens: FastV dropping at the method's first drop point to the count that gives the
+same average, and the oracle feeding the LLM that average from its first layer with zero selection cost (the
+stock model on a shorter prompt). It reports each one's TTFT, its speedup against both, and its selection time
+(the prefill records' seconds) as a share of TTFT. On a CPU the LLM's 32 layers are cut to 16 and the drop layers
+halved (PyramidDrop 4/8/12, SparseVLM 1/3/7; DART's layer 2 stays), and both tables time the process's CPU time
+with one torch thread: on a shared machine the wall clock mostly measures the wait for a core.
+
 On a GPU: CLIP ViT-L/14-336 + Vicuna-7B at full depth, bf16. On a CPU the widths and depths are cut (the table
 says how): the LLM keeps 16 layers so that MustDrop's drop points 2, 6, 10, 14 all exist; the tower keeps 4
 (the merge after layer 0, the feature layer, the key set from the last). Random weights: the thresholds drop
@@ -13,9 +21,10 @@ what random attention maps make them drop, so the token columns matter as much a
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -53,6 +62,114 @@ def shapes(cuda: bool) -> dict:
     return {"vision_config": {**vision, "projection_dim": 768}, "text_config": text}
 
 
+def equal_average_methods(cuda: bool) -> dict:
+    """The issue-26 methods at their papers' settings, drop layers halved on the CPU's 16-layer LLM."""
+
+    def layers(*official: int) -> tuple[int, ...]:
+        return official if cuda else tuple(k // 2 for k in official)
+
+    return {
+        "dart 128 (keep 0.222)": lambda: vtoken.DART(layer=2, keep=0.222),
+        "dart 64 (keep 64)": lambda: vtoken.DART(layer=2, keep=64),
+        "pyramiddrop (0.5, 0.25, 0.125)": lambda: vtoken.PyramidDrop(layers=layers(8, 16, 24)),
+        "sparsevlm 192": lambda: vtoken.SparseVLM(budget=192, layers=layers(2, 6, 15)),
+        "sparsevlm 64": lambda: vtoken.SparseVLM(budget=64, layers=layers(2, 6, 15)),
+    }
+
+
+def fastv_at_average(first_drop: int, average: float, layers: int, visual: int) -> int:
+    """FastV's count after layer `first_drop` giving `average` visual tokens over `layers` layers."""
+    full = first_drop + 1
+    return max(1, round((average * layers - full * visual) / (layers - full)))
+
+
+def oracle_call(model, inputs, k: int):
+    """The stock model on the prompt with its placeholder run cut to k and the first k image features: the LLM
+    fed k visual tokens from its first layer, with no selection at all (the cut prompt is made before timing)."""
+    ids = inputs["input_ids"][0]
+    placeholders = (ids == model.config.image_token_id).nonzero().squeeze(1)
+    cut = torch.cat([ids[: placeholders[0] + k], ids[placeholders[-1] + 1 :]])[None]
+    mask = torch.ones_like(cut)
+
+    @torch.inference_mode()
+    def run():
+        features = model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).pooler_output
+        mm = {"image": hf.encoder_output([f[:k] for f in features])}
+        model.generate(input_ids=cut, attention_mask=mask, **{hf.ENCODER_OUTPUTS: mm}, max_new_tokens=1,
+                       do_sample=False)  # fmt: skip
+
+    return run
+
+
+def equal_average_table(model, inputs, device, repeats: int, clock) -> tuple[dict, list[str]]:
+    """Each issue-26 method against FastV and the oracle at its own layer-averaged visual tokens."""
+    layers = model.config.text_config.num_hidden_layers
+    visual = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    runs, contexts, facts, selection = {}, {}, {}, {}
+
+    def ttft():
+        return model.generate(**inputs, max_new_tokens=1, do_sample=False)
+
+    @contextmanager
+    def patched(make, name):
+        with vtoken.patched(model, make()) as handle:
+            yield
+            seconds = sum(r.seconds for r in handle.records if r.stage.startswith("prefill"))
+            selection.setdefault(name, []).append(seconds)
+
+    runs["unpatched"] = ttft
+    for name, make in equal_average_methods(device.type == "cuda").items():
+        with vtoken.patched(model, make()) as handle, torch.no_grad():
+            model(**inputs)
+            prefill = [r for r in handle.records if r.stage.startswith("prefill")]
+        average = prefill[0].extra["layer_average"]
+        first = int(prefill[0].stage.removeprefix("prefill.layer"))
+        k = fastv_at_average(first, average, layers, visual)
+        facts[name] = {"layer_average": average, "fastv": f"fastv layer {first} keep {k}", "oracle": round(average)}
+
+        def make_fastv(first=first, k=k):
+            return vtoken.FastV(layer=first, keep=k)
+
+        runs[name], contexts[name] = ttft, functools.partial(patched, make, name)
+        runs[f"{name}/fastv"], contexts[f"{name}/fastv"] = ttft, functools.partial(patched, make_fastv, "fastv")
+        runs[f"{name}/oracle"] = oracle_call(model, inputs, round(average))
+    timed = common.interleaved(runs, repeats, device, contexts=contexts, clock=clock)
+    lines = [
+        "",
+        f"DART, PyramidDrop and SparseVLM against FastV (dropping after the method's first drop layer) and the oracle "
+        f"(the LLM fed that many visual tokens from layer 0, no selection) at the same layer-averaged visual tokens; "
+        f"TTFT of one token, {visual} visual tokens entering the LLM, {layers} LLM layers. Selection: the prefill "
+        "records' seconds (wall clock: on a shared CPU an upper bound of its CPU time, so its share is one too).",
+        "",
+        "| config | layer-averaged | TTFT ms (median, min-max) | speedup | FastV at equal average | vs FastV | "
+        "oracle (k) | vs oracle | selection ms | selection / TTFT |",
+        "|---|---:|---:|---|---|---|---:|---|---:|---:|",
+    ]
+    results = {"unpatched": common.timing_row(timed["unpatched"], timed["unpatched"])}
+    for name, fact in facts.items():
+        row = common.timing_row(timed["unpatched"], timed[name], oracle=timed[f"{name}/oracle"])
+        versus_fastv = common.speedup(timed[f"{name}/fastv"], timed[name])
+        seconds = sorted(selection[name])[len(selection[name]) // 2]
+        row.update(
+            layer_average=fact["layer_average"],
+            fastv=fact["fastv"],
+            fastv_ttft_ms=timed[f"{name}/fastv"]["timing"].median * 1e3,
+            vs_fastv=versus_fastv.value,
+            vs_fastv_text=str(versus_fastv),
+            oracle_tokens=fact["oracle"],
+            oracle_ttft_ms=timed[f"{name}/oracle"]["timing"].median * 1e3,
+            selection_ms=seconds * 1e3,
+            selection_share=seconds / (row["ttft_ms"] / 1e3),
+        )
+        results[name] = row
+        lines.append(
+            f"| {name} | {fact['layer_average']:.1f} | {common.ttft_cell(row)} | {row['speedup_text']} | "
+            f"{fact['fastv']} ({row['fastv_ttft_ms']:.1f} ms) | {versus_fastv} | {row['oracle_ttft_ms']:.1f} "
+            f"({fact['oracle']}) | {row['vs_oracle_text']} | {row['selection_ms']:.1f} | {row['selection_share']:.1%} |"
+        )
+    return results, lines
+
+
 def cache_bytes(model, inputs) -> int:
     """Bytes of the KV cache after a prefill of `inputs`."""
     with torch.no_grad():
@@ -63,8 +180,13 @@ def cache_bytes(model, inputs) -> int:
 def main() -> None:
     parser = common.ttft_parser(__doc__, "unused: the CPU shapes are fixed (see the docstring)")
     parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--skip-equal-average", action="store_true", help="only the MustDrop/FastV table")
     args = parser.parse_args()
     device, dtype, _, repeats = common.run_settings(args)
+    clock = time.perf_counter
+    if device.type == "cpu":  # a shared CPU: the work done (one thread's CPU time), not the wait for a core
+        torch.set_num_threads(1)
+        clock = time.thread_time
     model, processor = _build(tiny_llava, shapes(device.type == "cuda"), device, dtype)
     inputs = processor(images=[example_image()], text=[build_prompt(processor, QUESTION)], return_tensors="pt")
     inputs = inputs.to(device)
@@ -88,7 +210,7 @@ def main() -> None:
         averages = [r.extra["layer_average"] for r in records if "layer_average" in r.extra]
         facts[name] = {"entering": entering, "layer_average": averages[-1] if averages else entering, "kv": kv}
     start = time.perf_counter()
-    timed = common.interleaved(runs, repeats, device, contexts=contexts)
+    timed = common.interleaved(runs, repeats, device, contexts=contexts, clock=clock)
     print(f"measured in {time.perf_counter() - start:.0f} s")
 
     def decode_timing(name: str) -> Timing:
@@ -104,7 +226,8 @@ def main() -> None:
     lines += [
         "",
         f"LLaVA-1.5 shape: CLIP-L tower ({model.config.vision_config.num_hidden_layers} layers), LLM {layers} layers "
-        f"x {width} wide; {steps} decode tokens.",
+        f"x {width} wide; {steps} decode tokens"
+        + ("." if device.type == "cuda" else "; times are the process's CPU time (one torch thread)."),
         "",
         "| config | visual tokens entering the LLM | layer-averaged | TTFT ms (median, min-max) | TTFT speedup "
         "| decode tok/s | decode speedup | KV cache MB | KV vs unpatched | peak MB |",
@@ -129,6 +252,12 @@ def main() -> None:
             f"{'(baseline)' if first else decode_ratio} | {row['kv'] / 2**20:.1f} | {row['kv_ratio']:.2f} | "
             f"{row['peak_mb']:.0f} |"
         )
+    if not args.skip_equal_average:
+        equal, equal_lines = equal_average_table(model, inputs, device, repeats, clock)
+        results["equal_average"] = equal
+        lines += equal_lines
+    lines += ["", "CPU runs share a busy machine (2 cores, many processes): the tables give CPU time, not wall time; "
+              "still noisy, compare ratios within one run."] * (device.type == "cpu")  # fmt: skip
     common.report("llm_stages", device, dtype, repeats, results, lines, args.out)
 
 

@@ -79,9 +79,11 @@ def interleaved(
     device: torch.device,
     warmup: int = 1,
     contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ):
     """Run each config `warmup + repeats` times under `vtoken.timing`'s rule (interleaved, order rotated each
-    repetition); name -> {median_s, times_s, timing (a `vtoken.timing.Timing`), peak_bytes}.
+    repetition); name -> {median_s, times_s, timing (a `vtoken.timing.Timing`), peak_bytes}. `clock`: wall time,
+    or e.g. `time.thread_time` (with one torch thread: the work done, on a shared CPU).
 
     contexts[name], if given, makes a context entered around each run of that config but outside the timer
     (e.g. patching the model); peak memory is measured inside it, also outside the timer.
@@ -101,7 +103,7 @@ def interleaved(
 
         return context
 
-    timed = measure(configs, repeats, warmup, around={name: around(name) for name in configs},
+    timed = measure(configs, repeats, warmup, around={name: around(name) for name in configs}, clock=clock,
                     sync=device_sync(device))  # fmt: skip
     return {
         name: {"median_s": t.median, "times_s": list(t.times), "timing": t, "peak_bytes": peaks[name]}
