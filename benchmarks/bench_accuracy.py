@@ -50,9 +50,23 @@ class Oracle(vtoken.ScoreMethod):
         return scores.to(tokens.features.device)
 
 
+# vtoken-mini's LLM has 4 layers: the multi-stage methods' schedules shrunk to it, every LLM-stage method ending
+# with `budget` of the 144 tokens in its last layers (FastV and DART: their `keep`; PyramidDrop halving per stage,
+# as its default does; SparseVLM: its 192-token table scaled so that its last stage keeps budget x 144, plus the
+# tokens it recycles)
+SCHEDULES = {
+    "pyramiddrop": lambda b: vtoken.PyramidDrop(layers=(1, 2, 3), ratios=(min(1.0, 4 * b), min(1.0, 2 * b), b)),
+    "sparsevlm": lambda b: vtoken.SparseVLM(
+        layers=(0, 1, 2), keep=tuple(min(144, max(1, round(k * b * 144 / 110))) for k in (300, 200, 110))
+    ),
+}
+
+
 def make(method: str, budget: float):
-    """The method at `budget`: its `budget` field, or `keep` for LLM-stage methods (FastV); VTokenError if it has
-    no token-count knob (threshold-driven MustDrop)."""
+    """The method at `budget`: its `budget` field, or `keep` for LLM-stage methods (FastV, DART), or its schedule
+    (`SCHEDULES`); VTokenError if it has no token-count knob (threshold-driven MustDrop)."""
+    if method in SCHEDULES:
+        return SCHEDULES[method](budget)
     names = {f.name for f in fields(METHODS[method])}
     knob = next((k for k in ("budget", "keep") if k in names), None)
     if knob is None:

@@ -160,11 +160,25 @@ def test_budget_reaches_each_methods_own_knob():
     assert method_params("hired", None) == {"hired.budget": 0.25}  # one default
     assert method_params("fastervlm", None) == {"fastervlm.budget": 0.25}
     assert method_params("fastv", None) == {}  # FastV keeps its own `keep`
+    assert method_params("dart", 0.222) == {"dart.keep": 0.222} and method_params("dart", None) == {}
+    assert method_params("pyramiddrop", 0.5) == {}  # its ratios are the knob
+    assert method_params("sparsevlm", 128) == {"sparsevlm.budget": 128}  # an official table
+    assert method_params("sparsevlm", 0.25) == method_params("sparsevlm", None) == {}  # its default table (192)
 
 
 def test_a_prefill_method_too_deep_for_the_model_exits_2(capsys):
     assert quick_run("--model", "tiny-llava", "--method", "fastv") == 2
     assert "layer=2 leaves no later layer" in capsys.readouterr().err
+    assert quick_run("--model", "tiny-llava", "--method", "pyramiddrop") == 2
+    assert "at most 1" in capsys.readouterr().err
+
+
+def test_issue_26_methods_run_by_name(capsys):
+    assert quick_run("--model", "vtoken-mini", "--method", "dart", "--budget", "0.25") == 0
+    out = capsys.readouterr().out
+    assert "method:  dart (keep=0.25)" in out and "visual tokens: 144 -> 36" in out  # 4 pivots + 8 x int(144 / 32)
+    assert quick_run("--model", "vtoken-mini", "--method", "sparsevlm", "--budget", "0.5") == 2  # defaults too deep
+    assert "sparsevlm: layers=(2, 6, 15)" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- bad arguments (issue 16, item 11)

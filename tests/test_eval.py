@@ -226,6 +226,10 @@ def test_options_route_parameters_and_name_bad_keys():
     assert (type(fastv).__name__, fastv.layer, fastv.keep) == ("FastV", 3, 0.5)
     (mustdrop,) = build_methods("mustdrop", {"layers": "[1,2]", "global_thr": 0.01}, [])
     assert mustdrop.layers == (1, 2) and mustdrop.global_thr == 0.01
+    hired, pdrop = build_methods("hired+pyramiddrop", {"budget": 0.5, "layers": "[1,2]", "ratios": "[0.5,0.25]"}, [])
+    assert (hired.budget, pdrop.layers, pdrop.ratios) == (0.5, (1, 2), (0.5, 0.25))
+    dart, sparse = build_methods("dart", {"keep": 64}, []) + build_methods("sparsevlm", {"budget": 128}, [])
+    assert (dart.keep, sparse.counts) == (64, (303, 110, 36))
     with pytest.raises(vtoken.VTokenError, match=r"'budget' is a parameter of hired and fastervlm"):
         build_methods("hired+fastervlm", {"budget": 0.2}, [])
     with pytest.raises(vtoken.VTokenError, match=r"unknown model_args entry 'kep'.*fastv: layer, keep"):

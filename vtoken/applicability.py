@@ -17,6 +17,8 @@ from .registry import available_methods, make_method
 
 # MustDrop's official drop layers (a 32-layer LLaMA); shallower LLMs keep those that fit
 MUSTDROP_LAYERS = (2, 6, 10, 14)
+# PyramidDrop's and SparseVLM's official layers on a 32-layer LLaMA; a shallower LLM gets them scaled to its depth
+OFFICIAL_DEPTH = 32
 
 
 def _language_model(model: nn.Module) -> nn.Module:
@@ -31,17 +33,31 @@ def llm_depth(model: nn.Module) -> int:
 
 def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
     """Parameters a method needs beyond its defaults to fit `model`: LLM drop points within the LLM's depth
-    (FastV's layer 2 and MustDrop's layers (2, 6, 10, 14) need an LLM of at least 4 and 16 layers)."""
-    if name not in ("fastv", "mustdrop"):
+    (FastV's layer 2 and MustDrop's layers (2, 6, 10, 14) need an LLM of at least 4 and 16 layers; PyramidDrop's
+    (8, 16, 24) and SparseVLM's (2, 6, 15) are scaled to a shallower LLM, SparseVLM's official counts kept)."""
+    if name not in ("fastv", "mustdrop", "dart", "pyramiddrop", "sparsevlm"):
         return {}
-    last = llm_depth(model) - 2  # a drop after the last layer saves nothing
+    depth = llm_depth(model)
+    last = depth - 2  # a drop after the last layer saves nothing
     if last < 0:
         return {}  # a one-layer LLM: the method says why it cannot apply
     attention = attention_layers(model)
     scored = [k for k in range(last + 1) if k in attention] or [last]
     if name == "fastv":
         return {"layer": max([k for k in scored if k <= 2] or scored[:1])}
-    return {"layers": tuple(k for k in MUSTDROP_LAYERS if k in scored) or (scored[-1],)}
+    if name == "mustdrop":
+        return {"layers": tuple(k for k in MUSTDROP_LAYERS if k in scored) or (scored[-1],)}
+    if name == "dart":  # K reads layer K - 1
+        return {"layer": max([k for k in scored if k <= 1] or scored[:1]) + 1}
+    if depth >= OFFICIAL_DEPTH:
+        return {}
+    if name == "pyramiddrop":  # before layers at 1/4, 2/4, 3/4 of the depth, each scored by itself
+        first = min(attention, default=0)  # a hybrid LLM reads its cache length there: no drop before it
+        fits = [k for k in range(1, depth) if k in attention and k - 1 >= first]
+        layers = sorted({min(fits, key=lambda k: abs(k - depth * q / 4)) for q in (1, 2, 3)}) if fits else [1]
+        return {"layers": tuple(layers), "ratios": (0.5, 0.25, 0.125)[: len(layers)]}
+    layers = sorted({min(scored, key=lambda k: abs(k - depth * k32 / OFFICIAL_DEPTH)) for k32 in (2, 6, 15)})
+    return {"layers": tuple(layers), "keep": (300, 200, 110)[-len(layers) :]}  # fewer layers: the last counts
 
 
 def attention_layers(model: nn.Module) -> set[int]:

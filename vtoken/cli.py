@@ -39,9 +39,11 @@ def _answer(model, processor, inputs, max_new_tokens: int) -> str:
 def method_params(spec: str, budget: float | int | None, params: list[str] = ()) -> dict[str, Any]:
     """`--method`, `--budget` and `--param` as `vtoken.specs` parameters ("name.param" -> value).
 
-    `--budget` sets every listed method's own knob: its `budget`, FastV's `keep` (MustDrop's knobs are its
-    thresholds). Without it, every method with a `budget` starts at `DEFAULT_BUDGET` (as in the demo) and FastV
-    keeps its own `keep`. `--param name.param=value` (or an unprefixed `param=value`) comes last and wins."""
+    `--budget` sets every listed method's own knob: its `budget`, FastV's and DART's `keep` (MustDrop's knobs are
+    its thresholds, PyramidDrop's its ratios). Without it, every method with a `budget` starts at `DEFAULT_BUDGET`
+    (as in the demo) and FastV and DART keep their own `keep`. SparseVLM's budget is one of its official average
+    counts (`--budget 192`, 128, 96 or 64): a fraction leaves its default (192). `--param name.param=value` (or an
+    unprefixed `param=value`) comes last and wins."""
     from .registry import method_class
 
     names = method_names(spec, "--method")
@@ -53,6 +55,8 @@ def method_params(spec: str, budget: float | int | None, params: list[str] = ())
         explicit.update([(cls.name if cls else prefix, param)] if dot else [(n, key) for n in names])
     out: dict[str, Any] = {}
     for name in names:
+        if method_class(name).name == "sparsevlm" and not isinstance(budget, int):
+            continue  # its budget picks an official table: 192, 128, 96 or 64 tokens on average
         accepted = {f.name for f in fields(method_class(name))}
         knobs = ["budget"] if budget is None else ["budget", "keep"]
         knob = next((k for k in knobs if k in accepted), None)

@@ -21,7 +21,8 @@ class Control:
 
     method: str
     param: str
-    kind: str  # "budget", "float", "int", "count", "choice", "optional_int", "optional_float", "layers", "free"
+    kind: str  # "budget", "float", "int", "count", "choice", "optional_int", "optional_float", "layers",
+    # "fractions", "counts" (lists, one per layer), "free"
 
 
 def control_specs() -> list[Control]:
@@ -33,6 +34,9 @@ def control_specs() -> list[Control]:
         names = {f.name for f in fields(cls)}
         known = {
             "fastv": [("layer", "int"), ("keep", "budget")],
+            "dart": [("layer", "int"), ("keep", "budget")],
+            "pyramiddrop": [("layers", "layers"), ("ratios", "fractions")],
+            "sparsevlm": [("layers", "layers"), ("keep", "counts")],
             "mustdrop": [
                 ("layers", "layers"),
                 ("global_thr", "float"),
@@ -69,6 +73,8 @@ def default_params(model, name: str) -> dict[str, Any]:
     params.update(fitting_params(model, name))
     if name == "mustdrop":
         params.update(global_thr=0.01, individual_thr=0.01)
+    if name == "sparsevlm" and params.get("keep") is None:  # its counts control shows the official 192 setting
+        params.update(keep=method_class(name)().counts, budget=None)
     if name == "sparse_prefill":  # its defaults run dense below 32k tokens: a demo prompt is far shorter
         params.update(sink=4, block_size=16, min_length=64)
     return params
@@ -92,15 +98,24 @@ def control_value(control: Control, value: Any) -> tuple[bool, Any]:
         return (value is not None and int(value) > 0), (int(value) if value else None)
     if control.kind == "optional_float":
         return (value is not None and float(value) > 0), (float(value) if value else None)
-    if control.kind == "layers":
+    if control.kind in LISTS:
+        kind, example = LISTS[control.kind]
         try:
-            layers = tuple(int(x) for x in str(value).replace(",", " ").split())
+            items = tuple(kind(x) for x in str(value).replace(",", " ").split())
         except ValueError:
-            raise InputError(f"{control.method} layers {value!r}: expected LLM layer numbers, e.g. 2, 6") from None
-        if not layers:
-            raise InputError(f"{control.method} layers: give at least one LLM layer number, e.g. 2")
-        return True, layers
+            raise InputError(f"{control.method} {control.param} {value!r}: expected {example}") from None
+        if not items:
+            raise InputError(f"{control.method} {control.param}: give at least one, e.g. {example.split(', e.g. ')[1]}")
+        return True, items
     return False, value  # "free": parsed by parse_free
+
+
+# list controls: item type and what is expected
+LISTS = {
+    "layers": (int, "LLM layer numbers, e.g. 2, 6"),
+    "fractions": (float, "fractions, one per layer, e.g. 0.5, 0.25"),
+    "counts": (int, "token counts, one per layer, e.g. 300, 200"),
+}
 
 
 def parse_free(method: str, text: str) -> dict[str, Any]:
@@ -157,8 +172,9 @@ def make_control(gr, control: Control, defaults: dict[str, Any]):
         return gr.Number(value=0, precision=0, label=f"{label} (0: unset; side of the kept grid)")
     if control.kind == "optional_float":
         return gr.Slider(0.0, 1.0, value=0.0, step=0.01, label=f"{label} (0: unset; per-axis fraction)")
-    if control.kind == "layers":
-        return gr.Textbox(value=", ".join(map(str, value or ())), label=f"{label} (LLM layers, e.g. 2, 6)")
+    if control.kind in LISTS:
+        hint = LISTS[control.kind][1].replace("LLM layer numbers", "LLM layers")
+        return gr.Textbox(value=", ".join(map(str, value or ())), label=f"{label} ({hint})")
     return gr.Textbox(value="", label=f"{control.method} parameters (key=value, comma-separated)")
 
 
@@ -167,6 +183,6 @@ def control_update(gr, control: Control, defaults: dict[str, Any]):
     if control.kind == "int" and control.param == "layer":
         value = defaults.get("layer", 0)
         return gr.update(maximum=max(value, 1), value=value)
-    if control.kind == "layers":
-        return gr.update(value=", ".join(map(str, defaults.get("layers", ()))))
+    if control.kind in LISTS:
+        return gr.update(value=", ".join(map(str, defaults.get(control.param) or ())))
     return gr.update()

@@ -147,10 +147,10 @@ def survivors(order: list[list], records: list[Record]) -> set | None:
     alive = list(range(len(order)))
     drops = sorted((r for r in records if r.stage.startswith("prefill.") and r.image == 0 and r.kept is not None),
                    key=lambda r: int(r.stage.removeprefix("prefill.layer")))  # fmt: skip
-    for record in drops:
-        if record.tokens_in != len(alive):
+    if drops:  # every drop's `kept` indexes the visual tokens the LLM received (tokens merged on the way: none)
+        if drops[0].tokens_in != len(alive):
             return None
-        alive = [alive[k] for k in record.kept.cpu().tolist()]
+        alive = drops[-1].kept.cpu().tolist()
     return {pair for i in alive for pair in order[i]}
 
 
