@@ -49,14 +49,17 @@ def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
         return {"layers": tuple(k for k in MUSTDROP_LAYERS if k in scored) or (scored[-1],)}
     if name == "dart":  # K reads layer K - 1
         return {"layer": max([k for k in scored if k <= 1] or scored[:1]) + 1}
-    if depth >= OFFICIAL_DEPTH:
-        return {}
-    if name == "pyramiddrop":  # before layers at 1/4, 2/4, 3/4 of the depth, each scored by itself
+    scale = min(1.0, depth / OFFICIAL_DEPTH)  # official layers on a 32+-layer LLM, else scaled to its depth
+
+    def nearest(fits: list[int], official: tuple[int, ...]) -> list[int]:
+        return sorted({min(fits, key=lambda k: abs(k - layer * scale)) for layer in official})
+
+    if name == "pyramiddrop":  # each stage scored by the layer it drops before
         first = min(attention, default=0)  # a hybrid LLM reads its cache length there: no drop before it
         fits = [k for k in range(1, depth) if k in attention and k - 1 >= first]
-        layers = sorted({min(fits, key=lambda k: abs(k - depth * q / 4)) for q in (1, 2, 3)}) if fits else [1]
+        layers = nearest(fits, (8, 16, 24)) if fits else [1]
         return {"layers": tuple(layers), "ratios": (0.5, 0.25, 0.125)[: len(layers)]}
-    layers = sorted({min(scored, key=lambda k: abs(k - depth * k32 / OFFICIAL_DEPTH)) for k32 in (2, 6, 15)})
+    layers = nearest(scored, (2, 6, 15))
     return {"layers": tuple(layers), "keep": (300, 200, 110)[-len(layers) :]}  # fewer layers: the last counts
 
 
