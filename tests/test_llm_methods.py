@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from conftest import OTHER_TINY_MODELS, assert_batch_equals_one_by_one, assert_identity, inputs_for, video_inputs
 from test_llm_stages import captured_llm_input
 from transformers import DynamicCache
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.methods.dart import dart_pick
@@ -68,11 +69,11 @@ def reference_generate(lm, head, embeds, visual, rule, drop_layers, renumber, st
             held.append(len(labels))
             pos = torch.tensor([positions])
             mask, rotary = causal(len(labels), hidden.dtype), lm.rotary_emb(hidden, pos)
-            hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+            hidden = layer(hidden, attention_mask=mask, position_ids=pos, **hf.cache_kwargs(cache), use_cache=True,
                            position_embeddings=rotary)  # fmt: skip
             if i not in drop_layers:
                 continue
-            ctx = dict(layer=i, hidden=hidden[0], weights=weights[i][0], keys=cache.layers[i].keys[0],
+            ctx = dict(layer=i, hidden=hidden[0], weights=weights[i][0], keys=hf.cache_layers(cache)[i].keys[0],
                        labels=labels, positions=positions, visual=visual)  # fmt: skip
             keep, merged = rule(ctx)
             kept_after.append(keep)
@@ -97,7 +98,7 @@ def reference_generate(lm, head, embeds, visual, rule, drop_layers, renumber, st
             hidden = lm.embed_tokens(logits[-1].argmax(-1))[:, None]
             for i, layer in enumerate(lm.layers):
                 pos = torch.tensor([[(held[i] if renumber else length) + step]])  # right after its own prompt
-                hidden = layer(hidden, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True,
+                hidden = layer(hidden, attention_mask=None, position_ids=pos, **hf.cache_kwargs(cache), use_cache=True,
                                position_embeddings=lm.rotary_emb(hidden, pos))  # fmt: skip
             logits.append(head(lm.norm(hidden[:, -1])))
     for hook in hooks:
