@@ -57,7 +57,7 @@ def _method_item(item: Any) -> str | Method:
         params = dict(item)
         name = params.pop("method", None)
         if not isinstance(name, str):
-            raise error(f"a method object {item!r} needs a 'method' name, e.g. {{'method': 'fastervlm', 'budget': 0.25}}")
+            raise error(f"a method object {item!r} needs a 'method' name, e.g. {{'method': 'pool', 'budget': 0.25}}")
         return make_method(name, **params)
     return item
 

@@ -36,7 +36,7 @@ def prompt_question(tokenizer: Any, prompt_ids: list[int], given: str | None) ->
 
 def encode(question: str, items: int) -> torch.Tensor:
     """[items, L] uint8: the question's UTF-8 bytes, one row per image."""
-    data = torch.frombuffer(bytearray(question.encode("utf-8")), dtype=torch.uint8)
+    data = torch.tensor(list(question.encode("utf-8")), dtype=torch.uint8)
     return data.expand(items, -1).clone()
 
 

@@ -38,11 +38,13 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    from .families import FAMILIES
+    from .families import FAMILIES, NOT_SERVED, refuser
 
     for architecture, (model_cls, factories, check) in FAMILIES().items():
         MULTIMODAL_REGISTRY.register_processor(factories["processor"], info=factories["info"],
                                                dummy_inputs=factories["dummy_inputs"])(model_cls)  # fmt: skip
         ModelRegistry.register_model(architecture, model_cls)
         MODELS_CONFIG_MAP[architecture] = _front_end_check(MODELS_CONFIG_MAP.get(architecture), check)
+    for architecture in NOT_SERVED:
+        MODELS_CONFIG_MAP[architecture] = _front_end_check(MODELS_CONFIG_MAP.get(architecture), refuser(architecture))
     _done = True
