@@ -47,12 +47,13 @@ def _builders() -> dict[str, tuple[Callable, Callable]]:
     }
 
 
-def tiny_model(family: str, seed: int = 0):
-    """(model, processor): the zoo's tiny `family` with the LLM head size vLLM accepts, weights drawn from `seed`."""
+def tiny_model(family: str, seed: int = 0, **build):
+    """(model, processor): the zoo's tiny `family` with the LLM head size vLLM accepts, weights drawn from `seed`
+    (`build`: keywords of the zoo builder, e.g. LLaVA's image_size)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    build, adjust = _builders()[family]
-    model, processor = build(seed)
+    builder, adjust = _builders()[family]
+    model, processor = builder(seed, **build)
     config = model.config
     adjust(config)
     torch.manual_seed(seed)
@@ -64,12 +65,12 @@ def tiny_model(family: str, seed: int = 0):
     return model, processor
 
 
-def save_tiny(family: str, path: str | Path, seed: int = 0) -> Path:
+def save_tiny(family: str, path: str | Path, seed: int = 0, **build) -> Path:
     """Save the tiny `family` checkpoint (weights, config, tokenizer, processor) to `path`; returns it."""
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
-    model, processor = tiny_model(family, seed)
+    model, processor = tiny_model(family, seed, **build)
     model.save_pretrained(path)
     processor.save_pretrained(path)
     if family.startswith("llava"):
