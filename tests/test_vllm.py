@@ -33,7 +33,8 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("llava", {"method": "fastervlm", "budgt": 0.25}, ["vtoken", "budgt", "accepts"]),
     ("llava", {"method": "fastervlm", "budget": 1.5}, ["vtoken", "budget", "(0, 1]"]),
     ("llava", {"budget": 0.25}, ["vtoken", "no 'method' key"]),
-    ("qwen2.5-vl", {"method": "mmtok"}, ["vtoken", "mmtok", "M-RoPE"]),
+    ("qwen2.5-vl", {"method": "mmtok"}, ["vtoken", "mmtok", "vision_features"]),
+    ("qwen2.5-vl", {"method": "random", "budget": 0.25, "scope": "image"}, ["vtoken", "random", "from the data"]),
     ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
 ]
 

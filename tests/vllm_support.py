@@ -82,7 +82,9 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
     return {
         "prompt_len": length,
         "dropped": dropped,
-        "kept": [r.kept.tolist() for r in handle.records if r.stage == "encoder"] if handle else None,
+        "kept": [None if r.kept is None else r.kept.tolist() for r in handle.records if r.stage == "encoder"]
+        if handle
+        else None,
         "ids": out.sequences[0, length:].tolist(),
         "logprobs": [torch.log_softmax(step[0].float(), -1) for step in out.logits],
     }

@@ -87,7 +87,9 @@ class LlavaFamily:
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
         n = self.side * self.side
         if method.count_before_encoding(n, self.grid, 1) is None:
-            raise error(f"{method!r} decides its token count on {self.name} from the data; {why_counts()}")
+            raise error(
+                f"{method.name} ({method!r}) decides its token count on {self.name} from the data; {why_counts()}"
+            )
 
 
 def why_counts() -> str:

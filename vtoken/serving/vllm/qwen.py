@@ -60,7 +60,9 @@ class QwenFamily:
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
         if method.count_before_encoding(48, (6, 8), 1) is None:
-            raise error(f"{method!r} decides its token count on {self.name} from the data; {why_counts()}")
+            raise error(
+                f"{method.name} ({method!r}) decides its token count on {self.name} from the data; {why_counts()}"
+            )
         if not data_independent(method):
             raise error(
                 f"{method.name} picks tokens from the features, but vLLM fixes {self.name}'s M-RoPE positions "
