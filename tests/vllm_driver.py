@@ -3,10 +3,11 @@
     .venv-vllm/bin/python tests/vllm_driver.py JOB.json OUT.json
 
 JOB: {"engines": [{"model": DIR, "override": {...} | null, "requests": [{"prompt": str, "images": [PNG]}],
-"batch": bool, "max_tokens": int, "tp": int}]}. Every engine runs in this one process (the engine core in
-process, VLLM_ENABLE_V1_MULTIPROCESSING=0): the ~30 s of imports are paid once, each engine then starts in a few
-seconds. "batch": all requests in one `generate` call, else one call per request. OUT: per engine the start time
-and, per request, the prompt length, greedy ids and top-5 logprobs per step; or the error raised at start.
+"batch": bool, "max_tokens": int, "tp": int, "limit_mm": {...} | null}]}. Every engine runs in this one process
+(the engine core in process, VLLM_ENABLE_V1_MULTIPROCESSING=0): the ~30 s of imports are paid once, each engine
+then starts in a few seconds. "batch": all requests in one `generate` call, else one call per request. OUT: per
+engine the start time and, per request, the prompt length, greedy ids and top-5 logprobs per step; or the error
+raised at start.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def run_engine(spec: dict) -> dict:
     start = time.perf_counter()
     try:
         llm = LLM(model=spec["model"], dtype="float32", max_model_len=4096, enforce_eager=True, seed=0,
-                  hf_overrides=overrides, limit_mm_per_prompt={"image": 2},
+                  hf_overrides=overrides, limit_mm_per_prompt=spec.get("limit_mm", {"image": 2}),
                   tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
     except Exception as failure:  # noqa: BLE001 - the test reads the message
         return {"error": f"{type(failure).__name__}: {failure}"}
@@ -38,6 +39,8 @@ def run_engine(spec: dict) -> dict:
     params = SamplingParams(max_tokens=spec.get("max_tokens", 5), temperature=0.0, logprobs=5)
     prompts = [
         {"prompt": r["prompt"], "multi_modal_data": {"image": [Image.open(p).convert("RGB") for p in r["images"]]}}
+        if r["images"]
+        else {"prompt": r["prompt"]}
         for r in spec["requests"]
     ]
     outputs = llm.generate(prompts, params, use_tqdm=False) if spec.get("batch") else [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llava", "llava-next", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("llava", "llava-next", "qwen2.5-vl", "qwen3-vl", "llama")  # llama: text only (a refusal's test)
 
 
 def _llava_text(config) -> None:
@@ -52,6 +52,8 @@ def tiny_model(family: str, seed: int = 0, **build):
     (`build`: keywords of the zoo builder, e.g. LLaVA's image_size)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family == "llama":
+        return _tiny_llama(seed)
     builder, adjust = _builders()[family]
     model, processor = builder(seed, **build)
     config = model.config
@@ -63,6 +65,17 @@ def tiny_model(family: str, seed: int = 0, **build):
         model.generation_config.eos_token_id = processor.tokenizer.eos_token_id
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     return model, processor
+
+
+def _tiny_llama(seed: int):
+    """(LlamaForCausalLM, tokenizer): the tiny LLaVA's LLM alone, an architecture the plugin does not serve."""
+    from transformers import LlamaForCausalLM
+
+    llava, processor = tiny_model("llava", seed)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llava.config.text_config).eval()
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    return model, processor.tokenizer
 
 
 def save_tiny(family: str, path: str | Path, seed: int = 0, **build) -> Path:

@@ -4,7 +4,8 @@ vLLM runs general plugins in every process (front end, engine core, workers); th
 architecture names, subclasses of its model classes that act only when the config carries a `vtoken` entry, with
 their processors (no architecture override for users), and a start-time check of the entry in the front end
 (vLLM's per-architecture config hook), so a bad entry fails in the user's process, not as "Engine core
-initialization failed". Registering twice is harmless.
+initialization failed". On every other architecture vLLM knows, the same hook refuses any `vtoken` entry (never
+a silent run without pruning). Registering twice is harmless.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ def register() -> None:
 
     from .families import FAMILIES, NOT_SERVED, refuser
 
-    for architecture, (model_cls, factories, check) in FAMILIES().items():
+    served = FAMILIES()
+    for architecture, (model_cls, factories, check) in served.items():
         MULTIMODAL_REGISTRY.register_processor(factories["processor"], info=factories["info"],
                                                dummy_inputs=factories["dummy_inputs"])(model_cls)  # fmt: skip
         ModelRegistry.register_model(architecture, model_cls)
         MODELS_CONFIG_MAP[architecture] = _front_end_check(MODELS_CONFIG_MAP.get(architecture), check)
-    for architecture in NOT_SERVED:
+    # every other architecture vLLM knows (text-only ones too): an entry there is refused, never ignored
+    for architecture in sorted({*ModelRegistry.get_supported_archs(), *NOT_SERVED} - served.keys()):
         MODELS_CONFIG_MAP[architecture] = _front_end_check(MODELS_CONFIG_MAP.get(architecture), refuser(architecture))
     _done = True
