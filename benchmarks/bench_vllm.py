@@ -7,8 +7,11 @@
 Modes: "off" (the stock model), "on" (`--method`, default fastervlm at 25 %: 144 of 576 tokens per image), and
 "oracle": a checkpoint whose images give k tokens to begin with (on CPU: the tiny LLaVA at 168 px, a 12 x 12
 grid), so the LLM sees k tokens at zero selection cost: the best pruning can do. Each mode is one engine; each
-concurrency level sends `--requests` chat requests with an image through vLLM's async engine, at most
-`concurrency` in flight. Reports requests/s, output tokens/s, TTFT p50/p99, and ratios to "off".
+concurrency level sends `--requests` prompts, each with an image no other request sent (a crop of the photo at
+its own offset: vLLM's caches serve nothing), through vLLM's async engine, at most
+`concurrency` in flight. The three engines run side by side and the rounds interleave the modes, `--repeats`
+rounds per level: requests/s and output tokens/s are the median of the rounds with their range, TTFT p50/p99 over
+every request, and ratios to "off". On a loaded CPU, `--levels 1,4,8 --requests 16` keeps the cut short.
 The main venv builds the tiny checkpoints, then reruns this file in the vllm venv (`--worker`) to measure.
 """
 
@@ -29,7 +32,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "USER: <image>\nwhat is in the image? describe the image in detail. ASSISTANT:"
-LEVELS = (1, 8, 32)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -37,7 +39,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def measure(engine, image, concurrency: int, requests: int, max_tokens: int) -> dict:
+def crops(image, first: int, count: int) -> list:
+    """`count` different images (crops of `image` at distinct offsets, numbered from `first`): each request of the
+    benchmark sends an image no earlier request sent, so vLLM's encoder, processor and prefix caches never serve a
+    prompt from a previous one (every request pays its image's encoding and prefill, as distinct users' would)."""
+    width, height = image.size
+    side = min(width, height) - 64
+    offsets = [divmod(first + i, 64) for i in range(count)]
+    return [image.crop((dx, dy, dx + side, dy + side)) for dy, dx in offsets]
+
+
+async def measure(engine, images: list, concurrency: int, max_tokens: int, tag: str = "w") -> dict:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -47,23 +59,22 @@ async def measure(engine, image, concurrency: int, requests: int, max_tokens: in
     async def one(index: int) -> None:
         async with gate:
             start, first, count = time.perf_counter(), None, 0
-            inputs = {"prompt": PROMPT, "multi_modal_data": {"image": image}}
-            async for out in engine.generate(inputs, params, request_id=f"r{concurrency}-{index}"):
+            inputs = {"prompt": PROMPT, "multi_modal_data": {"image": images[index]}}
+            async for out in engine.generate(inputs, params, request_id=f"r{tag}-{concurrency}-{index}"):
                 first = first or time.perf_counter()
                 count = len(out.outputs[0].token_ids)
             ttft.append(first - start)
             tokens.append(count)
 
-    start = time.perf_counter()
+    requests, start = len(images), time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(requests)))
     elapsed = time.perf_counter() - start
     rates = {"requests_per_s": requests / elapsed, "output_tokens_per_s": sum(tokens) / elapsed}
-    return {"concurrency": concurrency, **rates, "ttft_p50_s": statistics.median(ttft),
-            "ttft_p99_s": percentile(ttft, 0.99)}  # fmt: skip
+    return {"concurrency": concurrency, **rates, "ttft_s": ttft}
 
 
-async def run_mode(model: str, override: dict | None, args) -> dict:
-    from PIL import Image
+async def start_engine(model: str, override: dict | None, args):
+    """(engine, seconds to start) for one mode."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -71,35 +82,68 @@ async def run_mode(model: str, override: dict | None, args) -> dict:
                                   hf_overrides={"vtoken": override} if override else {}, seed=0)  # fmt: skip
     start = time.perf_counter()
     engine = AsyncLLM.from_engine_args(engine_args)
-    started = time.perf_counter() - start
+    return engine, time.perf_counter() - start
+
+
+async def run_all(args) -> dict:
+    """Every mode's engine up at once; rounds interleave the modes (off, on, oracle, off, ...) at each level, so the
+    load other processes put on a shared machine falls on every mode alike."""
+    from PIL import Image
+
+    modes = {"off": (args.model, None), "on": (args.model, json.loads(args.method)), "oracle": (args.oracle, None)}
     image = Image.open(args.image).convert("RGB")
+    engines, results = {}, {}
     try:
-        await measure(engine, image, 1, 2, args.max_tokens)  # warm-up
-        levels = [await measure(engine, image, c, args.requests, args.max_tokens) for c in LEVELS]
+        for name, (model, override) in modes.items():
+            engines[name], started = await start_engine(model, override, args)
+            results[name] = {"engine_start_s": started, "rounds": {str(c): [] for c in args.levels}}
+            await measure(engines[name], crops(image, 4000, 2), 1, args.max_tokens)  # warm-up
+        first = 0
+        for round_ in range(args.repeats):
+            for level in args.levels:
+                images, first = crops(image, first, args.requests), first + args.requests  # the same for every mode
+                for name, engine in engines.items():
+                    measured = await measure(engine, images, level, args.max_tokens, f"{round_}")
+                    results[name]["rounds"][str(level)].append(measured)
+                    print(f"bench_vllm: round {round_} concurrency {level} {name}: "
+                          f"{measured['requests_per_s']:.2f} requests/s", flush=True)  # fmt: skip
     finally:
-        engine.shutdown()
-    return {"engine_start_s": started, "levels": levels}
+        for engine in engines.values():
+            engine.shutdown()
+    return results
 
 
 def worker(args) -> None:
-    modes = {"off": (args.model, None), "on": (args.model, json.loads(args.method)), "oracle": (args.oracle, None)}
-    out = {name: asyncio.run(run_mode(model, override, args)) for name, (model, override) in modes.items()}
-    Path(args.out).write_text(json.dumps(out))
+    Path(args.out).write_text(json.dumps(asyncio.run(run_all(args))))
+
+
+def summary(rounds: list[dict]) -> dict:
+    """Median and range over rounds of requests/s and output tokens/s; TTFT percentiles over every request."""
+    rates = [r["requests_per_s"] for r in rounds]
+    tokens = [r["output_tokens_per_s"] for r in rounds]
+    ttft = [t for r in rounds for t in r["ttft_s"]]
+    return {"requests_per_s": statistics.median(rates), "requests_per_s_min": min(rates),
+            "requests_per_s_max": max(rates), "output_tokens_per_s": statistics.median(tokens),
+            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 0.99)}  # fmt: skip
 
 
 def table(results: dict, meta: dict) -> str:
     lines = [f"# vLLM serving: pruning off / on / oracle ({meta['device']})", "",
              f"Model: {meta['model']}; on: `{meta['method']}`; oracle: {meta['oracle']}; {meta['requests']} requests "
-             f"per level, {meta['max_tokens']} output tokens each; vLLM {meta['vllm']}; {meta['machine']}.", "",
-             "| mode | concurrency | requests/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | req/s vs off |",
+             f"per round, {meta['max_tokens']} output tokens each, {meta['repeats']} rounds per mode and level, "
+             f"modes interleaved; vLLM {meta['vllm']}; {meta['machine']}.", "",
+             "requests/s and output tok/s: median of the rounds [min–max]; TTFT over every request of every round; "
+             "req/s vs off: ratio of the medians.", "",
+             "| mode | concurrency | req/s [min–max] | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | req/s vs off |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for mode in ("off", "on", "oracle"):
-        for level, base in zip(results[mode]["levels"], results["off"]["levels"], strict=True):
+        for level in meta["levels"]:
+            row, base = summary(results[mode]["rounds"][str(level)]), summary(results["off"]["rounds"][str(level)])
             lines.append(
-                f"| {mode} | {level['concurrency']} | {level['requests_per_s']:.2f}"
-                f" | {level['output_tokens_per_s']:.1f}"
-                f" | {level['ttft_p50_s'] * 1e3:.0f} | {level['ttft_p99_s'] * 1e3:.0f} |"
-                f" {level['requests_per_s'] / base['requests_per_s']:.2f} |"
+                f"| {mode} | {level} | {row['requests_per_s']:.2f} [{row['requests_per_s_min']:.2f}–"
+                f"{row['requests_per_s_max']:.2f}] | {row['output_tokens_per_s']:.1f}"
+                f" | {row['ttft_p50_s'] * 1e3:.0f} | {row['ttft_p99_s'] * 1e3:.0f} |"
+                f" {row['requests_per_s'] / base['requests_per_s']:.2f} |"
             )
     starts = ", ".join(f"{m} {results[m]['engine_start_s']:.1f} s" for m in ("off", "on", "oracle"))
     return "\n".join(lines + ["", f"Engine start: {starts}."]) + "\n"
@@ -111,7 +155,9 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint (default on CPU: the tiny LLaVA-1.5, saved now)")
     parser.add_argument("--oracle", help="checkpoint whose images give k tokens (default on CPU: tiny LLaVA, 168 px)")
     parser.add_argument("--method", default='{"method": "fastervlm", "budget": 0.25}')
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=32, help="requests per round")
+    parser.add_argument("--levels", default="1,8,32", help="concurrency levels")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per mode and level")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -120,8 +166,9 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.levels = [int(c) for c in str(args.levels).split(",")]
     if args.worker:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         worker(args)
         return
@@ -141,6 +188,7 @@ def main() -> None:
         out = folder / "out.json"
         command = [args.python, __file__, "--worker", "--out", str(out), "--device", args.device, "--model", args.model,
                    "--oracle", args.oracle, "--method", args.method, "--requests", str(args.requests),
+                   "--levels", ",".join(map(str, args.levels)), "--repeats", str(args.repeats),
                    "--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--image", args.image]  # fmt: skip
         subprocess.run(command, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         results = json.loads(out.read_text())
@@ -149,7 +197,7 @@ def main() -> None:
     tiny = args.model.startswith(tempfile.gettempdir())
     meta = {"device": args.device, "model": "tiny LLaVA-1.5 (zoo)" if tiny else args.model, "method": args.method,
             "oracle": "tiny LLaVA-1.5 at 168 px (144 tokens)" if tiny else args.oracle, "requests": args.requests,
-            "max_tokens": args.max_tokens, "vllm": version,
+            "max_tokens": args.max_tokens, "vllm": version, "levels": args.levels, "repeats": args.repeats,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"vllm_{args.device}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
