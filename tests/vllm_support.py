@@ -20,7 +20,7 @@ QUESTIONS = ("what is in the image?", "what colour is the object?")
 
 
 def vllm_python() -> Path:
-    """The vllm venv's python (`make vllm-venv` / scripts/vllm-venv.sh build it); in CI its absence fails."""
+    """The vllm venv's python (scripts/vllm-venv.sh builds it); in CI its absence fails."""
     python = Path(os.environ.get("VTOKEN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
     if not python.exists():
         message = f"no vllm venv at {python}: build it with scripts/vllm-venv.sh (or set VTOKEN_VLLM_PYTHON)"

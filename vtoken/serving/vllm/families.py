@@ -32,7 +32,8 @@ def FAMILIES() -> dict[str, tuple[type, dict[str, Any], Any]]:  # noqa: N802 - a
 # architecture vLLM knows is refused too (generic reason). An entry is refused at start, never silently ignored.
 NOT_SERVED = {
     "LlavaNextForConditionalGeneration": "LLaVA-NeXT's native packing ends every row that keeps tokens with a "
-    "newline, so its placeholder count is known only after selection",
+    "newline, so its placeholder count is known only after selection (layout='official', whose count per crop is "
+    "known before encoding, is not wired into vLLM's LLaVA-NeXT yet)",
     "LlavaNextVideoForConditionalGeneration": "as LLaVA-NeXT (newlines after rows that keep tokens)",
     "LlavaOnevisionForConditionalGeneration": "as LLaVA-NeXT (newlines after rows that keep tokens)",
     "Qwen2VLForConditionalGeneration": "not wired yet (Qwen2.5-VL and Qwen3-VL are)",
