@@ -56,6 +56,14 @@ class EncoderMethod(Method):
         """
         return self.keep_count(n) if self.scope == "crop" else None
 
+    def count_before_encoding(self, n: int, grid: tuple[int, int], crops: int = 1) -> int | None:
+        """Tokens a crop keeps, from what a serving engine knows before the encoder runs (None: only the data
+        decides): n = the crop's valid tokens, grid = its (H, W) token grid, crops = how many crops its image has.
+
+        A serving engine (vLLM) sizes the prompt's placeholders from this. Default: `planned_count(n)`.
+        """
+        return self.planned_count(n)
+
     def select(self, tokens: VisualTokens) -> Selection:
         """Decide which tokens of every crop reach the LLM."""
         raise NotImplementedError

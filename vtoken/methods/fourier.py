@@ -100,6 +100,12 @@ class FourierDCT(EncoderMethod):
     def planned_count(self, n: int) -> int | None:
         return None  # depends on the grid's shape, not only on n
 
+    def count_before_encoding(self, n: int, grid: tuple[int, int], crops: int = 1) -> int | None:
+        if n != grid[0] * grid[1]:
+            return None  # a grid cut by unpadding is refused at select
+        h, w = self.output_grid(*grid)
+        return h * w
+
     def select(self, tokens: VisualTokens) -> Selection:
         height, width = tokens.grid
         if tokens.valid is not None:

@@ -68,6 +68,10 @@ class HiRED(EncoderMethod):
     def planned_count(self, n: int) -> int | None:
         return None
 
+    def count_before_encoding(self, n: int, grid: tuple[int, int], crops: int = 1) -> int | None:
+        # a single-crop image keeps min(N, int(N * rate)); anyres shares follow the early-layer attention
+        return min(n, int(n * self.rate)) if crops == 1 else None
+
     def regions(self, height: int, width: int, rows: int, cols: int) -> torch.Tensor:
         """[height * width] region index of every base-view token."""
         tokens = torch.arange(height * width)

@@ -132,6 +132,9 @@ class MMTok(EncoderMethod):
     def planned_count(self, n: int) -> int | None:
         return None  # valid tokens (pad border) are known only from the pixels
 
+    def count_before_encoding(self, n: int, grid: tuple[int, int], crops: int = 1) -> int | None:
+        return self.keep_count(n) if n else 0  # n: the valid tokens, read from the pixels by the caller
+
     def query(self, question: str, family: str) -> str:
         """The text whose embeddings the tokens must cover."""
         qwen = family.startswith("qwen")

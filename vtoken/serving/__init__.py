@@ -1,0 +1,1 @@
+"""vtoken inside serving engines (see `vtoken.serving.vllm`)."""

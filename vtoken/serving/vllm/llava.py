@@ -1,0 +1,227 @@
+"""LLaVA-1.5 in vLLM: placeholders sized from the method's count before encoding, kept tokens chosen after it.
+
+Front end (`LlavaProcessor`): each image's placeholder run is `count_before_encoding` of its valid tokens (the
+patches outside a pad-to-square border, read from the processed pixels, for methods that exclude it; all N
+otherwise). Engine (`Llava.embed_multimodal`): vLLM's CLIP tower (built up to the feature layer) runs once with
+[CLS]-row probes on the layers the method reads; the features before the projector become `VisualTokens`, the
+method selects, and only the kept tokens are projected, as vtoken's transformers adapter does.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from vllm.model_executor.models.llava import (
+    LlavaForConditionalGeneration,
+    LlavaMultiModalProcessor,
+    LlavaProcessingInfo,
+    _build_llava_or_pixtral_hf_info,
+    _build_llava_or_pixtral_hf_processor,
+)
+
+from vtoken.adapters.llava import outside_pad_border
+from vtoken.tokens import Selection, TextQuery, VisualTokens
+
+from . import question as questions
+from .config import ServingConfig, error, serving_config
+from .selection import check_counts, select
+from .signals import QKVClsProbe
+
+COMMON = {"question", "projected", "vision_features"}
+
+
+class LlavaFamily:
+    """What vtoken knows about a LLaVA-1.5 config in vLLM: grid, signals, counts."""
+
+    name = "llava-1.5"
+
+    def __init__(self, hf_config: Any):
+        self.hf_config = hf_config
+        vision = hf_config.vision_config
+        self.side = vision.image_size // vision.patch_size
+        self.patch = vision.patch_size
+        layer = hf_config.vision_feature_layer
+        if isinstance(layer, (list, tuple)):
+            raise error("LLaVA with several vision_feature_layer values is not supported (one feature layer)")
+        self.num_layers = vision.num_hidden_layers
+        self.feature_layer = layer % (self.num_layers + 1) - 1  # encoder layer whose output is the feature
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.side, self.side
+
+    def signals(self) -> set[str]:
+        signals = {"patch_features", "grid", "resized_grid"} | COMMON
+        if self.hf_config.vision_feature_select_strategy == "default" and self.feature_layer >= 0:
+            signals |= {"cls_attention"} | {f"cls_attention@{i}" for i in range(self.feature_layer + 1)}
+            signals |= {f"cls_attention@{i - self.num_layers}" for i in range(self.feature_layer + 1)}
+        return signals
+
+    def attention_layer(self, signal: str) -> int:
+        if signal == "cls_attention":
+            return self.feature_layer
+        return int(signal.removeprefix("cls_attention@")) % self.num_layers
+
+    def valid(self, method, pixel_values: torch.Tensor) -> torch.Tensor | None:
+        """[C, N] valid tokens of crops [C, 3, H, W] for methods that skip the pad-to-square border, else None."""
+        if getattr(method, "excludes_pad_border", False):
+            return outside_pad_border(pixel_values, self.patch)
+        return None
+
+    def count(self, method, pixel_values: torch.Tensor) -> int:
+        """Placeholders of one image [3, H, W] (known before the encoder)."""
+        valid = self.valid(method, pixel_values[None])
+        n = self.side * self.side if valid is None else int(valid.sum())
+        count = method.count_before_encoding(n, self.grid, 1)
+        if count is None:
+            raise error(f"{method.name}'s token count on {self.name} depends on the data; {why_counts()}")
+        return count
+
+    def check(self, config: ServingConfig) -> None:
+        """Refuse at start what this family cannot serve (signals, layout, counts decided by the data)."""
+        method = config.method
+        check_signals(method, self.signals(), self.name)
+        if config.layout != "native":
+            raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
+        n = self.side * self.side
+        if method.count_before_encoding(n, self.grid, 1) is None:
+            raise error(
+                f"{method.name} ({method!r}) decides its token count on {self.name} from the data; {why_counts()}"
+            )
+
+
+def why_counts() -> str:
+    return (
+        "vLLM sizes a prompt's image placeholders before the encoder runs, so only methods whose count is known "
+        "then are served (a fraction or count budget with scope='crop'); use vtoken.patch on transformers for this"
+    )
+
+
+def check_signals(method, available: set[str], family: str) -> None:
+    missing = sorted(set(method.requires) - available)
+    if missing:
+        raise error(
+            f"method {method.name!r} needs the signal(s) {missing}, which {family} in vLLM cannot provide; it "
+            f"provides {sorted(available)}"
+        )
+
+
+def checked_config(hf_config: Any, family_cls=LlavaFamily) -> ServingConfig | None:
+    config = serving_config(hf_config)
+    if config is not None:
+        family_cls(hf_config).check(config)
+    return config
+
+
+class LlavaProcessor(questions.QuestionProcessorMixin, LlavaMultiModalProcessor):
+    """LLaVA-1.5's processor with placeholder runs of the kept count."""
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        updates = super()._get_prompt_updates(
+            mm_items, questions.without_question(hf_processor_mm_kwargs), out_mm_kwargs
+        )
+        hf_config = self.info.get_hf_config()
+        config = checked_config(hf_config)
+        if config is None:
+            return updates
+        from vllm.multimodal.parse import ImageProcessorItems
+        from vllm.multimodal.processing import PromptReplacement
+
+        family = LlavaFamily(hf_config)
+        images = mm_items.get_items("image", ImageProcessorItems) if "image" in mm_items else None
+        stock = updates[0]
+
+        def replacement(item: int):
+            if images is None or not isinstance(images, ImageProcessorItems):
+                return stock.replacement(item)  # image embeddings given: no encoder runs, nothing to prune
+            pixels = out_mm_kwargs["image"][item]["pixel_values"].data
+            return [hf_config.image_token_index] * family.count(config.method, pixels)
+
+        return [PromptReplacement(modality="image", target=stock.target, replacement=replacement)]
+
+
+def build_processor(info, dummy_inputs):
+    if isinstance(info, LlavaProcessingInfo):
+        return LlavaProcessor(info, dummy_inputs)
+    return _build_llava_or_pixtral_hf_processor(info, dummy_inputs)
+
+
+class Llava(LlavaForConditionalGeneration):
+    """`LlavaForConditionalGeneration` that prunes visual tokens when the config carries a `vtoken` entry (and
+    is the stock model otherwise)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.vtoken = checked_config(self.config)
+        self.vtoken_model_config = vllm_config.model_config
+        self._vtoken_tokenizer = None
+
+    def embed_multimodal(self, **kwargs: object):
+        asked = kwargs.pop(questions.FIELD, None)
+        if self.vtoken is None:
+            return super().embed_multimodal(**kwargs)
+        image_input = self._parse_and_validate_image_input(**kwargs)
+        if image_input is None:
+            return []
+        if image_input["type"] != "pixel_values":
+            return self._process_image_input(image_input)
+        return self.pruned_images(image_input["pixel_values"], asked)
+
+    def text_query(self, asked: Any, family: str) -> TextQuery | None:
+        """The questions of a batch of images (MMTok), embedded by the LLM's own input embeddings."""
+        if asked is None:
+            return None
+        if self._vtoken_tokenizer is None:
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            self._vtoken_tokenizer = cached_tokenizer_from_config(self.vtoken_model_config)
+        tokenizer, embed_ids = self._vtoken_tokenizer, self.get_language_model().embed_input_ids
+        device = next(self.parameters()).device
+
+        def embed(text: str) -> torch.Tensor:
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            return embed_ids(torch.tensor(ids, dtype=torch.long, device=device))
+
+        return TextQuery(questions.decode(asked), family, embed)
+
+    def pruned_images(self, pixel_values: torch.Tensor | list[torch.Tensor], asked: Any) -> tuple[torch.Tensor, ...]:
+        """[k_i, D] embeddings of the kept tokens of every image of the batch."""
+        if isinstance(pixel_values, list):
+            pixel_values = torch.stack(pixel_values)
+        method, family = self.vtoken.method, LlavaFamily(self.config)
+        layers = self.vision_tower.vision_model.encoder.layers
+        probes = {
+            name: QKVClsProbe(layers[family.attention_layer(name)].self_attn)
+            for name in method.requires
+            if name.startswith("cls_attention")
+        }
+        with ExitStack() as stack:
+            for probe in probes.values():
+                stack.enter_context(probe)
+            features = self.vision_tower(
+                pixel_values, feature_select_strategy=self.config.vision_feature_select_strategy
+            )  # [B, N, Dv], before the projector
+        signals = {name: (lambda probe=probe: probe.scores) for name, probe in probes.items()}
+        valid = family.valid(method, pixel_values)
+        tokens = VisualTokens(features, family.grid, signals, torch.arange(len(features)),
+                              None if valid is None else valid.to(features.device))  # fmt: skip
+        selection = select(method, tokens, self.multi_modal_projector, self.text_query(asked, family.name))
+        embeds = kept_embeddings(tokens, selection, self.multi_modal_projector)
+        check_counts(method, [len(e) for e in embeds], [family.count(method, p) for p in pixel_values], "image")
+        return tuple(embeds)
+
+
+def kept_embeddings(tokens: VisualTokens, selection: Selection, project) -> list[torch.Tensor]:
+    """Per crop, [k_c, D] projected kept tokens: from the "projected" signal when the method already projected
+    every token (MMTok), else only the kept ones are projected (as vtoken's LLaVA adapter)."""
+    projected = tokens.signals.get("projected")
+    if projected is not None and selection.kept is not None:
+        return [projected[c, selection.kept_of(c)] for c in range(tokens.num_crops)]
+    if selection.counts is None:
+        return list(project(selection.gather(tokens.features)))
+    return list(project(selection.gather_flat(tokens.features)).split(selection.counts))
+
+
+PROCESSOR = dict(processor=build_processor, info=_build_llava_or_pixtral_hf_info)

@@ -1,0 +1,230 @@
+"""Qwen2.5-VL and Qwen3-VL in vLLM: placeholders sized before the encoder, kept tokens at their original M-RoPE
+(t, h, w) positions, text after an image continuing where transformers' `get_rope_index` does.
+
+vLLM fixes a request's M-RoPE positions when the request is added, before the encoder runs. vLLM's own pruning
+(EVS) corrects them after the encoder through extra embedding channels, a path the CPU model runner never enables
+and that continues text after a pruned image at the grid width rather than max(h, w). This plugin does not use
+it: positions are the stock ones of the *unpruned* prompt (vLLM's own `get_mrope_input_positions` on the prompt
+with every image's run restored), gathered at the kept tokens; a method that hands back a smaller grid (Fourier)
+gets the stock positions of that grid. So the kept tokens' indices must be known before the encoder: the method
+is dry-run on the grid, and a method whose picks depend on the features is refused at start on these families
+(no [CLS] here: fastervlm and hired need it anyway). Images are pruned; videos pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vtoken.adapters.qwen_vl import same_selection
+from vtoken.tokens import VisualTokens
+
+from . import question as questions
+from .config import ServingConfig, error, serving_config
+from .llava import check_signals, why_counts
+from .selection import select
+
+SIGNALS = {"patch_features", "grid", "resized_grid", "projected"}
+
+
+def plan(method, grid: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """(kept offsets, smaller grid or None) of one image's grid, decided before the encoder (a dry run)."""
+    n = grid[0] * grid[1]
+    tokens = VisualTokens(torch.zeros(1, n, 4), grid, {}, torch.zeros(1, dtype=torch.long))
+    selection = select(method, tokens)
+    return selection.offsets_of(0), selection.grid
+
+
+def data_independent(method, grid: tuple[int, int] = (6, 8)) -> bool:
+    """Whether the method keeps the same tokens (or grid) whatever the features: two random draws compared."""
+    n = grid[0] * grid[1]
+    picks = []
+    for seed in (1, 2):
+        features = torch.randn(1, n, 4, generator=torch.Generator().manual_seed(seed))
+        selection = select(method, VisualTokens(features, grid, {}, torch.zeros(1, dtype=torch.long)))
+        picks.append((selection.offsets_of(0).tolist(), selection.grid))
+    kept, smaller = plan(method, grid)
+    return picks[0] == picks[1] == (kept.tolist(), smaller)
+
+
+class QwenFamily:
+    def __init__(self, hf_config: Any, name: str):
+        self.hf_config, self.name = hf_config, name
+        self.merge = hf_config.vision_config.spatial_merge_size
+
+    def check(self, config: ServingConfig) -> None:
+        method = config.method
+        check_signals(method, SIGNALS, self.name)
+        if config.layout != "native":
+            raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
+        if method.count_before_encoding(48, (6, 8), 1) is None:
+            raise error(
+                f"{method.name} ({method!r}) decides its token count on {self.name} from the data; {why_counts()}"
+            )
+        if not data_independent(method):
+            raise error(
+                f"{method.name} picks tokens from the features, but vLLM fixes {self.name}'s M-RoPE positions "
+                "before the encoder runs, and kept tokens must keep their original (t, h, w) positions; served "
+                "here: methods whose picks follow from the grid (random, pool, fourier)"
+            )
+
+    def grid(self, grid_thw: torch.Tensor) -> tuple[int, int]:
+        t, h, w = (int(x) for x in grid_thw.tolist())
+        return h // self.merge, w // self.merge
+
+    def count(self, method, grid_thw: torch.Tensor) -> int:
+        grid = self.grid(grid_thw)
+        return method.count_before_encoding(grid[0] * grid[1], grid, 1)
+
+
+def checker(name: str):
+    def checked(hf_config: Any) -> ServingConfig | None:
+        config = serving_config(hf_config)
+        if config is not None:
+            QwenFamily(hf_config, name).check(config)
+        return config
+
+    return checked
+
+
+class QwenProcessorMixin(questions.QuestionProcessorMixin):
+    family_name = "qwen"
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        from vllm.multimodal.processing import PromptReplacement
+
+        updates = list(super()._get_prompt_updates(mm_items, questions.without_question(hf_processor_mm_kwargs),
+                                                   out_mm_kwargs))  # fmt: skip
+        hf_config = self.info.get_hf_config()
+        config = checker(self.family_name)(hf_config)
+        if config is None:
+            return updates
+        family = QwenFamily(hf_config, self.family_name)
+        token = hf_config.image_token_id
+
+        def replacement(item: int):
+            grid_thw = out_mm_kwargs["image"][item]["image_grid_thw"].data
+            return [token] * family.count(config.method, grid_thw)
+
+        return [
+            PromptReplacement(modality="image", target=u.target, replacement=replacement) if u.modality == "image"
+            else u
+            for u in updates
+        ]  # fmt: skip
+
+
+class QwenModelMixin:
+    """Mixed in before a vLLM Qwen-VL model class."""
+
+    family_name = "qwen"
+
+    def _vtoken_init(self) -> None:
+        self.vtoken = checker(self.family_name)(self.config)
+        self.vtoken_family = QwenFamily(self.config, self.family_name)
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
+        if self.vtoken is None:
+            return super().get_mrope_input_positions(input_tokens, mm_features)
+        method, family = self.vtoken.method, self.vtoken_family
+        tokens, features, columns, shift, cursor = [], [], [], 0, 0
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            offset, length = feature.mm_position.offset, feature.mm_position.length
+            tokens += input_tokens[cursor:offset]
+            columns += range(cursor + shift, offset + shift)
+            if feature.modality != "image":  # stock positions
+                tokens += input_tokens[offset : offset + length]
+                columns += range(offset + shift, offset + length + shift)
+                features.append(_moved(feature, offset + shift, length))
+            else:
+                grid_thw = feature.data["image_grid_thw"].data
+                grid = family.grid(grid_thw)
+                kept, smaller = plan(method, grid)
+                if smaller is not None:  # the stock positions of the smaller grid
+                    n, kept = smaller[0] * smaller[1], torch.arange(smaller[0] * smaller[1])
+                    grid_thw = torch.tensor([1, smaller[0] * family.merge, smaller[1] * family.merge])
+                else:
+                    n = grid[0] * grid[1]
+                token = input_tokens[offset]
+                tokens += [token] * n
+                columns += (kept + offset + shift).tolist()
+                image = SimpleNamespace(data={"image_grid_thw": SimpleNamespace(data=grid_thw)})
+                features.append(_moved(feature, offset + shift, n, image.data))
+                shift += n - length
+            cursor = offset + length
+        tokens += input_tokens[cursor:]
+        columns += range(cursor + shift, len(input_tokens) + shift)
+        positions, _ = super().get_mrope_input_positions(tokens, features)
+        positions = positions[:, columns]
+        return positions, int(positions.max()) + 1 - len(input_tokens)
+
+    def embed_multimodal(self, **kwargs: object):
+        kwargs.pop(questions.FIELD, None)
+        if self.vtoken is None:
+            return super().embed_multimodal(**kwargs)
+        parsed = self._parse_and_validate_multimodal_inputs(**kwargs)
+        embeddings = list(super().embed_multimodal(**kwargs) or ())
+        method, family, index = self.vtoken.method, self.vtoken_family, 0
+        width = self.config.text_config.hidden_size  # the main features; Qwen3-VL appends DeepStack levels
+        for modality, inputs in parsed.items():
+            grids = inputs["image_grid_thw" if modality == "image" else "video_grid_thw"]
+            if modality != "image" or inputs["type"] != "pixel_values":
+                index += len(grids)
+                continue
+            for grid_thw in grids:
+                full, grid = embeddings[index], family.grid(grid_thw)
+                tokens = VisualTokens(full[None, :, :width], grid, {}, torch.zeros(1, dtype=torch.long))
+                selection = select(method, tokens)
+                planned, smaller = plan(method, grid)
+                if smaller != selection.grid or not torch.equal(selection.offsets_of(0).cpu(), planned.cpu()):
+                    raise RuntimeError(f"vtoken: {method.name} picked tokens other than planned before the encoder")
+                embeddings[index] = same_selection(method, selection, tokens, full)
+                index += 1
+        return tuple(embeddings)
+
+
+def _moved(feature: Any, offset: int, length: int, data: Any = None) -> SimpleNamespace:
+    """A stand-in of a vLLM `MultiModalFeatureSpec` at another offset (what the stock position code reads)."""
+    position = SimpleNamespace(offset=offset, length=length)
+    return SimpleNamespace(modality=feature.modality, mm_position=position,
+                           data=feature.data if data is None else data)  # fmt: skip
+
+
+def families() -> dict[str, tuple[type, dict[str, Any], Any]]:
+    from vllm.model_executor.models import qwen2_5_vl, qwen3_vl
+
+    class Qwen25VLProcessor(QwenProcessorMixin, qwen2_5_vl.Qwen2_5_VLMultiModalProcessor):
+        family_name = "qwen2.5-vl"
+
+    class Qwen25VL(QwenModelMixin, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
+        family_name = "qwen2.5-vl"
+
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self._vtoken_init()
+
+    class Qwen3VLProcessor(QwenProcessorMixin, qwen3_vl.Qwen3VLMultiModalProcessor):
+        family_name = "qwen3-vl"
+
+    class Qwen3VL(QwenModelMixin, qwen3_vl.Qwen3VLForConditionalGeneration):
+        family_name = "qwen3-vl"
+
+        def __init__(self, *, vllm_config, prefix: str = "model") -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self._vtoken_init()
+
+    return {
+        "Qwen2_5_VLForConditionalGeneration": (
+            Qwen25VL,
+            dict(processor=Qwen25VLProcessor, info=qwen2_5_vl.Qwen2_5_VLProcessingInfo,
+                 dummy_inputs=qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder),
+            checker("qwen2.5-vl"),
+        ),
+        "Qwen3VLForConditionalGeneration": (
+            Qwen3VL,
+            dict(processor=Qwen3VLProcessor, info=qwen3_vl.Qwen3VLProcessingInfo,
+                 dummy_inputs=qwen3_vl.Qwen3VLDummyInputsBuilder),
+            checker("qwen3-vl"),
+        ),
+    }  # fmt: skip
