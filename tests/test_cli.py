@@ -176,7 +176,8 @@ def test_a_prefill_method_too_deep_for_the_model_exits_2(capsys):
 def test_issue_26_methods_run_by_name(capsys):
     assert quick_run("--model", "vtoken-mini", "--method", "dart", "--budget", "0.25") == 0
     out = capsys.readouterr().out
-    assert "method:  dart (keep=0.25)" in out and "visual tokens: 144 -> 36" in out  # 4 pivots + 8 x int(144 / 32)
+    assert "method:  dart(layer=2, keep=25%)" in out
+    assert "after LLM layer 1: 36" in out  # DART at layer 2 drops after layer 1: 4 pivots + 8 x int(144 / 32)
     assert quick_run("--model", "vtoken-mini", "--method", "sparsevlm", "--budget", "0.5") == 2  # defaults too deep
     assert "sparsevlm: layers=(2, 6, 15)" in capsys.readouterr().err
 
