@@ -23,7 +23,9 @@ def vllm_python() -> Path:
     """The vllm venv's python (scripts/vllm-venv.sh builds it); in CI its absence fails."""
     python = Path(os.environ.get("VTOKEN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
     if not python.exists():
-        message = f"no vllm venv at {python}: build it with scripts/vllm-venv.sh (or set VTOKEN_VLLM_PYTHON)"
+        message = (
+            f"no vllm venv at {python}: build it with make vllm-venv or scripts/vllm-venv.sh (or VTOKEN_VLLM_PYTHON)"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
