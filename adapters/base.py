@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
-from vtoken.methods.base import Method
+from vtoken.methods.base import Method, topk_per_crop
 from vtoken.question import prompt_questions, tokenizer_for
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
@@ -31,6 +31,18 @@ from .llm import LanguageModelStages
 from .prompt import run_rows
 from .sparse_prefill import SparseAttention
 from .state import CallState, PatchedGenerate, PerThread
+
+
+def keep_all(tokens: VisualTokens) -> Selection:
+    """Every valid token of every crop, ascending (rows padded with N past each crop's count)."""
+    if tokens.valid is None:
+        index = torch.arange(tokens.num_tokens, device=tokens.features.device)
+        return Selection(kept=index.expand(tokens.num_crops, -1))
+    valid = tokens.valid.to(tokens.features.device)
+    counts = valid.sum(1).tolist()
+    rank = torch.arange(tokens.num_tokens, 0, -1, device=valid.device).expand_as(valid).float()
+    return topk_per_crop(rank.masked_fill(~valid, float("-inf")), counts)
+
 
 # signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
 # features for token-to-token similarity (default: the features methods select from)
@@ -90,6 +102,8 @@ class Adapter(CallPath):
     # why a family lacks some of those stages, added to the refusal at `patch`
     stages_note: ClassVar[str] = ""
     multi_axis_positions: ClassVar[bool] = False
+    # videos arrive as runs of image tiles, one per frame (InternVL): video-only methods find them in the prompt
+    videos_as_image_runs: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
@@ -187,7 +201,10 @@ class Adapter(CallPath):
 
     def select(self, tokens: VisualTokens) -> tuple[Selection, Stopwatch]:
         """Score and select with the encoder method. Callable signals are resolved here, so the stopwatch covers
-        computing the scores as well as selecting."""
+        computing the scores as well as selecting. A method that acts on the placed tokens (DivPrune) selects
+        later (`select_placed`): here every valid token is kept."""
+        if self.encoder_method.acts_on == "placed":
+            return keep_all(tokens), Stopwatch(tokens.features.device).start().stop()
         timer = Stopwatch(tokens.features.device).start()
         requires = self.encoder_method.requires
         if "projected" in requires and "projected" not in tokens.signals:
@@ -222,7 +239,7 @@ class Adapter(CallPath):
                 crop=crop_index[c],
                 tokens_in=valid[c],
                 tokens_out=kept_counts[c],
-                kept=selection.kept_of(c),
+                kept=selection.unchanged_of(c),
                 grid=tokens.grid,
                 timer=timer,
                 share=1 / num_crops,
@@ -230,6 +247,38 @@ class Adapter(CallPath):
             )
             for c in range(num_crops)
         ]
+
+    def select_placed(self, modality: Modality, encoded: EncodedImages) -> EncodedImages:
+        """The encoder method on every image's (video's) tokens as placed: `encoded` holds them all (see `select`);
+        returns the kept ones, their placeholder offsets and companions, one record per image."""
+        method, placed = self.encoder_method, encoded.features
+        lengths = [len(p) for p in placed]
+        if not placed or not max(lengths):
+            return encoded
+        width = max(lengths)
+        features = torch.stack([torch.nn.functional.pad(p, (0, 0, 0, width - len(p))) for p in placed])
+        valid = (
+            torch.arange(width, device=features.device)[None] < torch.tensor(lengths, device=features.device)[:, None]
+        )
+        tokens = VisualTokens(features, (1, width), {}, torch.arange(len(placed)), valid)
+        timer = Stopwatch(features.device).start()
+        selection = method.select(tokens)
+        timer.stop()
+        kept = [selection.kept_of(i) for i in range(len(placed))]
+        records = [
+            Record("encoder", method.name, image=i, crop=0, tokens_in=lengths[i], tokens_out=len(k), kept=k,
+                   grid=(1, lengths[i]), timer=timer, share=1 / len(placed), modality=modality.name)
+            for i, k in enumerate(kept)
+        ]  # fmt: skip
+        offsets = [o.to(k.device)[k] for o, k in zip(encoded.keep_offsets, kept, strict=True)]
+        protected = None if encoded.protected is None else [
+            p.to(k.device)[k] for p, k in zip(encoded.protected, kept, strict=True)
+        ]  # fmt: skip
+        companions = None if encoded.companions is None else [
+            [c[k.to(c.device)] for c in item] for item, k in zip(encoded.companions, kept, strict=True)
+        ]  # fmt: skip
+        features = [p[k.to(p.device)] for p, k in zip(placed, kept, strict=True)]
+        return EncodedImages(features, offsets, records, protected, companions)
 
     def encoder_output(self, encoded: EncodedImages, features: Any) -> Any:
         """Hook: what the stock forward receives in `mm_encoder_outputs` for one modality."""
@@ -300,7 +349,13 @@ class Adapter(CallPath):
                     f"methods {', '.join(acting)} all act at the {stage} stage; combine at most one method per stage "
                     "(e.g. an encoder-stage method such as hired with a prefill-stage one such as fastv)"
                 )
+        takes = {m.name for m in self.modalities} | ({"video"} if self.videos_as_image_runs else set())
         for method in self.methods:
+            if not takes & set(method.modalities):
+                raise VTokenError(
+                    f"method {method.name!r} acts on {' and '.join(method.modalities)} inputs only, which the "
+                    f"{self.family} adapter does not take; it takes {', '.join(sorted(takes))}"
+                )
             unsupported = [s for s in method.stages if s not in self.stages]
             if unsupported:
                 raise VTokenError(

@@ -40,6 +40,14 @@ class CallPath:
         kwargs = self.before_shrinking(kwargs)
         mm = hf.encoder_outputs(kwargs)
         records, changed, protected_parts = [], False, {}
+        method = self.encoder_method
+        for modality in self.present(kwargs):
+            frames = self.videos_as_image_runs and "video" in method.modalities  # the adapter tells them apart
+            if modality.name not in method.modalities and not frames:  # e.g. images given to a video method
+                raise InputError(
+                    f"{method.name} acts on {' and '.join(method.modalities)} inputs only; this call passes "
+                    f"{modality.name}s (`{modality.pixel_key}`): call the model without them, or use another method"
+                )
         for modality in self.present(kwargs):
             pixel_values = kwargs.pop(modality.pixel_key)
             encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
@@ -59,11 +67,15 @@ class CallPath:
             )
             # "How many" before the encoder, "which" after: with contiguous positions only the count matters to
             # the prompt, so for fixed-count methods it is shrunk while the accelerator is still idle.
-            planned = self.planned_counts(modality, run_lengths)
+            placed = method.acts_on == "placed"  # selects among the packed tokens (DivPrune), after `encode`
+            planned = [method.planned_count(n) for n in run_lengths] if placed else \
+                self.planned_counts(modality, run_lengths)  # fmt: skip
             early = self.positions == "renumber" and None not in planned
             if early:
                 compressed = shrink([torch.arange(k) for k in planned])
             encoded = self.encode(modality, pixel_values, **encoder_kwargs)
+            if placed:
+                encoded = self.select_placed(modality, encoded)
             if early:
                 produced = [len(f) for f in encoded.features]
                 if produced != planned:

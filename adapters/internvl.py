@@ -18,6 +18,7 @@ view. Records number an image's crops in the processor's order (the tiles in ras
 
 from __future__ import annotations
 
+import re
 from contextlib import ExitStack
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from vtoken.errors import InputError, VTokenError
+from vtoken.question import tokenizer_for
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
@@ -32,12 +34,15 @@ from .base import Adapter, EncodedImages, Modality
 from .flat_features import FlatFeatures
 from .probes import ClsAttentionProbe
 
+FRAME = re.compile(r"Frame(\d+):\s*<img>\s*$")  # InternVLProcessor's text before a video frame's placeholders
+
 
 @register_adapter
 class InternVLAdapter(FlatFeatures, Adapter):
     family = "internvl"
     model_types = ("internvl",)
     model_classes = ("InternVLForConditionalGeneration", "InternVLModel")
+    videos_as_image_runs = True  # a video's frames: one single-tile run each, after "FrameN: " in the prompt
     modalities = (
         Modality("image", "pixel_values", "image_token_id", ("vision_feature_layer", "vision_feature_select_strategy")),
     )
@@ -85,13 +90,15 @@ class InternVLAdapter(FlatFeatures, Adapter):
         # "resized_grid": positions are renumbered, so a smaller grid only means fewer placeholders
         signals = {"patch_features", "grid", "resized_grid"}
         if self.model.config.vision_feature_select_strategy == "default":  # a [CLS] token the model drops
-            signals |= {"cls_attention", "cls_attention@-1"}
+            signals |= {"cls_attention", "cls_attention@-1", "keys"}
             signals |= {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layer))}
         return signals
 
     def validate(self) -> None:
         super().validate()
         method = self.encoder_method
+        if method is not None and "image" not in method.modalities:  # frames are told from images by the prompt
+            self._tokenizer = tokenizer_for(self.model, method.name)
         if method is not None and getattr(method, "partition", "bands") != "bands":
             raise VTokenError(
                 f"{method.name}: partition={method.partition!r} needs the tile grid's rows and columns, which "
@@ -106,6 +113,31 @@ class InternVLAdapter(FlatFeatures, Adapter):
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         self._input_ids = kwargs["input_ids"]
         return kwargs
+
+    def _frames(self, runs: list[int]) -> list[tuple[int, int]]:
+        """For a video-only method: (video, frame) of every placeholder run, read from the prompt, where the
+        processor writes "FrameN: <img>" before each frame's run; an image's run is refused (InputError)."""
+        ids = self._input_ids.cpu()
+        is_placeholder = ids == self.model.config.image_token_id
+        found, video, previous = [], -1, None  # previous: (row, frame number) of the run before
+        for row in range(ids.shape[0]):
+            padded = torch.cat([torch.tensor([False]), is_placeholder[row], torch.tensor([False])]).int()
+            for start in (padded.diff() == 1).nonzero().squeeze(1).tolist():
+                before = self._tokenizer.decode(ids[row, max(0, start - 16) : start], skip_special_tokens=False)
+                match = FRAME.search(before)
+                if match is None:
+                    raise InputError(
+                        f"{self.encoder_method.name} acts on videos only; image {len(found)} of this call is an "
+                        'image, not a video frame (no "FrameN: <img>" before it in the prompt)'
+                    )
+                number = int(match.group(1))
+                if previous != (row, number - 1):
+                    video += 1
+                found.append((video, 0 if previous != (row, number - 1) else found[-1][1] + 1))
+                previous = (row, number)
+        if len(found) != len(runs):
+            raise InputError(f"{len(found)} frames found in the prompt for {len(runs)} placeholder runs")
+        return found
 
     def _runs(self) -> list[int]:
         """Lengths of the contiguous placeholder runs of the prompt, in row-major order (one per image or frame)."""
@@ -133,6 +165,8 @@ class InternVLAdapter(FlatFeatures, Adapter):
                 "from the same images"
             )
         self._tiles = [run // per_crop for run in runs]
+        if "image" not in self.encoder_method.modalities:
+            self._state.family["frames"] = self._frames(runs)
         return runs
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
@@ -147,16 +181,18 @@ class InternVLAdapter(FlatFeatures, Adapter):
         signals the method needs, as callables of [C, N] scores."""
         self.check_select_strategy(vision_feature_select_strategy)
         layer = self._feature_layer(vision_feature_layer)
-        probes = {}
+        probes, wanted = {}, {}  # layer -> its probe; signal name -> its layer
         for name in self.encoder_method.requires:
-            if name == "cls_attention":
+            if name in ("cls_attention", "keys"):
                 index = self._attention_layer(layer)
             elif name.startswith("cls_attention@"):
                 index = int(name.removeprefix("cls_attention@")) % len(self.tower.encoder.layer)
             else:
                 continue
             attention = self.tower.encoder.layer[index].attention
-            probes[name] = ClsAttentionProbe(attention, projections=("q_norm", "k_norm"))  # Identity without QK-norm
+            # q and k as the attention uses them: after QK-norm (Identity without it)
+            probes.setdefault(index, ClsAttentionProbe(attention, projections=("q_norm", "k_norm")))
+            wanted[name] = index
         with ExitStack() as stack:
             for probe in probes.values():
                 stack.enter_context(probe)
@@ -171,7 +207,13 @@ class InternVLAdapter(FlatFeatures, Adapter):
             maps = probe.scores.view(-1, 1, side, side)
             return F.avg_pool2d(maps, self.group).flatten(1)
 
-        signals = {name: (lambda probe=probe: grouped(probe)) for name, probe in probes.items()}
+        def shuffled_keys(probe: ClsAttentionProbe) -> torch.Tensor:  # a token's key: its group's, concatenated
+            keys = probe.keys.reshape(hidden.shape[0], side, side, -1)
+            shuffled = self.inner.pixel_shuffle(keys, scale_factor=self.model.config.downsample_ratio)
+            return shuffled.reshape(hidden.shape[0], self.tokens_per_crop, -1)
+
+        signals = {name: (lambda probe=probes[index], name=name: (shuffled_keys if name == "keys" else grouped)(probe))
+                   for name, index in wanted.items()}  # fmt: skip
         return features, signals
 
     def encode(
@@ -191,6 +233,11 @@ class InternVLAdapter(FlatFeatures, Adapter):
             else:  # for methods, the thumbnail is the base view (crop 0), the tiles follow
                 base_first += [*range(1, tiles), 0]
                 crop_grid[image] = (1, tiles - 1)  # only the tile count is known (HiRED's "bands" need no more)
+        modality_name = "image"
+        if "image" not in self.encoder_method.modalities:  # a video method: frames grouped by video
+            frames = self._state.family["frames"]
+            image_index, crop_index = [v for v, _ in frames], [f for _, f in frames]
+            base_first, crop_grid, modality_name = crop_index, {}, "video"
         tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), None,
                               torch.tensor(base_first), crop_grid or None)  # fmt: skip
         selection, timer = self.select(tokens)
@@ -207,5 +254,5 @@ class InternVLAdapter(FlatFeatures, Adapter):
             first += tiles
             per_image.append(torch.cat([per_crop[c] for c in crops]))
             offsets.append(torch.arange(sum(counts[c] for c in crops)))
-        records = self.crop_records(tokens, selection, timer, crop_index)
+        records = self.crop_records(tokens, selection, timer, crop_index, modality_name)
         return EncodedImages(per_image, offsets, records)

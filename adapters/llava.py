@@ -64,7 +64,7 @@ class LlavaAdapter(Adapter):
         attention = getattr(self.tower.encoder.layers[layer], "self_attn", None) if layer is not None else None
         if has_cls and attention is not None and hasattr(attention, "q_proj") and hasattr(attention, "k_proj"):
             # at the feature layer, and "cls_attention@L" at any encoder layer L
-            signals |= {"cls_attention", "cls_attention@-1"}
+            signals |= {"cls_attention", "cls_attention@-1", "keys"}  # keys: the feature layer's
             signals |= {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
             signals.add("tower_merge")  # a merge inside the tower (MustDrop), with [CLS] kept apart
         return signals
@@ -105,26 +105,34 @@ class LlavaAdapter(Adapter):
         with_cls: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
-        [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need."""
+        [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need ("cls_token": the [CLS]
+        feature, [C, Dv], for methods that send it to the LLM)."""
         tower = tower or self.tower
         self.check_select_strategy(vision_feature_select_strategy)
         layers = self._feature_layers(vision_feature_layer)
-        probes = {}  # signal name -> probe of the layer it reads
+        probes = {}  # layer -> its probe
+        wanted = {}  # signal name -> (layer, what to read)
         for name in self.encoder_method.requires:
-            if name == "cls_attention":
+            if name in ("cls_attention", "keys"):
                 layer = self._attention_layer(layers[-1])
             elif name.startswith("cls_attention@"):
                 layer = int(name.removeprefix("cls_attention@"))
             else:
                 continue
-            probes[name] = ClsAttentionProbe(tower.encoder.layers[layer].self_attn)
+            layer %= len(tower.encoder.layers)
+            probes.setdefault(layer, ClsAttentionProbe(tower.encoder.layers[layer].self_attn))
+            wanted[name] = (layer, "keys" if name == "keys" else "scores")
         with ExitStack() as stack:
             for probe in probes.values():
                 stack.enter_context(probe)
             states = hf.hidden_states(tower, layers, crops)
-        features = torch.cat([state[:, 0 if with_cls else 1 :] for state in states], dim=-1)
+        hidden = torch.cat(list(states), dim=-1)
+        features = hidden if with_cls else hidden[:, 1:]
         # callables: the [CLS] rows are computed inside the selection timer of `select`
-        signals = {name: (lambda probe=probe: probe.scores) for name, probe in probes.items()}
+        signals = {name: (lambda probe=probes[layer], read=read: getattr(probe, read))
+                   for name, (layer, read) in wanted.items()}  # fmt: skip
+        if "cls_token" in self.encoder_method.uses:
+            signals["cls_token"] = hidden[:, 0]
         return features, signals
 
     def merged_vision_tokens(

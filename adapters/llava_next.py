@@ -29,7 +29,7 @@ import torch
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.registry import register_adapter
-from vtoken.tokens import VisualTokens
+from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
 
 from . import hf
 from .base import EncodedImages, Modality
@@ -63,13 +63,20 @@ class LlavaNextAdapter(LlavaAdapter):
     layouts = ("native", "official")
     # official layouts: FasterVLM's (also MMTok's and the baselines'), HiRED's, which unpads after selecting, and
     # MustDrop's (every crop merged on its own, crops concatenated flat)
-    official_layout_methods = ("fastervlm", "mmtok", "random", "pool", "hired", "mustdrop")
+    official_layout_methods = ("fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip")
     unpads_after_selection = ("hired",)
+    newline_after_base_only = ("visionzip",)  # its official packing ends a base-only image with a newline
 
     def validate(self) -> None:
         super().validate()
         encoder = [m.name for m in self.methods if "encoder" in m.stages]
         unsupported = [name for name in encoder if name not in self.official_layout_methods]
+        placed = [m.name for m in self.methods if "encoder" in m.stages and m.acts_on == "placed"]
+        if self.layout == "official" and placed:
+            raise VTokenError(
+                f"{placed[0]} selects among the tokens as the model packs them (newlines included), which is what "
+                f"its official code does on {self.family}: use layout='native'"
+            )
         if self.layout == "official" and unsupported:
             raise VTokenError(
                 f"layout='official' on {self.family} is implemented for {', '.join(self.official_layout_methods)}; "
@@ -195,7 +202,11 @@ class LlavaNextAdapter(LlavaAdapter):
             first += layout.num_crops
             base = embeds[crops[0]]
             if layout.num_crops == 1:
-                per_image.append(base if official else torch.cat([base, newline[None].to(base)]))
+                bare = official and self.encoder_method.name not in self.newline_after_base_only
+                per_image.append(base if bare else torch.cat([base, newline[None].to(base)]))
+                continue
+            if selection.origin is not None:  # tokens with no place on the grid ([CLS], merged) follow it
+                per_image.append(self._grid_then_extras(selection, embeds, crops, stitched_index, layout, newline))
                 continue
             keys = torch.cat([stitched_index[c].to(device)[kept[c]] for c in crops[1:]])
             sub = torch.cat([embeds[c] for c in crops[1:]])
@@ -205,6 +216,31 @@ class LlavaNextAdapter(LlavaAdapter):
                 sub = _raster_with_newlines(keys, sub, layout.cols * width, newline)
             per_image.append(torch.cat([base, sub]))
         return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)
+
+    def _grid_then_extras(
+        self, selection: Selection, embeds: list[torch.Tensor], crops: range, stitched_index: list[torch.Tensor],
+        layout: AnyresLayout, newline: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """One image's sequence for a method whose output rows say where they come from (`Selection.origin`,
+        VisionZip), packed as VisionZip's official LLaVA-NeXT code does: the base view's rows as they are; the
+        sub-images' unchanged tokens on the stitched grid (official layout: raster order of the full grid; native:
+        unpadded, a newline after every row that has tokens); then every sub-image's [CLS] row, then every
+        sub-image's merged rows, crop after crop."""
+        device = embeds[crops[0]].device
+        keys, grid, cls, merged = [], [], [], []
+        for c in crops[1:]:
+            origin = selection.origin_of(c).to(device)
+            on_grid = origin >= 0
+            keys.append(stitched_index[c].to(device)[origin[on_grid]])
+            grid.append(embeds[c][on_grid])
+            cls.append(embeds[c][origin == CLS])
+            merged.append(embeds[c][origin == MERGED])
+        keys, grid = torch.cat(keys), torch.cat(grid)
+        if self.layout == "official":
+            grid = grid[keys.argsort()]
+        else:
+            grid = _raster_with_newlines(keys, grid, layout.cols * self.grid[1], newline)
+        return torch.cat([embeds[crops[0]], grid, *cls, *merged])
 
 
 def _raster_with_newlines(keys: torch.Tensor, embeds: torch.Tensor, row_length: int, newline: torch.Tensor):

@@ -45,6 +45,14 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
     def frame_grid(self) -> tuple[int, int]:
         return self.grid[0] // self.stride, self.grid[1] // self.stride
 
+    def _pooled(self, values: torch.Tensor) -> torch.Tensor:
+        """[C, N] or [C, N, d] per-patch values -> per pooled token, averaged as the resampler pools."""
+        flat = values.dim() == 2
+        maps = values[..., None] if flat else values
+        maps = maps.transpose(1, 2).reshape(maps.shape[0], maps.shape[2], *self.grid)
+        pooled = F.avg_pool2d(maps, self.stride).flatten(2).transpose(1, 2)
+        return pooled[..., 0] if flat else pooled
+
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
         if modality.name == "image":
             return super().plan(modality, pixel_values, **encoder_kwargs)
@@ -75,14 +83,9 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         patches, signals = self.vision_tokens(pixel_values.flatten(0, 1), vision_feature_layer,
                                               vision_feature_select_strategy)  # fmt: skip
         pooled = self.inner.vision_resampler(patches)  # [videos * frames, 144, Dv]
-        if "cls_attention" in signals:
-            patch_scores, grid = signals["cls_attention"], self.grid
-
-            def pooled_scores():
-                maps = patch_scores().view(-1, 1, *grid)
-                return F.avg_pool2d(maps, self.stride).flatten(1)
-
-            signals = {"cls_attention": pooled_scores}
+        # per-patch signals pooled like the features: a pooled token's score (key) is its patches' mean
+        signals = {name: (lambda read=read: self._pooled(read())) if callable(read) else read
+                   for name, read in signals.items()}  # fmt: skip
         tokens = VisualTokens(pooled, self.frame_grid, signals, torch.arange(videos).repeat_interleave(frames))
         selection, timer = self.select(tokens)
         embeds = self.inner.multi_modal_projector(selection.gather_flat(pooled))

@@ -61,7 +61,7 @@ class PerceptionLMAdapter(Adapter):
         # "resized_grid": 1-D renumbered positions take a smaller grid of any size
         signals = {"grid", "resized_grid"}
         if self.has_cls and hasattr(self.timm_model.blocks[-1].attn, "q_norm"):
-            signals.add("cls_attention")
+            signals |= {"cls_attention", "keys"}
         return signals
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
@@ -83,7 +83,7 @@ class PerceptionLMAdapter(Adapter):
         """Tiles [T, 3, H, W] -> the model's own pooled, projected tokens [T, n, D] and the signals methods need
         (callables, so that scores are computed inside the selection timer)."""
         probe = None
-        if "cls_attention" in self.encoder_method.requires:
+        if {"cls_attention", "keys"} & set(self.encoder_method.requires):
             probe = TimmRowProbe(self.timm_model.blocks[-1].attn, 0, self.timm_model.num_prefix_tokens)
             with probe:
                 hidden = self.inner.vision_tower(tiles, return_dict=True).last_hidden_state
@@ -95,13 +95,19 @@ class PerceptionLMAdapter(Adapter):
         signals = {}
         if probe is not None:
             signals["cls_attention"] = lambda: self.pooled_scores(probe.probs().mean(dim=1)[:, 1:])
+            # the patch keys before RoPE (their content, not their place), mean over heads, pooled like the features
+            prefix = self.timm_model.num_prefix_tokens
+            signals["keys"] = lambda: self.pooled_scores(probe._raw_keys.mean(dim=1)[:, prefix:])
         return features, signals
 
     def pooled_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """[T, N] patch scores -> [T, n]: averaged over the cells of the model's own adaptive pooling."""
+        """[T, N] patch scores (or [T, N, d] values) -> [T, n] ([T, n, d]): averaged over the cells of the model's
+        own adaptive pooling."""
         height, width = self.timm_model.patch_embed.grid_size
-        grid = scores.view(-1, 1, height, width)
-        return F.adaptive_avg_pool2d(grid, self.grid).flatten(1)
+        values = scores[..., None] if scores.dim() == 2 else scores
+        grid = values.transpose(1, 2).reshape(values.shape[0], values.shape[2], height, width)
+        pooled = F.adaptive_avg_pool2d(grid, self.grid).flatten(2).transpose(1, 2)
+        return pooled[..., 0] if scores.dim() == 2 else pooled
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         items, tiles = pixel_values.shape[:2]

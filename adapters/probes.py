@@ -65,6 +65,15 @@ class ClsAttentionProbe:
         return attention_row_probs(query, keys, self.scale)
 
     @property
+    def keys(self) -> torch.Tensor:
+        """[B, S - 1, d] the patch tokens' keys, mean over heads (VisionZip's similarity metric)."""
+        if self._keys is None:
+            raise RuntimeError("the probed attention layer did not run")
+        batch, seq = self._keys.shape[:2]
+        keys = self._keys.reshape(batch, seq, self.num_heads, self.head_dim).mean(dim=2)
+        return torch.cat([keys[:, : self.cls_index], keys[:, self.cls_index + 1 :]], dim=1)
+
+    @property
     def scores(self) -> torch.Tensor:
         """[B, S - 1] head-mean attention to the patch keys (the [CLS] key removed, no renormalisation)."""
         probs = self.probs().mean(dim=1)

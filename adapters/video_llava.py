@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vtoken.registry import register_adapter
-from vtoken.tokens import VisualTokens
+from vtoken.tokens import CLS, VisualTokens
 
 from .base import EncodedImages, Modality
 from .llava import LlavaAdapter
@@ -53,8 +53,13 @@ class VideoLlavaAdapter(LlavaAdapter):
         if modality.name == "image":
             return super().planned_counts(modality, run_lengths)
         patches = self.grid[0] * self.grid[1]
-        kept = self.encoder_method.planned_count(patches)
-        return [None if kept is None else run // (1 + patches) * (1 + kept) for run in run_lengths]
+        method = self.encoder_method
+        kept = method.planned_count(patches)
+        if kept is None:
+            return [None] * len(run_lengths)
+        # a frame sends its [CLS] token and its kept patches; a method that sends [CLS] itself counts it
+        per_frame = kept if "cls_token" in method.uses and kept < patches else 1 + kept
+        return [run // (1 + patches) * per_frame for run in run_lengths]
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, vision_feature_layer: Any = None,
                vision_feature_select_strategy: str | None = None) -> EncodedImages:  # fmt: skip
@@ -67,9 +72,16 @@ class VideoLlavaAdapter(LlavaAdapter):
         cls, patches = hidden[:, :1], hidden[:, 1:]
         tokens = VisualTokens(patches, self.grid, signals, torch.arange(videos).repeat_interleave(frames))
         selection, timer = self.select(tokens)
-        # each frame: its [CLS] token, then its kept patches
-        frame_tokens = [torch.cat([cls[f], patches[f, selection.kept_of(f)]]) for f in range(videos * frames)] \
-            if selection.kept is not None else list(torch.cat([cls, selection.gather(patches)], dim=1))  # fmt: skip
+        # each frame: its [CLS] token, then its kept patches (a method that sends [CLS] itself: its output)
+        if selection.kept is not None:
+            frame_tokens = [torch.cat([cls[f], patches[f, selection.kept_of(f)]]) for f in range(videos * frames)]
+        else:
+            merged = selection.gather(patches)
+            frame_tokens = [
+                merged[f] if selection.origin is not None and bool((selection.origin_of(f) == CLS).any())
+                else torch.cat([cls[f], merged[f]])
+                for f in range(videos * frames)
+            ]  # fmt: skip
         embeds = self.inner.multi_modal_projector(torch.cat(frame_tokens))
         sizes = [len(t) for t in frame_tokens]
         per_video = list(embeds.split([sum(sizes[v * frames : (v + 1) * frames]) for v in range(videos)]))

@@ -84,6 +84,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .functional import encode, select
     from .methods import (
         DART,
+        DivPrune,
         EncoderMethod,
         FasterVLM,
         FastV,
@@ -99,6 +100,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         ScoreMethod,
         SparsePrefill,
         SparseVLM,
+        VidCom2,
+        VisionZip,
+        VisPruner,
     )
     from .question import remember_tokenizer
     from .records import Record
@@ -131,6 +135,10 @@ __all__ = [
     "SparsePrefill",
     "SparseVLM",
     "PyramidDrop",
+    "VisionZip",
+    "VisPruner",
+    "DivPrune",
+    "VidCom2",
     "Method",
     "EncoderMethod",
     "PrefillMethod",

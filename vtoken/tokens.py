@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# `Selection.origin` values of output rows that pass no grid token through unchanged
+CLS = -1  # the crop's [CLS] token (`VisualTokens.signals["cls_token"]`)
+MERGED = -2  # a token merged from several
+
 
 @dataclass
 class TextQuery:
@@ -35,7 +39,9 @@ class VisualTokens:
     signals: named score signals, each [C, N] unless stated, e.g. "cls_attention" = head-mean post-softmax
         attention of the [CLS] query to each patch key in the feature layer; "projected" = [C, N, D] the tokens
         in the LLM's embedding space; "vision_features" = [C, N, Dv] vision-side features for token-to-token
-        similarity (pre-projector where the model has them).
+        similarity (pre-projector where the model has them); "keys" = [C, N, d] the feature layer's attention
+        keys of the tokens (mean over heads); "cls_token" = [C, Dv] the crop's [CLS] feature in the space of
+        `features`, given only where the model can pass it to the LLM with the crop's tokens.
     image_index: [C] index of the image each crop belongs to.
     valid: [C, N] bool, False for tokens that never reach the LLM whatever a method picks (e.g. LLaVA-NeXT
         sub-image tokens in the padded border that unpadding removes); None = all valid. Budgets count valid
@@ -76,6 +82,9 @@ class Selection:
     grid: for methods that hand back a smaller grid (Fourier-VLM), its (rows, cols): the tokens are that grid in
         raster order, and models with 2-D/3-D positions place them on it.
     protected: [C, k] bool aligned with `kept`: tokens no later stage may drop (MustDrop's key set), or None.
+    origin: for merging methods that also pass some tokens through unchanged (VisionZip), [C, k] aligned with
+        `features`: the index of the grid token each output row is, unchanged, or `CLS` / `MERGED` for a row with
+        no place on the grid. Records report the unchanged ones as kept; layouts place them on the grid.
     """
 
     kept: torch.Tensor | None = None
@@ -84,10 +93,13 @@ class Selection:
     anchors: torch.Tensor | None = None
     grid: tuple[int, int] | None = None
     protected: torch.Tensor | None = None
+    origin: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.kept is None) == (self.features is None):
             raise ValueError("Selection needs exactly one of `kept` (selection) or `features` (merging)")
+        if self.origin is not None and self.features is None:
+            raise ValueError("Selection.origin describes merged `features` rows; a plain selection has `kept`")
 
     @property
     def num_kept(self) -> int:
@@ -106,6 +118,20 @@ class Selection:
         if self.kept is None:
             return None
         return self.kept[crop] if self.counts is None else self.kept[crop, : self.counts[crop]]
+
+    def origin_of(self, crop: int) -> torch.Tensor | None:
+        """The crop's `origin` row without padding (None when the method gave none)."""
+        if self.origin is None:
+            return None
+        return self.origin[crop] if self.counts is None else self.origin[crop, : self.counts[crop]]
+
+    def unchanged_of(self, crop: int) -> torch.Tensor | None:
+        """Indices of the crop's tokens that reach the LLM unchanged, in output order (ascending for every built-in
+        method): the kept tokens, or those a merging method passes through; None for a pure merge."""
+        if self.kept is not None:
+            return self.kept_of(crop)
+        origin = self.origin_of(crop)
+        return None if origin is None else origin[origin >= 0]
 
     def gather_flat(self, features: torch.Tensor) -> torch.Tensor:
         """Output features of all crops, crop after crop: [sum of kept, D] (crops may keep different numbers)."""

@@ -2,6 +2,7 @@
 
 from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
 from .dart import DART
+from .divprune import DivPrune
 from .fastervlm import FasterVLM
 from .fastv import FastV
 from .fourier import FourierDCT
@@ -13,6 +14,9 @@ from .pyramiddrop import PyramidDrop
 from .random import Random
 from .sparse_prefill import SparsePrefill
 from .sparsevlm import SparseVLM
+from .vidcom2 import VidCom2
+from .visionzip import VisionZip
+from .vispruner import VisPruner
 
 __all__ = [
     "Method",
@@ -31,4 +35,8 @@ __all__ = [
     "Random",
     "SparsePrefill",
     "SparseVLM",
+    "VisionZip",
+    "VisPruner",
+    "DivPrune",
+    "VidCom2",
 ]

@@ -26,6 +26,13 @@ class Method:
     name: ClassVar[str] = ""
     stages: ClassVar[tuple[str, ...]] = ("encoder",)
     requires: ClassVar[tuple[str, ...]] = ()
+    # signals used where the model provides them, and done without elsewhere (VisionZip: "cls_token")
+    uses: ClassVar[tuple[str, ...]] = ()
+    # inputs it acts on: a video-only method (VidCom2) refuses images when the call starts
+    modalities: ClassVar[tuple[str, ...]] = ("image", "video")
+    # "crops": `select` gets every crop's tokens before they are packed; "placed": every image's (video's) tokens
+    # as the LLM would receive them, packed and projected, newlines included (DivPrune)
+    acts_on: ClassVar[str] = "crops"
 
 
 @dataclass
