@@ -23,7 +23,10 @@ def attention_row_probs_reference(query: torch.Tensor, keys: torch.Tensor, scale
 
     query: [B, H, d]; keys: [B, S, H, d] (the layout k_proj outputs, reshaped); returns [B, H, S] float32.
     """
-    logits = torch.einsum("bhd,bshd->bhs", query.float(), keys.float()) * scale
+    # a product and a sum over d rather than einsum: einsum's batched matmul rounds row b differently for different
+    # batch sizes, and a score that depends on the batch breaks "a padded batch equals its rows one by one" wherever
+    # scores nearly tie (random-weight towers, VisPruner's duplicate removal)
+    logits = (query.float()[:, None] * keys.float()).sum(-1).transpose(1, 2) * scale
     return logits.softmax(dim=-1)
 
 

@@ -29,36 +29,31 @@ from .base import EncoderMethod, topk_per_crop
 BLOCK = 1024  # columns of D per block when finding each token's nearest other token
 
 
-def nearest_other_distance(unit: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, L]: the second-smallest distance 1 - cos in each column of D over the valid rows (+inf where a column
-    has fewer than two valid rows). unit [B, L, D] L2-normalised fp32, valid [B, L] bool."""
-    batch, length = valid.shape
+def nearest_other_distance(unit: torch.Tensor) -> torch.Tensor:
+    """[L]: the second-smallest entry of every column of D = 1 - unit unit^T (each token's distance to its nearest
+    other token; +inf when L < 2). unit [L, D] L2-normalised fp32; D is built BLOCK columns at a time."""
+    length = unit.shape[0]
     if length < 2:
-        return unit.new_full((batch, length), float("inf"))
-    out = []
-    for start in range(0, length, BLOCK):
-        block = 1 - unit @ unit[:, start : start + BLOCK].transpose(1, 2)  # [B, L, b]
-        block = block.masked_fill(~valid[:, :, None], float("inf"))
-        out.append(block.kthvalue(2, dim=1).values)
-    return torch.cat(out, dim=1)
+        return unit.new_full((length,), float("inf"))
+    return torch.cat([(1 - unit @ unit[start : start + BLOCK].T).kthvalue(2, dim=0).values
+                      for start in range(0, length, BLOCK)])  # fmt: skip
 
 
-def max_min_diversity(features: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
-    """DivPrune's greedy picks, in pick order: [B, steps] indices of features [B, L, D] (valid [B, L] bool)."""
+def max_min_diversity(features: torch.Tensor, count: int) -> torch.Tensor:
+    """DivPrune's greedy picks for one image, in pick order: [count] indices of its tokens `features` [L, D].
+    (One image at a time: a batched matmul rounds an image's distances differently in different batches.)"""
     unit = F.normalize(features.float(), dim=-1)
-    batch = unit.shape[0]
-    rows = torch.arange(batch, device=unit.device)
-    first = nearest_other_distance(unit, valid).masked_fill(~valid, float("-inf")).argmax(-1)
+    first = nearest_other_distance(unit).argmax()  # the first maximum
     picks = [first]
-    blocked = ~valid.clone()
-    blocked[rows, first] = True
-    closest = 1 - (unit @ unit[rows, first][:, :, None]).squeeze(-1)  # [B, L] min distance to the picks
-    for _ in range(steps - 1):
-        pick = closest.masked_fill(blocked, float("-inf")).argmax(-1)  # the first maximum
+    blocked = torch.zeros(len(unit), dtype=torch.bool, device=unit.device)
+    blocked[first] = True
+    closest = 1 - unit @ unit[first]  # [L] distance to the nearest pick
+    for _ in range(count - 1):
+        pick = closest.masked_fill(blocked, float("-inf")).argmax()
         picks.append(pick)
-        blocked[rows, pick] = True
-        closest = torch.minimum(closest, 1 - (unit @ unit[rows, pick][:, :, None]).squeeze(-1))
-    return torch.stack(picks, dim=1)
+        blocked[pick] = True
+        closest = torch.minimum(closest, 1 - unit @ unit[pick])
+    return torch.stack(picks)
 
 
 @register_method
@@ -85,16 +80,12 @@ class DivPrune(EncoderMethod):
         valid = valid.to(features.device)
         counts = [self.keep_count(int(v)) if v else 0 for v in valid.sum(1).tolist()]
         n = tokens.num_tokens
-        rank = torch.full((tokens.num_crops, n + 1), float("-inf"), device=features.device)
-        todo = [c for c, count in enumerate(counts) if 0 < count < int(valid[c].sum())]
+        rank = torch.full((tokens.num_crops, n), float("-inf"), device=features.device)
         for c, count in enumerate(counts):
-            if c not in todo and count:  # keep all
-                rank[c, :n] = rank[c, :n].masked_fill(valid[c], 0.0)
-        if todo:
-            steps = max(counts[c] for c in todo)
-            picks = max_min_diversity(features[todo], valid[todo], steps)
-            order = torch.arange(steps, device=features.device)
-            limit = torch.tensor([counts[c] for c in todo], device=features.device)[:, None]
-            picks = torch.where(order < limit, picks, n)  # a crop keeps its first counts[c] picks
-            rank[todo] = rank[todo].scatter(1, picks, -order.float().expand_as(picks))
-        return topk_per_crop(rank[:, :n], counts)
+            index = valid[c].nonzero().squeeze(1)
+            if count == len(index):  # keep all
+                rank[c, index] = 0.0
+            elif count:
+                picks = index[max_min_diversity(features[c, index], count)]
+                rank[c, picks] = -torch.arange(count, device=features.device, dtype=torch.float)
+        return topk_per_crop(rank, counts)

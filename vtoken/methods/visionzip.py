@@ -39,19 +39,20 @@ OFFICIAL = (54, 10)  # dominant, contextual
 
 
 def contextual_tokens(features: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
-    """VisionZip's merge of G crops' R remaining tokens (ascending) into `count` contextual tokens.
+    """VisionZip's merge of one crop's R remaining tokens (ascending) into `count` contextual tokens.
 
-    features [G, R, Dv], keys [G, R, d] -> [G, count, Dv] in fp32: target + mean of the tokens assigned to it.
+    features [R, Dv], keys [R, d] -> [count, Dv] in fp32: target + mean of the tokens assigned to it. (One crop
+    at a time: a batched matmul rounds a crop's cosines differently in different batches.)
     """
-    remaining = features.shape[1]
+    remaining = features.shape[0]
     step = max(1, remaining // count)
     is_target = torch.zeros(remaining, dtype=torch.bool, device=features.device)
     is_target[torch.arange(0, remaining, step, device=features.device)[:count]] = True
     unit = F.normalize(keys.float(), dim=-1)
-    similarity = unit[:, ~is_target] @ unit[:, is_target].transpose(1, 2)  # [G, R - count, count]
+    similarity = unit[~is_target] @ unit[is_target].T  # [R - count, count]
     assign = F.one_hot(similarity.argmax(-1), count).float()  # argmax: the first target on ties
-    sums = assign.transpose(1, 2) @ features[:, ~is_target].float()
-    return features[:, is_target].float() + sums / assign.sum(1).clamp(min=1)[..., None]
+    sums = assign.T @ features[~is_target].float()
+    return features[is_target].float() + sums / assign.sum(0).clamp(min=1)[:, None]
 
 
 @register_method
@@ -126,9 +127,9 @@ class VisionZip(EncoderMethod):
             group = torch.arange(len(crops), device=device)[:, None]
             parts = [features[crops][group, picked]]
             if contextual:
-                merged = contextual_tokens(features[crops][group, remaining], keys[crops][group, remaining],
-                                           contextual)  # fmt: skip
-                parts.append(merged.to(features.dtype))
+                merged = [contextual_tokens(features[c, remaining[i]], keys[c, remaining[i]], contextual)
+                          for i, c in enumerate(crops)]  # fmt: skip
+                parts.append(torch.stack(merged).to(features.dtype))
             if cls is not None:
                 parts.insert(0, cls[crops][:, None].to(features.dtype))
             out = torch.cat(parts, dim=1)

@@ -32,17 +32,17 @@ from .base import EncoderMethod, topk_per_crop
 
 
 def deduplicate(unit: torch.Tensor, residual: torch.Tensor, keep: int) -> torch.Tensor:
-    """VisPruner's iterative matching: [G, R] residual token indices (rows of equal length, in attention order) ->
-    [G, keep] after dropping near-duplicates; `unit` [G, N, D] L2-normalised features."""
-    rows = torch.arange(unit.shape[0], device=unit.device)[:, None]
+    """VisPruner's iterative matching for one crop: residual token indices [R] (in attention order) -> [keep]
+    after dropping near-duplicates; `unit` [N, D] the crop's L2-normalised features. (One crop at a time: a
+    batched matmul rounds a crop's cosines differently in different batches, which would flip near-ties.)"""
     while keep > 0:
-        step = min(8, residual.shape[1] - keep)
+        step = min(8, len(residual) - keep)
         if step <= 0:
             break
-        a, b = residual[:, 0::2], residual[:, 1::2]
-        similarity = (unit[rows, a] @ unit[rows, b].transpose(1, 2)).amax(-1)  # [G, |a|]
-        order = similarity.argsort(dim=-1, descending=True, stable=True)[:, step:]  # the a-tokens that stay
-        residual = torch.cat([a.gather(1, order), b], dim=1)
+        a, b = residual[0::2], residual[1::2]
+        similarity = (unit[a] @ unit[b].T).amax(-1)  # [|a|]
+        order = similarity.argsort(descending=True, stable=True)[step:]  # the a-tokens that stay
+        residual = torch.cat([a[order], b])
     return residual
 
 
@@ -77,14 +77,13 @@ class VisPruner(EncoderMethod):
         sizes = valid.sum(1).tolist()
         counts = [self.keep_count(int(v)) if v else 0 for v in sizes]
         rank = torch.full((tokens.num_crops, n), float("-inf"), device=scores.device)
-        for size, count in sorted(set(zip(sizes, counts, strict=True))):  # crops alike run as one batch
+        for size, count in sorted(set(zip(sizes, counts, strict=True))):
             crops = [c for c in range(tokens.num_crops) if (sizes[c], counts[c]) == (size, count)]
             important = int(count * self.important_ratio)  # Python's int(), as the official code
-            group = order[crops]
-            kept = group[:, :important]
-            if count > important:
-                unit = F.normalize(features[crops].float(), dim=-1)
-                diverse = deduplicate(unit, group[:, important:size], count - important)
-                kept = torch.cat([kept, diverse], dim=1)
-            rank[crops] = rank[crops].scatter(1, kept, 1.0)
+            for c in crops:
+                kept = order[c, :important]
+                if count > important:
+                    unit = F.normalize(features[c].float(), dim=-1)
+                    kept = torch.cat([kept, deduplicate(unit, order[c, important:size], count - important)])
+                rank[c, kept] = 1.0
         return topk_per_crop(rank, counts)
