@@ -111,6 +111,7 @@ class Adapter(CallPath):
         self.layout = layout
         self._hook = None
         self._post_hook = None
+        self._ragged_hook = None
         self._llm_stages: LanguageModelStages | None = None
         self._calls = PerThread(CallState)  # per-call state, one per thread (hooks run in the calling thread)
         self._latest: list[Record] = []  # records of the most recent call of any thread
@@ -416,9 +417,23 @@ class Adapter(CallPath):
     # ----------------------------------------------------------------- install / remove
     # Every hook is a bound method of a picklable object: a patched model deep-copies (the copy's hooks are bound
     # to the copy's adapter) and pickles.
+    def _join_ragged(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        """A modality whose forward wants one [items, tokens, D] tensor, when its items kept different numbers of
+        tokens (VidCom2's videos): `prepare` hands generate a list (its beam expansion splits lists by placeholder
+        counts), and the forward gets all items as one [1, total, D] item, which fills the placeholders alike."""
+        outputs = kwargs.get("mm_encoder_outputs") or {}
+        joined = {}
+        for name in self.stacked_features:
+            out = outputs.get(name)
+            if out is not None and isinstance(out.pooler_output, list):
+                joined[name] = type(out)(**{**out, "pooler_output": torch.cat(out.pooler_output)[None]})
+        return (args, dict(kwargs, mm_encoder_outputs={**outputs, **joined})) if joined else None
+
     def install(self) -> None:
         model = self.model
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        if self.stacked_features:
+            self._ragged_hook = self.inner.register_forward_pre_hook(self._join_ragged, with_kwargs=True)
         if self.prefill_method is not None:
             self._llm_stages = LanguageModelStages(self, self.prefill_method)
             self._llm_stages.install()
@@ -434,7 +449,7 @@ class Adapter(CallPath):
         if getattr(self, "_sparse", None) is not None:
             self._sparse.remove()
         self.installed = False
-        for name in ("_hook", "_post_hook"):
+        for name in ("_hook", "_post_hook", "_ragged_hook"):
             if getattr(self, name) is not None:
                 getattr(self, name).remove()
                 setattr(self, name, None)

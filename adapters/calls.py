@@ -85,7 +85,8 @@ class CallPath:
             records += encoded.records
             if encoded.protected is not None:
                 protected_parts[modality] = torch.cat(encoded.protected)
-            stack = modality.name in self.stacked_features
+            # a list where items differ in length: `_join_ragged` joins them for the forward
+            stack = modality.name in self.stacked_features and len({len(f) for f in encoded.features}) == 1
             features = torch.stack(encoded.features) if stack else encoded.features
             mm[modality.name] = self.encoder_output(encoded, features)
             if compressed.changed:

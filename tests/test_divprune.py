@@ -141,7 +141,7 @@ def test_qwen2_vl_keeps_original_positions():
     keep[placeholders[kept]] = True
     ref_logits, ref_tokens = _reference_generate(model, inputs, keep.nonzero().squeeze(1), stock[kept], steps=4)
     assert logits.shape == ref_logits.shape and (logits - ref_logits).abs().max() <= 1e-5
-    assert torch.equal(generated, ref_tokens)
+    assert torch.equal(generated, ref_tokens[:, : generated.shape[1]])  # generate stops at EOS
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))

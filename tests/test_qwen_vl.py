@@ -59,8 +59,8 @@ def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
     text = torch.arange(ids.shape[1])[None, None]
     with torch.no_grad():
         embeds = model.get_input_embeddings()(ids)
-        embeds[ids == model.config.image_token_id] = image_embeds
-        embeds[ids == model.config.video_token_id] = image_embeds if (ids == model.config.video_token_id).any() else 0
+        visual = (ids == model.config.image_token_id) | (ids == model.config.video_token_id)
+        embeds[visual] = image_embeds  # an image's or a video's kept tokens
         out = inner.language_model(inputs_embeds=embeds, position_ids=torch.cat([text, positions]), use_cache=True)
         logits = model.lm_head(out.last_hidden_state)
         tokens, cache, nxt = [], hf.cache_out(out), int(positions.max()) + 1
