@@ -48,7 +48,7 @@ VIDEO = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-
          "tiny-perception-lm"}  # fmt: skip
 QWEN3 = {"tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}
 OFFICIAL_LAYOUT = {"tiny-llava-next", "tiny-llava-next-video"}
-OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop"}
+OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip"}
 # no [CLS] attention to score by
 NO_CLS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-gemma3", "tiny-fastvlm"} | QWEN3
 MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl"} | QWEN3  # (t, h, w) positions: an LLM stage keeps the original ones
@@ -64,7 +64,11 @@ REFUSED = {
     "dart": {"tiny-gemma3"},
     "pyramiddrop": {"tiny-gemma3"},
     "sparsevlm": {"tiny-gemma3"} | MROPE,  # it renumbers positions (its merged tokens have none of their own)
+    "visionzip": NO_CLS,
+    "vispruner": NO_CLS,
+    "vidcom2": set(TINY_MODELS) - VIDEO,  # videos only
 }
+SENDS_CLS = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video", "tiny-video-llava"}  # VisionZip's [CLS]
 HIRED_BANDS_ONLY = {"tiny-internvl"}  # the processor gives the tile count, not the grid: partition="tiles" refused
 QUESTIONS = (
     "what is in the image?",
@@ -96,7 +100,8 @@ fractions = st.floats(min_value=0.01, max_value=1.0)
 budgets = st.one_of(fractions, st.integers(min_value=1, max_value=800), st.just(1.0))
 
 
-ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop")
+ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop", "visionzip", "vispruner",
+                   "divprune", "vidcom2")  # fmt: skip
 PREFILL_METHODS = ("fastv", "dart", "pyramiddrop", "sparsevlm")  # LLM stages that compose with encoder methods
 METHODS = (*ENCODER_METHODS, *PREFILL_METHODS)
 
@@ -118,6 +123,14 @@ def encoder_methods(draw, name: str, full: bool = False):
         return vtoken.MMTok(
             budget=budget, alpha=draw(st.floats(0, 2)), tau_vv=draw(st.floats(0.05, 1)), question=question
         )
+    if name == "visionzip":
+        if full or draw(st.booleans()):
+            return vtoken.VisionZip(budget=budget)
+        return vtoken.VisionZip(dominant=draw(st.integers(1, 120)), contextual=draw(st.integers(0, 40)))
+    if name == "vispruner":
+        return vtoken.VisPruner(budget=budget, important_ratio=draw(st.floats(0, 1)))
+    if name in ("divprune", "vidcom2"):
+        return vtoken.make_method(name, budget=budget)
     if name == "hired":
         rate = 1.0 if full else draw(fractions)
         return vtoken.HiRED(rate=rate, alpha=draw(st.floats(0, 1)), partition=draw(st.sampled_from(["bands", "tiles"])))
@@ -249,7 +262,7 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
     """Where `patch` must refuse (the docs' "n/a" cells, layouts, drop points deeper than the LLM)."""
     for method in stack:
         name = method.name
-        if name in ("fastervlm", "hired", "fourier") and family in REFUSED[name]:
+        if name in ("fastervlm", "hired", "fourier", "visionzip", "vispruner", "vidcom2") and family in REFUSED[name]:
             return True
         if name == "hired" and method.partition == "tiles" and family in HIRED_BANDS_ONLY:
             return True
@@ -269,7 +282,9 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
 
 def refused_at_call(family: str, stack: list, modality: str) -> bool:
     """Inputs a patched model refuses when the call starts: Fourier-VLM on anyres images of families whose videos
-    it takes."""
+    it takes; VidCom2 on images."""
+    if modality == "image" and stack[0].name == "vidcom2":
+        return True
     return modality == "image" and family in ("tiny-onevision", "tiny-llava-next-video") and stack[0].name == "fourier"
 
 
@@ -345,7 +360,8 @@ def check_encoder_records(family: str, method, records: list) -> None:
     for r in records:
         if r.kept is not None and r.stage == "encoder":
             kept = r.kept.tolist()
-            assert len(kept) == r.tokens_out and kept == sorted(set(kept)), r
+            assert kept == sorted(set(kept)), r
+            assert len(kept) == r.tokens_out or method.name == "visionzip", r  # VisionZip: the dominant patches
             assert all(0 <= k < r.grid[0] * r.grid[1] for k in kept), r
         assert 0 <= r.tokens_out <= r.tokens_in or r.stage == "decode.kv", r
     name = method.name
@@ -364,6 +380,21 @@ def check_encoder_records(family: str, method, records: list) -> None:
     elif name == "fourier":
         for r in mine:
             assert r.tokens_out == expected_fourier(method, r.grid), r
+    elif name in ("vispruner", "divprune"):  # per crop; DivPrune: per image (video), its placed tokens
+        for r in mine:
+            assert r.tokens_out == keep(method.budget, r.tokens_in), r
+    elif name == "visionzip":
+        for r in mine:
+            dominant, contextual = method.split(r.tokens_in)
+            assert r.tokens_out == min(dominant + contextual, r.tokens_in), r
+            if dominant + contextual < r.tokens_in:  # [CLS] among the D where the LLM can take it
+                assert len(r.kept) == dominant - (family in SENDS_CLS), r
+    elif name == "vidcom2":  # frame budgets follow the data: at least one token a frame, frames in order per video
+        groups = defaultdict(list)
+        for r in mine:
+            assert r.modality == "video" and 1 <= r.tokens_out <= r.tokens_in, r
+            groups[r.image].append(r.crop)
+        assert all(crops == list(range(len(crops))) for crops in groups.values()), groups
     elif name == "hired":
         groups = defaultdict(list)
         for r in mine:
@@ -483,6 +514,9 @@ def test_budgets_are_exact_errors_are_vtoken_errors_and_unpatch_restores(name, d
             int((ids == getattr(model.config, a, -1)).sum()) for a in ("image_token_id", "video_token_id")
         )
         uncounted = llm_length - (length - placeholders + counted_out)  # newlines, pass-through [CLS] tokens
+        if encoder.name == "visionzip" and family == "tiny-video-llava" and modality == "video":
+            # a frame whose [CLS] VisionZip sends (counted) instead of the adapter (uncounted)
+            counted_in += sum(1 for r in records if r.stage == "encoder" and len(r.kept) < r.tokens_out)
         if layout == "official":  # crops packed flat, nothing uncounted
             assert uncounted == 0, (length, placeholders, llm_length, counted_out)
         elif family in NEWLINES and modality == "image":  # newlines of rows left empty go too
@@ -543,6 +577,10 @@ def test_keeping_every_token_is_the_unpatched_model(name, data):
         stack[0] = vtoken.Random(budget=1.0)  # HiRED re-splits an anyres image's budget even at rate 1
     if stack[0].name == "mustdrop" and family != "tiny-llava":
         stack[0] = vtoken.Pool(budget=1.0)  # on LLaVA-NeXT MustDrop needs the official (different) layout
+    if stack[0].name == "vidcom2":
+        stack[0] = vtoken.Random(
+            budget=1.0
+        )  # no keep-all setting: at R = 1 frames less unique than average lose tokens
     stack = applicable(family, modality, stack, vtoken.Pool(budget=1.0))
     inputs = make_inputs(processor, data.draw(rows(family, modality, 1), label="rows"))
     with torch.no_grad():
