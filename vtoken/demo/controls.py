@@ -47,6 +47,8 @@ def control_specs() -> list[Control]:
             "hired": [("budget", "budget"), ("alpha", "float"), ("partition", "choice")],
             "mmtok": [("budget", "budget"), ("scope", "choice"), ("alpha", "float")],
             "fourier": [("budget", "budget"), ("reserve", "optional_int"), ("ratio", "optional_float")],
+            "visionzip": [("budget", "budget")],  # D + C per crop, split 54:10 as the official settings
+            "vispruner": [("budget", "budget"), ("important_ratio", "float")],
             "sparse_prefill": [
                 ("pattern", "choice"),
                 ("density", "optional_float"),
@@ -77,6 +79,8 @@ def default_params(model, name: str) -> dict[str, Any]:
         params.update(keep=method_class(name)().counts, budget=None)
     if name == "sparse_prefill":  # its defaults run dense below 32k tokens: a demo prompt is far shorter
         params.update(sink=4, block_size=16, min_length=64)
+    if name == "visionzip":  # its budget form at the official 54 + 10 tokens per crop
+        params.update(budget=64)
     return params
 
 
@@ -153,7 +157,7 @@ def make_control(gr, control: Control, defaults: dict[str, Any]):
     if control.kind == "budget":  # text, so that 0.25 (a fraction) and 144 (a count) stay apart; no clamping
         return gr.Textbox(value=str(value), label=f"{label}: {BUDGET_HINT}")
     if control.kind == "float":
-        top = 1.0 if control.param in ("alpha", "key_rate", "merge_threshold") else None
+        top = 1.0 if control.param in ("alpha", "key_rate", "merge_threshold", "important_ratio") else None
         if top is None:
             return gr.Number(value=value, label=label)
         return gr.Slider(0.0, top, value=value, step=0.01, label=label)

@@ -180,18 +180,32 @@ def picture(outcome, model, processor, inputs, image=None, frames=None, probe=No
     configurations without an encoder stage and for the unpatched model."""
     adapter = outcome.adapter
     encoder_method = adapter.encoder_method if adapter is not None else None
-    if encoder_method is not None:
+    placed = encoder_method is not None and encoder_method.acts_on == "placed"
+    if encoder_method is not None and not placed:
         crops = _crops(outcome.records, encoder_method, outcome.merges)
         if not crops:
             return Image.new("RGB", (TILE, TILE), "white"), "no visual tokens recorded"
-    else:
-        records, probe_adapter = probe if probe is not None else probe_records(model, inputs)
+    else:  # no encoder stage, or one that selects among the packed tokens (DivPrune): drawn on the whole crops
+        if probe is None or placed:
+            probe = probe_records(model, inputs, adapter.layout if adapter is not None else "native")
+        records, probe_adapter = probe
         crops = _crops(records, None, [])
         adapter = adapter or probe_adapter
     notes = []
     keep = {c.index: c.keep.copy() for c in crops}
+    order = llm_order(crops, outcome.adapter if outcome.adapter is not None else adapter, inputs)
+    if placed:  # its kept indices are positions in the item's packed sequence: `order` maps them onto the crops
+        record = next((r for r in outcome.records if r.stage == "encoder" and r.image == 0), None)
+        if record is None or record.tokens_in != len(order):
+            notes.append(f"{encoder_method.name}'s picks cannot be mapped onto this layout; all tokens shown")
+        else:
+            order = [order[k] for k in record.kept.cpu().tolist()]
+            chosen = {pair for token in order for pair in token}
+            for c in crops:
+                cells = np.zeros(c.grid[0] * c.grid[1], dtype=bool)
+                cells[[cell for crop, cell in chosen if crop == c.index]] = True
+                keep[c.index] &= cells
     if any(r.stage.startswith("prefill.") for r in outcome.records):
-        order = llm_order(crops, outcome.adapter if outcome.adapter is not None else adapter, inputs)
         alive = survivors(order, outcome.records)
         if alive is None:
             notes.append("the LLM-stage drops cannot be mapped onto this layout; encoder stage shown")
