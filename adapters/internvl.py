@@ -208,7 +208,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
             return F.avg_pool2d(maps, self.group).flatten(1)
 
         def shuffled_keys(probe: ClsAttentionProbe) -> torch.Tensor:  # a token's key: its group's, concatenated
-            keys = probe.keys.reshape(hidden.shape[0], side, side, -1)
+            keys = probe.patch_keys.reshape(hidden.shape[0], side, side, -1)
             shuffled = self.inner.pixel_shuffle(keys, scale_factor=self.model.config.downsample_ratio)
             return shuffled.reshape(hidden.shape[0], self.tokens_per_crop, -1)
 

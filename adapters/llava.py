@@ -121,7 +121,7 @@ class LlavaAdapter(Adapter):
                 continue
             layer %= len(tower.encoder.layers)
             probes.setdefault(layer, ClsAttentionProbe(tower.encoder.layers[layer].self_attn))
-            wanted[name] = (layer, "keys" if name == "keys" else "scores")
+            wanted[name] = (layer, "patch_keys" if name == "keys" else "scores")
         with ExitStack() as stack:
             for probe in probes.values():
                 stack.enter_context(probe)

@@ -65,7 +65,7 @@ class ClsAttentionProbe:
         return attention_row_probs(query, keys, self.scale)
 
     @property
-    def keys(self) -> torch.Tensor:
+    def patch_keys(self) -> torch.Tensor:
         """[B, S - 1, d] the patch tokens' keys, mean over heads (VisionZip's similarity metric)."""
         if self._keys is None:
             raise RuntimeError("the probed attention layer did not run")

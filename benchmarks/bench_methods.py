@@ -1,13 +1,16 @@
-"""Every encoder-stage method at 50/25/10/5 % on LLaVA-1.5-7B-, LLaVA-NeXT-7B- and Qwen2.5-VL-7B-shaped models,
-next to random, pool and the oracle: time to first token, selection overhead, peak memory. Also MMTok's greedy
-coverage at N ~ 3,000 tokens against the prefill it saves.
+"""Every encoder-stage method at 50/25/10/5 % on LLaVA-1.5-7B-, LLaVA-NeXT-7B- and Qwen2.5-VL-7B-shaped models and
+a LLaVA-OneVision-7B-shaped video, next to random, pool and the oracle: time to first token, selection overhead,
+peak memory. Also MMTok's greedy coverage at N ~ 3,000 tokens against the prefill it saves.
 
 Real widths (random weights): CLIP ViT-L/14-336 + Vicuna-7B for both LLaVAs (LLaVA-NeXT on a 672 x 672 image: a
-2 x 2 crop grid + base view, 2,880 visual tokens), Qwen2.5-VL-7B on an 896 x 896 image (1,024). On a CPU the LLM
-and the towers are cut to `--cpu-layers` layers (towers to at least 2, so that [CLS] attention exists at the
-feature layer); the table says so. The oracle keeps the first k tokens of every crop with zero selection cost
-(bench_families.py); methods whose budgets are per image (HiRED) or per grid side (Fourier-VLM) keep slightly
-different counts, so the visual-token column is shown next to every speedup.
+2 x 2 crop grid + base view, 2,880 visual tokens), Qwen2.5-VL-7B on an 896 x 896 image (1,024), LLaVA-OneVision-7B
+on a video of `--frames` frames (196 pooled tokens each + 1 newline; default 32 on a GPU, 8 on a CPU). On a CPU
+the LLM and the towers are cut to `--cpu-layers` layers (towers to at least 2, so that [CLS] attention exists at
+the feature layer); the table says so. VisionZip's budget is D + C per crop (split 54:10); DivPrune's is of each
+image's placed tokens (newlines included); VidCom2's is the video's rate, frame budgets follow the data. The oracle
+keeps the first k tokens of every crop with zero selection cost (bench_families.py); methods whose budgets are per
+image (HiRED, DivPrune), per grid side (Fourier-VLM) or per video (VidCom2) keep slightly different counts, so the
+visual-token column is shown next to every speedup.
 
     python benchmarks/bench_methods.py                  # CPU, cut depth
     python benchmarks/bench_methods.py --device cuda    # GPU, full depth, bf16
@@ -23,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
-from bench_families import _build, image_encoder, measure, qwen25_vl_7b  # noqa: E402
+from bench_families import _build, image_encoder, measure, onevision_7b, qwen25_vl_7b, video_encoder  # noqa: E402
 
 import vtoken  # noqa: E402
 from vtoken.images import example_image  # noqa: E402
@@ -38,11 +41,16 @@ METHODS = {
     "fourier": lambda b: vtoken.FourierDCT(budget=b),
     "random": lambda b: vtoken.Random(budget=b),
     "pool": lambda b: vtoken.Pool(budget=b),
+    "visionzip": lambda b: vtoken.VisionZip(budget=b),
+    "vispruner": lambda b: vtoken.VisPruner(budget=b),
+    "divprune": lambda b: vtoken.DivPrune(budget=b),
+    "vidcom2": lambda b: vtoken.VidCom2(budget=b),
 }
 APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the others are n/a)
-    "llava-1.5-7b": ("fastervlm", "hired", "mmtok", "fourier", "random", "pool"),
-    "llava-next-7b": ("fastervlm", "hired", "mmtok", "random", "pool"),
-    "qwen2.5-vl-7b": ("mmtok", "fourier", "random", "pool"),
+    "llava-1.5-7b": ("fastervlm", "hired", "mmtok", "fourier", "visionzip", "vispruner", "divprune", "random", "pool"),
+    "llava-next-7b": ("fastervlm", "hired", "mmtok", "visionzip", "vispruner", "divprune", "random", "pool"),
+    "qwen2.5-vl-7b": ("mmtok", "fourier", "divprune", "random", "pool"),
+    "llava-onevision-7b video": ("vidcom2", "divprune", "mmtok", "random", "pool"),
 }
 
 
@@ -128,14 +136,17 @@ def greedy_scaling(device, dtype, repeats: int) -> list[dict]:
 def main() -> None:
     parser = common.ttft_parser(__doc__, "LLM depth on a CPU (towers: at least 2)")
     parser.add_argument("--only", choices=list(APPLIES), default=None)
+    parser.add_argument("--frames", type=int, default=None, help="video frames (default: 32 on cuda, 8 on cpu)")
     args = parser.parse_args()
     device, dtype, layers, repeats = common.run_settings(args)
     cuda = device.type == "cuda"
+    frames = args.frames or (32 if cuda else 8)
 
     cases = {
         "llava-1.5-7b": (llava15_7b, llava_encoder),
         "llava-next-7b": (llava_next_7b, llava_next_encoder),
         "qwen2.5-vl-7b": (qwen25_vl_7b, image_encoder),
+        "llava-onevision-7b video": (lambda *a: onevision_7b(*a, frames=frames), video_encoder),
     }
     results, lines = {}, []
     for title, (build, encoder) in cases.items():
@@ -147,6 +158,7 @@ def main() -> None:
         rows = measure(title, model, inputs, args.budgets, repeats, device, dtype, encoder, methods)
         results[title] = rows
         depth = "full depth" if layers is None else f"LLM cut to {layers} layer(s), tower to {max(layers, 2)}"
+        depth += f", {frames} frames" if "video" in title else ""
         seconds = time.perf_counter() - started
         prompt = inputs["input_ids"].shape[1]
         lines += common.ttft_table(f"{title} ({depth}, prompt {prompt} tokens, {seconds:.0f} s):", rows)

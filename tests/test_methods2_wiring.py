@@ -50,3 +50,33 @@ def test_eval_and_cli_take_them_by_name():
         assert method_params(name, 0.1) == {"budget": 0.1}
     with pytest.raises(vtoken.VTokenError, match="either the budget"):
         build_methods("visionzip", {"budget": 64, "dominant": 54}, [])
+
+
+def test_the_functional_api_runs_them_on_a_bare_tower(llava, photos):
+    """`vtoken.encode` gives the [CLS] row and the keys of a CLIP tower's block; `vtoken.select` runs VisionZip,
+    VisPruner and DivPrune on them exactly as `vtoken.patch` does on the model; VidCom2 needs videos."""
+    import torch
+    from conftest import inputs_for
+    from test_visionzip import _eager_signals, reference
+
+    model, processor = llava
+    pixel_values = inputs_for(processor, [photos["rocket"]], ["what?"])["pixel_values"]
+    tower = model.model.vision_tower
+    with torch.no_grad():
+        features, signals = vtoken.encode(tower, pixel_values, layer=-2, signals=("cls_attention", "keys"))
+    scores, keys, patches, _ = _eager_signals(tower, pixel_values)
+    torch.testing.assert_close(signals["keys"], keys, rtol=1e-5, atol=1e-5)
+    merged, index = vtoken.select(vtoken.VisionZip(dominant=12, contextual=4), features, signals=signals)
+    rows, _ = reference(scores[0], keys[0], patches[0], None, 12, 4)
+    assert index is None and merged.shape == (1, 16, features.shape[-1])
+    torch.testing.assert_close(merged[0], rows, rtol=1e-4, atol=1e-5)
+    kept, index = vtoken.select(vtoken.VisPruner(budget=20), features, signals=signals)
+    with torch.no_grad(), vtoken.patched(model, vtoken.VisPruner(budget=20)) as handle:
+        model(**inputs_for(processor, [photos["rocket"]], ["what?"]))
+    assert index[0].tolist() == handle.records[0].kept.tolist()
+    _, index = vtoken.select(vtoken.DivPrune(budget=9), features)
+    assert index.shape == (1, 9)
+    with pytest.raises(vtoken.VTokenError, match="vidcom2 acts on videos"):
+        vtoken.select(vtoken.VidCom2(), features)
+    with pytest.raises(vtoken.InputError, match=r"signals\['keys'\].*\[B, N, d\]"):
+        vtoken.select(vtoken.VisionZip(), features, signals={**signals, "keys": signals["cls_attention"]})

@@ -21,14 +21,16 @@ from .methods.hired import HiRED
 from .tokens import TextQuery, VisualTokens
 from .towers import tower_of
 
-ACCEPTED_SIGNALS = '"cls_attention" (at `layer`) and "cls_attention@L" (at block L, Python-style index)'
+ACCEPTED_SIGNALS = (
+    '"cls_attention" (at `layer`), "cls_attention@L" (at block L, Python-style index) and "keys" (at `layer`)'
+)
 # signals `select` fills itself (from the arguments) rather than reading them from `signals`
 _BUILT_IN = frozenset({"grid", "resized_grid", "question", "projected", "vision_features"})
 
 
 def _signal_block(name: object, layer: int) -> int:
     """The block index a signal name reads (before normalisation), or a VTokenError naming the accepted names."""
-    if name == "cls_attention":
+    if name in ("cls_attention", "keys"):
         return layer
     if isinstance(name, str) and name.startswith("cls_attention@"):
         try:
@@ -53,11 +55,13 @@ def encode(
         (LLaVA's `vision_feature_layer=-2` is the output of `blocks[-2]`).
     signals: names to compute: "cls_attention" = head-mean post-softmax attention of the [CLS] query in block
         `layer`, softmax over all keys (prefix tokens included), read at the patch keys, not renormalised;
-        "cls_attention@L" the same in block L. The tower keeps its fused attention (SDPA / need_weights=False):
-        the rows are computed from what the block computes anyway, by hooks removed before returning.
+        "cls_attention@L" the same in block L; "keys" = block `layer`'s attention keys of the patches as its
+        attention uses them (timm: after QK-norm and RoPE), mean over heads, [B, N, d] (VisionZip). The tower
+        keeps its fused attention (SDPA / need_weights=False): the rows are computed from what the block
+        computes anyway, by hooks removed before returning.
 
     Returns features [B, N, D] (the block's raw output, no final norm, prefix tokens removed) and a dict of
-    [B, N] float32 signals. Blocks after the last one needed do not run.
+    [B, N] float32 signals ("keys": [B, N, d]). Blocks after the last one needed do not run.
     """
     view = tower_of(tower)
     block = view.block_index(layer)
@@ -69,7 +73,11 @@ def encode(
     last = max([block, *wanted.values()])
     hidden = view.capture(pixel_values, block, list(probes.values()), last)
     prefix = view.num_prefix_tokens
-    scores = {name: probe.probs().mean(dim=1)[:, prefix:] for name, probe in probes.items()}
+    scores = {name: probe.probs().mean(dim=1)[:, prefix:] for name, probe in probes.items()}  # also sets the keys
+    for name, probe in probes.items():
+        if name == "keys":  # transformers towers' probe gives the patch keys; the others [B, S, H, d]
+            keys = getattr(probe, "patch_keys", None)
+            scores[name] = keys.float() if keys is not None else probe.keys.float().mean(dim=2)[:, prefix:]
     return hidden[:, prefix:], scores
 
 
@@ -84,7 +92,9 @@ def select(
     """Run an encoder-stage method on features [B, N, D] of B images (each an H x W grid in raster order).
 
     method: random, pool, FasterVLM, HiRED (its single-crop rule: the top int(N * rate) by "cls_attention"),
-        MMTok, Fourier-VLM, or any `EncoderMethod` that needs only these inputs.
+        MMTok, Fourier-VLM, VisPruner, VisionZip (signals "cls_attention" and "keys"; a [B, D] "cls_token" is sent
+        first when given; its rows are merged features), DivPrune (each image's tokens as your LLM receives
+        them), or any `EncoderMethod` that needs only these inputs.
     grid: (H, W) with H * W = N; None for a square grid.
     signals: what the method needs (e.g. `encode(..., signals=("cls_attention",))`'s dict), each [B, N].
     text (MMTok): the question's LLM input embeddings: [T, D] for every image, [B, T, D], or a list of B [T_b, D].
@@ -95,13 +105,19 @@ def select(
     Returns (kept, index): kept [B, k, D] the tokens for the LLM, k by the library's budget rule
     (`vtoken.tokens_to_keep`); index [B, k] ascending, for selecting methods the kept token's position in the
     N-token grid, for pooling the patch at each pooled cell's centre (`pool`), and None for methods that hand
-    back a new, smaller grid (Fourier-VLM: kept is its h x w grid in raster order).
+    back a new, smaller grid (Fourier-VLM: kept is its h x w grid in raster order) or merged rows (VisionZip).
     """
     if not isinstance(method, EncoderMethod) or method.stages != ("encoder",) or "tower_merge" in method.requires:
         name = getattr(method, "name", type(method).__name__)
         raise VTokenError(
             f"select runs encoder-stage methods that work on features alone (random, pool, fastervlm, hired, mmtok, "
-            f"fourier); {name!r} acts inside the tower or the LLM: use vtoken.patch on a supported model"
+            f"fourier, vispruner, visionzip, divprune); {name!r} acts inside the tower or the LLM: use vtoken.patch "
+            "on a supported model"
+        )
+    if "image" not in method.modalities:
+        raise VTokenError(
+            f"select takes images, one per row of `features`; {method.name} acts on videos (its budgets are shared "
+            "out over a video's frames): use vtoken.patch on a supported video model"
         )
     if not isinstance(features, torch.Tensor) or features.dim() != 3:
         shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
@@ -125,10 +141,15 @@ def select(
             f"vtoken.encode(tower, pixel_values, layer=..., signals={tuple(missing)!r})"
         )
     for name in needed:
-        if tuple(signals[name].shape) != (batch, n):
-            raise InputError(
-                f"signals[{name!r}] has shape {tuple(signals[name].shape)}; expected [B, N] = {[batch, n]}"
-            )
+        per_token = name == "keys"  # [B, N, d]; every other signal [B, N]
+        shape = tuple(signals[name].shape)
+        if shape[:2] != (batch, n) or len(shape) != 2 + per_token:
+            expected = f"[B, N, d] = {[batch, n, 'd']}" if per_token else f"[B, N] = {[batch, n]}"
+            raise InputError(f"signals[{name!r}] has shape {shape}; expected {expected}")
+    if "projected" in method.requires and "projected" not in signals:
+        signals["projected"] = project(features) if project is not None else features
+    if "vision_features" in method.requires:
+        signals.setdefault("vision_features", features)
     question = None
     if "question" in method.requires:
         question = _text_query(text, batch)
