@@ -79,8 +79,6 @@ def default_params(model, name: str) -> dict[str, Any]:
         params.update(keep=method_class(name)().counts, budget=None)
     if name == "sparse_prefill":  # its defaults run dense below 32k tokens: a demo prompt is far shorter
         params.update(sink=4, block_size=16, min_length=64)
-    if name == "visionzip":  # its budget form at the official 54 + 10 tokens per crop
-        params.update(budget=64)
     return params
 
 
