@@ -47,7 +47,10 @@ def test_eval_and_cli_take_them_by_name():
                                                           for b in (64, 0.25)]  # fmt: skip
     assert build_methods("visionzip", {"budget": 64}, [])[0].split(576) == (54, 10)
     for name in ("visionzip", "vispruner", "divprune", "vidcom2"):
-        assert method_params(name, 0.1) == {"budget": 0.1}
+        assert method_params(name, 0.1) == {f"{name}.budget": 0.1}
+    # VisionZip's dominant/contextual stand for its budget: the CLI's default budget is not added beside them
+    assert method_params("visionzip", None, ["dominant=108", "contextual=20"]) == {"dominant": 108, "contextual": 20}
+    assert method_params("visionzip", None) == {"visionzip.budget": 0.25}
     with pytest.raises(vtoken.VTokenError, match="either the budget"):
         build_methods("visionzip", {"budget": 64, "dominant": 54}, [])
 

@@ -60,7 +60,9 @@ def method_params(spec: str, budget: float | int | None, params: list[str] = ())
         accepted = {f.name for f in fields(method_class(name))}
         knobs = ["budget"] if budget is None else ["budget", "keep"]
         knob = next((k for k in knobs if k in accepted), None)
-        if knob is not None and (name, knob) not in explicit:
+        # parameters that stand for the budget (VisionZip's dominant/contextual): given, the budget is not set
+        instead = getattr(method_class(name), "budget_alternatives", ())
+        if knob is not None and (name, knob) not in explicit and not any((name, p) in explicit for p in instead):
             out[f"{name}.{knob}"] = DEFAULT_BUDGET if budget is None else budget
     return {**out, **given}
 

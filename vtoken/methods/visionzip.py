@@ -68,6 +68,7 @@ class VisionZip(EncoderMethod):
     requires = ("cls_attention", "keys")
     uses = ("cls_token",)  # sent first where the model can take it
     scopes = ("crop",)
+    budget_alternatives = ("dominant", "contextual")  # the CLI sets no default budget when one is given
 
     def __post_init__(self) -> None:
         self.scope = choice(self.name, "scope", self.scope, self.scopes)
