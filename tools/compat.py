@@ -17,7 +17,7 @@ import platform
 import re
 import sys
 import xml.etree.ElementTree as ET
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +120,9 @@ def parse_junit(path: Path) -> list[Outcome]:
             if child is not None:
                 outcome = {"failure": "failed"}.get(tag, tag)
                 message = _first_line(child.get("message")) or _first_line(child.text)
+                if message == "collection failure":  # pytest's generic text: the raised error is in the traceback
+                    raised = [line[1:].strip() for line in (child.text or "").splitlines() if line.startswith("E ")]
+                    message = _first_line("\n".join(raised)) or message
                 break
         outcomes.append(Outcome(file, name, outcome, message))
     return outcomes
@@ -177,10 +180,12 @@ def report(outcomes: list[Outcome], installed: dict[str, str], locked: dict[str,
     for outcome in bad:
         by_file[outcome.file].append(outcome)
     if by_file:
-        lines.append("failures by test file:")
+        lines.append("failures by test file (count, first tests, the most common first message line):")
         for file, cases in sorted(by_file.items(), key=lambda item: (-len(item[1]), item[0])):
             names = ", ".join(c.name for c in cases[:3]) + (", ..." if len(cases) > 3 else "")
-            lines.append(f"  {file:<42} {len(cases):>4}  {names}")
+            lines.append(f"  {file:<42} {len(cases):>4}  {names[:120]}")
+            message, count = Counter(c.message or c.outcome for c in cases).most_common(1)[0]
+            lines.append(f"      {count}x {message[:160]}")
 
     contract = [o for o in outcomes if o.file == CONTRACT_FILE]
     broken = [o for o in contract if o.outcome in ("failed", "error")]
