@@ -66,7 +66,8 @@ $(MIN_VENV)/.stamp: $(VENV)/.test-stamp $(MIN_LOCK)
 
 setup: $(VENV)/.setup-stamp
 
-test-setup: $(VENV)/.test-stamp browser
+# the vLLM plugin's tests (tests/test_vllm*.py) drive engines in .venv-vllm: part of the test set-up
+test-setup: $(VENV)/.test-stamp browser vllm-venv
 
 test-min-setup: $(MIN_VENV)/.stamp
 
@@ -89,7 +90,6 @@ endif
 		'torch', torch.__version__, 'transformers', transformers.__version__)"
 	@rm -f $@ && touch $@
 
-# not part of `make test` yet: the coordinator wires it in when the vLLM tests land
 vllm-venv: $(VLLM_VENV)/.stamp
 
 # Debian's chromium for the browser test (playwright's own browser download cannot work offline)
