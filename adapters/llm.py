@@ -294,9 +294,19 @@ class QueryKeyProbe:
 
     def keys(self, key_valid: torch.Tensor) -> torch.Tensor:
         """[B, S, H * d] post-rotary keys of every token, heads concatenated, GQA key heads repeated (as
-        `repeat_kv` groups them) so that each query head has its key."""
+        `repeat_kv` groups them) so that each query head has its key.
+
+        Each row's keys are rotated as the row alone would have them, its first real token (`key_valid` [B, S])
+        at position 0: a left-padded row numbered from its padding (plain `model(**inputs)` on LLaVA-style models)
+        is rotated back by that token's position. Attention is blind to the shift (RoPE is relative); a key's own
+        norm is not, and DART ranks by it."""
         _, k, rotary = self._take(key_valid)
         k = self._rotated_keys(k, rotary)
+        if rotary is not None:
+            first = key_valid.long().argmax(1)[:, None, None]  # [B, 1, 1] each row's first real column
+            cos, sin = (t.expand(k.shape[0], *t.shape[1:]) for t in rotary)
+            cos, sin = (t.gather(1, first.expand(-1, -1, t.shape[-1])) for t in (cos, sin))  # [B, 1, d]
+            k = self._rotary(k, k, cos, -sin)[1]  # R(-p) R(p + i) = R(i)
         k = k.repeat_interleave(self.heads // k.shape[1], dim=1)
         return k.transpose(1, 2).flatten(2)
 

@@ -361,7 +361,8 @@ def prefill_summary(records, row=None):
 def test_padded_batches_and_beams_equal_rows_alone(deep_llava, photos, name):
     """Invariant 5: a left-padded batch generates (12 greedy tokens, per-step logits) and beam-searches (with
     num_return_sequences) exactly what each row does alone; left- and right-padded forwards give each row's logits
-    and records alone."""
+    and records alone, the left-padded one also numbered from its padding (a plain `model(**inputs)`: RoPE moves
+    every key, which DART's key norms must not see)."""
     model, processor = deep_llava
     left, singles = two_rows(processor, photos, "left")
     right, _ = two_rows(processor, photos, "right")
@@ -382,9 +383,10 @@ def test_padded_batches_and_beams_equal_rows_alone(deep_llava, photos, name):
             beam_alone = model.generate(**one, **beams)
             assert torch.equal(beam_out[2 * row : 2 * row + 2, width:], beam_alone[:, length:])
             alone.append((model(**one).logits[0], prefill_summary(handle.records)))
-        for side, inputs in (("left", left), ("right", right)):
+        cases = (("left", left, "generate"), ("left", left, "columns"), ("right", right, "generate"))
+        for side, inputs, numbering in cases:
             positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # as generate numbers them
-            logits = model(**inputs, position_ids=positions).logits
+            logits = model(**inputs, **({"position_ids": positions} if numbering == "generate" else {})).logits
             records = handle.records
             for row, (expected, expected_records) in enumerate(alone):
                 got = logits[row, : expected.shape[0]] if side == "right" else logits[row, -expected.shape[0] :]
