@@ -293,15 +293,6 @@ class Adapter(CallPath):
         """Hook: model kwargs of the shrunk prompt before the stock forward/generate sees them."""
         return kwargs
 
-    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor, past: int) -> Any:
-        """Positions of a manual decoding step after a pruned prefill, given the step's remapped `mask`, the
-        tokens each row lost and the cache length."""
-        positions = kwargs.get("position_ids")
-        steps = mask.shape[1] - past
-        if positions is None:
-            return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
-        return positions - lost.to(positions.device)[:, None] if self.positions == "renumber" else positions
-
     @property
     def inner(self) -> nn.Module:
         """The model under the LM head: vision tower(s), projector and language model."""
@@ -437,7 +428,7 @@ class Adapter(CallPath):
         if self.prefill_method is not None:
             self._llm_stages = LanguageModelStages(self, self.prefill_method)
             self._llm_stages.install()
-            self._post_hook = model.register_forward_hook(self._post_forward)
+        self._post_hook = model.register_forward_hook(self._post_forward)
         self.installed = True
         if hasattr(model, "generate"):
             self._own_generate = model.__dict__.get("generate")

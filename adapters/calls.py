@@ -21,10 +21,14 @@ from transformers import DynamicCache
 from vtoken.errors import InputError
 
 from . import hf
+from .conversation import ConversationPath, cached_length, forget, remember_prompt
 from .prompt import compress_prompt, gather_columns
 
+# generate arguments (or generation-config fields) that switch on assisted decoding
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
-class CallPath:
+
+class CallPath(ConversationPath):
     """The call-time half of `Adapter`: everything that runs inside `model(...)` / `model.generate(...)`."""
 
     # ----------------------------------------------------------------- the shared encode + shrink step
@@ -152,9 +156,14 @@ class CallPath:
         return (), kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        """With an LLM stage, the loss of a forward given labels: the model's own loss function over the sequence
-        the last decoder layers ran on (the kept columns; a dropped column takes its label with it)."""
+        """Leave the map of a pruned prompt on the cache the forward returns; with an LLM stage, the loss of a
+        forward given labels: the model's own loss function over the sequence the last decoder layers ran on (the
+        kept columns; a dropped column takes its label with it)."""
         state = self._state
+        filled, state.filled = state.filled, None
+        if filled is not None and not state.in_generate:
+            cache = hf.cache_out(output)
+            remember_prompt(cache, filled)
         given, state.labels = state.labels, None
         if given is None or state.in_generate:
             return None
@@ -185,48 +194,21 @@ class CallPath:
 
     def _forward_kwargs(self, kwargs: dict) -> dict:
         """What the stock forward of a plain `model(...)` call gets: the shrunk prompt and pre-encoded features,
-        a decoding step mapped onto the shrunk prompt, or the call unchanged."""
-        if not self.present(kwargs):
-            continued = self._continue_decoding(kwargs)
-            if continued is None:
-                self.records, self._state.last_prompt = [], None
-            return continued or kwargs
-        if self.encoder_method is None:  # LLM stages only: the stock encoder runs
-            self.records, self._state.last_prompt, self._state.protected = [], None, None
+        new tokens on a cache mapped onto what the cache holds, or the call unchanged."""
+        state = self._state
+        state.filled = None
+        cache = hf.cache_in(kwargs)
+        past = cached_length(cache)
+        if past:  # decoding steps and later turns keep the records of the call that filled the cache
+            return self._continue_forward(kwargs, cache, past)
+        forget(cache)
+        if not self.present(kwargs) or self.encoder_method is None:  # no images, or LLM stages only
+            self.records, state.protected = [], None
             return kwargs
-        original_len = kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else None
-        caller_mask = kwargs.get("attention_mask")
-        kwargs, changed = self.prepare(kwargs)
-        shrunk = (kwargs["input_ids"].shape[1], kwargs.get("attention_mask"))
-        self._state.last_prompt = (original_len, caller_mask, *shrunk) if changed else None
+        caller_ids, caller_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        kwargs, _ = self.prepare(kwargs)
+        state.filled = self._cached_prompt(caller_ids, caller_mask, kwargs)  # left on the cache after the forward
         return kwargs
-
-    def _continue_decoding(self, kwargs: dict) -> dict | None:
-        """Map a manual decoding step after a pruned `model(...)` call onto the shrunk prompt.
-
-        The caller's mask covers the original prompt (L columns) plus new tokens, the cache the shrunk prompt
-        (L' columns) plus the same new tokens: swap the prompt part of the mask, and let `decode_positions` place
-        the new tokens. Returns None when the call is not such a step.
-        """
-        cache, mask = hf.cache_in(kwargs), kwargs.get("attention_mask")
-        last_prompt = self._state.last_prompt
-        if last_prompt is None or cache is None or mask is None or mask.dim() != 2:
-            return None
-        original_len, caller_mask, new_len, prompt_mask = last_prompt
-        new_ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        past = cache.get_seq_length()
-        if new_ids is None or mask.shape[0] != (caller_mask.shape[0] if caller_mask is not None else mask.shape[0]):
-            return None
-        if mask.shape[1] != past + new_ids.shape[1] + original_len - new_len:
-            return None
-        batch = mask.shape[0]
-        if prompt_mask is None:
-            prompt_mask = torch.ones(batch, new_len, dtype=mask.dtype, device=mask.device)
-        caller_mask = caller_mask if caller_mask is not None else torch.ones(batch, original_len, device=mask.device)
-        lost = caller_mask.long().sum(1) - prompt_mask.long().sum(1)
-        mask = torch.cat([prompt_mask.to(mask.dtype), mask[:, original_len:]], dim=1)
-        positions = self.decode_positions(kwargs, mask, lost, past)
-        return dict(kwargs, attention_mask=mask, position_ids=positions)
 
     @torch.no_grad()
     def _patched_generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -236,33 +218,72 @@ class CallPath:
         kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
         if isinstance(kwargs.get("inputs"), torch.Tensor) and kwargs.get("input_ids") is None:
             kwargs["input_ids"] = kwargs.pop("inputs")
+        self._refuse_assisted(kwargs)
         if self._llm_stages is not None:
             kwargs = self._llm_generate_kwargs(kwargs)
         state = self._state
-        if not self.present(kwargs) or self.encoder_method is None:
-            self.records, state.protected = [], None
-            state.in_generate = True
-            try:
-                return self.stock_generate(**kwargs)
-            finally:
-                state.in_generate = False
-        original_ids = kwargs.get("input_ids")
-        max_length = self._max_length(kwargs)
-        if max_length is not None and original_ids.shape[1] >= max_length:
+        cache = hf.cache_in(kwargs)
+        past = cached_length(cache)
+        if not past:
+            forget(cache)
+        caller_ids, caller_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        continuing = past and caller_ids is not None
+        prunes = continuing or (self.present(kwargs) and self.encoder_method is not None)
+        max_length = self._max_length(kwargs) if prunes else None
+        if max_length is not None and caller_ids.shape[1] >= max_length:
             raise InputError(  # the stock check, with the caller's lengths (not the shrunk prompt's)
-                f"Input length of input_ids is {original_ids.shape[1]}, but `max_length` is set to {max_length}. "
+                f"Input length of input_ids is {caller_ids.shape[1]}, but `max_length` is set to {max_length}. "
                 "This can lead to unexpected behavior. You should consider increasing `max_length` or, better yet, "
                 "setting `max_new_tokens`."
             )
-        kwargs, changed = self.prepare(kwargs)
-        if changed and max_length is not None:  # max_length counts the caller's prompt
-            kwargs["max_length"] = max_length - (original_ids.shape[1] - kwargs["input_ids"].shape[1])
+        changed = False
+        if continuing:
+            kwargs, changed = self._continue_generate(kwargs, cache, past)
+        elif prunes:
+            kwargs, changed = self.prepare(kwargs)
+        else:
+            self.records, state.protected = [], None
+        if changed:
+            if max_length is not None:  # max_length counts the caller's prompt
+                kwargs["max_length"] = max_length - (caller_ids.shape[1] - kwargs["input_ids"].shape[1])
+            if kwargs.get("streamer") is not None:  # the streamer sees the caller's prompt, as the result does
+                kwargs["streamer"] = CallersPrompt(kwargs["streamer"], caller_ids)
         state.in_generate = True
         try:
             out = self.stock_generate(**kwargs)
         finally:
             state.in_generate = False
-        return _restore_prompt(out, original_ids, kwargs["input_ids"].shape[1]) if changed else out
+        filled = cache if cache is not None else hf.cache_out(out)
+        if filled is not None and caller_ids is not None and kwargs.get("input_ids") is not None:
+            remember_prompt(filled, self._cached_prompt(caller_ids, caller_mask, kwargs))
+        return _restore_prompt(out, caller_ids, kwargs["input_ids"].shape[1]) if changed else out
+
+    def _refuse_assisted(self, kwargs: dict[str, Any]) -> None:
+        """Assisted decoding (an assistant model, prompt lookup) verifies several tokens per forward, its first
+        forward runs the prompt and the first candidates together, and it crops the cache where candidates are
+        rejected; refused at the start of the call where that cannot give plain decoding's tokens."""
+        config = kwargs.get("generation_config") or self.model.generation_config
+        used = [name for name in ASSISTED if kwargs.get(name, getattr(config, name, None)) is not None]
+        if not used:
+            return
+        named = ", ".join(f"{name}=" for name in used)
+        inside = [m.name for m in self.methods if set(m.stages) & {"prefill", "decode", "sparse"}]
+        if inside:
+            raise InputError(
+                f"assisted decoding ({named}) is not supported with {', '.join(inside)}, which acts inside the LLM: "
+                "assisted decoding runs the prompt together with the first candidate tokens and crops the cache where "
+                "candidates are rejected, so the prefill would see other tokens than plain decoding and the per-layer "
+                "caches would be cut wrongly. Generate without it, or use an encoder-stage method"
+            )
+        if kwargs.get("prompt_lookup_num_tokens", getattr(config, "prompt_lookup_num_tokens", None)) is not None:
+            present = self.present(kwargs)
+            if present:
+                raise InputError(
+                    f"assisted decoding by prompt lookup (prompt_lookup_num_tokens=) proposes tokens copied from the "
+                    f"prompt, here {present[0].name} placeholders, which the model then cannot match with "
+                    f"{present[0].name} features (transformers fails the same way without vtoken); generate without "
+                    "it, use assistant_model=, or use prompt lookup on later text-only turns (with past_key_values)"
+                )
 
     def _max_length(self, kwargs: dict[str, Any]) -> int | None:
         """The `max_length` set for this call (by it, its generation config or the model's), which stock generate
@@ -283,6 +304,23 @@ class CallPath:
         if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
             kwargs = dict(kwargs, use_cache=True)
         return kwargs
+
+
+class CallersPrompt:
+    """A streamer (transformers' `put`/`end` protocol) standing in for the caller's: generate's first `put` (the
+    prompt, shrunk) hands on the caller's own prompt [B, L] instead; every later `put` and `end` pass through."""
+
+    def __init__(self, streamer: Any, prompt: torch.Tensor):
+        self.streamer = streamer
+        self._prompt = prompt.cpu()
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt is not None:
+            value, self._prompt = self._prompt, None
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
 
 
 def _restore_prompt(out: Any, original_ids: torch.Tensor, shrunk_length: int) -> Any:

@@ -29,6 +29,7 @@ from vtoken.timing import Stopwatch
 from vtoken.tokens import LayerTokens, Merged, TextTokens
 
 from . import hf
+from .conversation import remember_views, views_of
 from .state import PerThread
 
 
@@ -389,9 +390,10 @@ class LanguageModelStages:
         self.renumber = method.positions == "renumber"
         self._hooks: list = []
         self._probes: dict[int, QueryKeyProbe] = {}
-        # per call, in the adapter's per-thread `CallState`: `prefill` (a `_Prefill` while one runs), `views` (per
-        # layer, what its cache holds; None: the prompt), `decode` (per layer, its overrides in a decoding step),
-        # `prompt_length`, and `final_columns` (the prompt columns the last layers ran on)
+        # per call, in the adapter's per-thread `CallState`: `prefill` (a `_Prefill` while one runs), `decode` (per
+        # layer, its overrides in a decoding step), `prompt_length`, and `final_columns` (the prompt columns the
+        # last layers ran on). What each layer's cache holds (per layer a view; None: the prompt) is left on the
+        # cache itself (`conversation.remember_views`): a later call on that cache reads it there
 
     @property
     def _call(self):
@@ -456,14 +458,17 @@ class LanguageModelStages:
         call = self._call
         call.prefill, call.decode = None, {}
         if embeds is None:
-            call.views = None
-        elif past == 0:
-            call.views, call.final_columns = None, None
+            return
+        if past == 0:
+            call.final_columns = None
+            remember_views(cache, None)
             visual = self.adapter.visual_mask_for(tuple(embeds.shape[:2]))
             if visual is not None and bool(visual.any()):
                 self._start_prefill(embeds, kwargs, visual, cache)
-        elif call.views is not None:
-            self._start_decode(embeds, kwargs, cache, past)
+            return
+        held = views_of(cache)  # what each layer's cache holds, left there by the prefill that filled it
+        if held is not None:
+            self._start_decode(embeds, kwargs, cache, past, *held)
 
     def _start_prefill(self, embeds, kwargs, visual, cache) -> None:
         if cache is not None:
@@ -497,14 +502,20 @@ class LanguageModelStages:
         for probe in self._probes.values():
             probe.active = True
 
-    def _start_decode(self, embeds, kwargs, cache, past) -> None:
+    def _start_decode(self, embeds, kwargs, cache, past, views, prompt_length) -> None:
         batch, steps = embeds.shape[:2]
         mask = kwargs.get("attention_mask")
         full = past + steps
+        if past < prompt_length:
+            raise InputError(
+                f"past_key_values holds {past} tokens, fewer than the {prompt_length} of the prompt "
+                f"{self.method.name} pruned into it (was it cropped?); its layers hold different lengths, so it can "
+                "only grow: continue from the whole cache, or start again without one"
+            )
         if mask is None:
             mask = torch.ones(batch, full, dtype=torch.long, device=embeds.device)
         call = self._call
-        if mask.dim() != 2 or mask.shape[1] != full or past < call.prompt_length:
+        if mask.dim() != 2 or mask.shape[1] != full:
             raise InputError(
                 f"a decoding step after {self.method.name}'s pruned prefill needs a 2-D attention_mask covering "
                 f"the prompt and every token since ({full} columns here, as generate() passes it); got "
@@ -513,9 +524,9 @@ class LanguageModelStages:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(past, full, device=embeds.device).expand(batch, -1)
-        new_columns = mask[:, call.prompt_length :].long()
+        new_columns = mask[:, prompt_length:].long()
         done: dict[int, _Overrides] = {}
-        for index, view in enumerate(call.views):
+        for index, view in enumerate(views):
             if view is None:
                 continue
             if id(view) not in done:
@@ -739,7 +750,7 @@ class LanguageModelStages:
                 if record.stage.startswith("prefill"):
                     record.extra["layer_average"] = average[record.image]
         self.adapter.records = self.adapter.records + records
-        call.views = views if state.cache is not None else None
+        remember_views(state.cache, (views, call.prompt_length))
         call.final_columns = state.view.column
 
     def _cut(self, state: _Prefill, views: list[LayerView | None]) -> list[Record]:

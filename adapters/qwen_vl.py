@@ -140,15 +140,36 @@ class QwenVLAdapter(Adapter):
         hf.set_rope_deltas(self.inner, (largest + 1 - valid.sum(1))[:, None])
         return dict(kwargs, position_ids=positions)
 
-    def decode_positions(self, kwargs: dict[str, Any], mask: torch.Tensor, lost: torch.Tensor, past: int) -> Any:
-        """New tokens continue after the largest prompt position: text row from the mask, t/h/w rows offset by
-        the rope delta stored at prefill. (Explicit, since the stock fallback returns positions for the whole
-        mask rather than the new tokens in transformers 5.23.)"""
-        if kwargs.get("position_ids") is not None:
-            return kwargs["position_ids"]
-        steps = mask.shape[1] - past
-        text = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -steps:]
-        rope = (text + hf.rope_deltas(self.inner).to(text.device))[None].expand(3, -1, -1)
+    def position_offset(self, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """[B] the rope delta decoding continues with after the prompt in `kwargs`: its largest t/h/w position + 1
+        minus its real tokens (the stock model's `rope_deltas`; computed here when the stock encoder runs)."""
+        positions, mask, ids = kwargs.get("position_ids"), kwargs.get("attention_mask"), kwargs["input_ids"]
+        if positions is None or positions.dim() != 3:
+            grids = {key: kwargs.get(key) for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+            if kwargs.get("mm_token_type_ids") is None or (grids["image_grid_thw"] is None
+                                                          and grids["video_grid_thw"] is None):  # fmt: skip
+                return None  # text only: positions are the text positions
+            positions = self._rope_positions(kwargs, grids)
+        valid = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        largest = positions[-3:].masked_fill(~valid.to(positions.device)[None], -1).amax(dim=(0, 2))
+        return largest + 1 - valid.sum(1).to(largest.device)
+
+    def continued_positions(
+        self, mask: torch.Tensor, past: int, tail_positions: torch.Tensor | None, offset: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[4, B, past + n]: the text row over the real tokens of `mask`; t/h/w rows continue where decoding would
+        (text position + rope delta), the new tokens' own visual positions (`tail_positions`, counted from their
+        first real token) moved there. The cached columns' t/h/w rows are the text row + delta (never read)."""
+        text = (mask.long().cumsum(-1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
+        if offset is None:  # a cache no patched call filled: the stock model's own delta, as it would use
+            deltas = hf.rope_deltas(self.inner)
+            offset = torch.zeros(mask.shape[0], dtype=torch.long) if deltas is None else deltas.view(-1)
+            offset = offset.repeat_interleave(mask.shape[0] // offset.shape[0])
+        offset = offset.to(text.device)
+        rope = (text + offset[:, None])[None].repeat(3, 1, 1)
+        if tail_positions is not None:
+            start = mask[:, :past].long().sum(1) + offset  # the position of each row's first new real token
+            rope[:, :, past:] = tail_positions[-3:].to(rope) + start[None, :, None]
         return torch.cat([text[None], rope])
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:

@@ -41,10 +41,10 @@ class CallState:
     records: the records of the thread's most recent call (`called`: whether the thread made one).
     visual / protected: [B, L] visual tokens of the LLM's current input / tokens an encoder stage protected.
     in_generate: the thread is inside the patched generate (its forwards already get the shrunk prompt).
-    last_prompt: (original length, caller's mask, shrunk length, shrunk mask) of the last pruned model(...) call.
+    filled: the map of a pruned model(...) prompt, left on the cache the forward returns (`conversation.py`).
     questions: the prompt question of every image of the call (methods that read the question).
     labels: labels of a plain forward with an LLM stage, applied to the kept columns after the forward.
-    prefill / views / decode / prompt_length / final_columns: the LLM stages' state (see `adapters/llm.py`).
+    prefill / decode / prompt_length / final_columns: the LLM stages' state (see `adapters/llm.py`).
     family: per-family extras (e.g. Qwen's resized grids).
     """
 
@@ -54,11 +54,10 @@ class CallState:
         self.visual = None
         self.protected = None
         self.in_generate = False
-        self.last_prompt = None
+        self.filled = None
         self.questions: list[str] = []
         self.labels = None
         self.prefill = None
-        self.views = None
         self.decode: dict = {}
         self.prompt_length = 0
         self.final_columns = None
