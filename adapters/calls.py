@@ -275,6 +275,14 @@ class CallPath(ConversationPath):
                 "candidates are rejected, so the prefill would see other tokens than plain decoding and the per-layer "
                 "caches would be cut wrongly. Generate without it, or use an encoder-stage method"
             )
+        past = cached_length(kwargs.get("past_key_values"))
+        if past:
+            raise InputError(
+                f"assisted decoding ({named}) does not continue from past_key_values ({past} tokens here): "
+                "its first step runs the whole input_ids again on top of the cache, so it gives other tokens than "
+                "plain decoding (transformers does so without vtoken too). Generate this turn without it, or pass "
+                "the whole conversation without past_key_values"
+            )
         if kwargs.get("prompt_lookup_num_tokens", getattr(config, "prompt_lookup_num_tokens", None)) is not None:
             present = self.present(kwargs)
             if present:
@@ -282,7 +290,7 @@ class CallPath(ConversationPath):
                     f"assisted decoding by prompt lookup (prompt_lookup_num_tokens=) proposes tokens copied from the "
                     f"prompt, here {present[0].name} placeholders, which the model then cannot match with "
                     f"{present[0].name} features (transformers fails the same way without vtoken); generate without "
-                    "it, use assistant_model=, or use prompt lookup on later text-only turns (with past_key_values)"
+                    "it, or use assistant_model="
                 )
 
     def _max_length(self, kwargs: dict[str, Any]) -> int | None:

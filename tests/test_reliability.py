@@ -1,6 +1,7 @@
-"""Reliability under real use (issue 16): threads, both padding sides, copies, pickling, use_cache, batch
-records, labels and static caches. Every test compares against the same call made alone, an independently
-patched model, the stock model or a loss computed by hand."""
+"""Reliability under real use (issues 16 and 23): threads, both padding sides, copies, pickling, use_cache, batch
+records, labels, static caches, assisted decoding and compiled models. Every test compares against the same call
+made alone, an independently patched model, the stock or uncompiled model or a loss computed by hand. (Multi-turn
+chat and streaming: test_chat.py.)"""
 
 import contextlib
 import copy
@@ -14,7 +15,7 @@ from transformers import StaticCache
 from vtoken.adapters import hf
 
 import vtoken
-from vtoken.zoo import build_prompt, tiny_llava
+from vtoken.zoo import TINY_MODELS, build_prompt, tiny_llava
 
 METHODS = {
     "fastervlm": lambda: vtoken.FasterVLM(budget=0.25),
@@ -375,3 +376,79 @@ def test_a_patched_model_pickles_and_the_copy_is_patched_on_its_own(prompts):
     assert not torch.allclose(stock[1], expected[1])
     unpatched = _logits(loaded, prompts[0])
     assert torch.equal(unpatched[0], stock[0]) and torch.equal(unpatched[1], stock[1])
+
+
+# ----------------------------------------------------------------------------------------------- 11. assisted decoding
+ASSISTED = {"assistant_model": None, "prompt_lookup_num_tokens": 3}  # None: an unpatched copy of the model
+
+
+def _assisted(model, kind):
+    return {kind: copy.deepcopy(model) if kind == "assistant_model" else ASSISTED[kind]}
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "tiny-internvl", "tiny-gemma3"])
+def test_assisted_decoding_with_an_encoder_stage_is_plain_greedy(name, photos):
+    """An assistant model (an unpatched copy, handed the pruned prompt and features as transformers hands it the
+    main model's) gives exactly the patched model's plain greedy tokens."""
+    model, processor = TINY_MODELS[name]()
+    inputs = inputs_for(processor, [photos["chelsea"]], ["what is in the image?"])
+    extra = _assisted(model, "assistant_model")
+    with vtoken.patched(model, vtoken.Random(budget=0.25)), torch.no_grad():
+        plain = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assisted = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False, **extra)
+    assert torch.equal(assisted, plain)
+
+
+INSIDE_THE_LLM = {
+    "fastv": lambda: vtoken.FastV(layer=2, keep=0.25),
+    "mustdrop": METHODS["mustdrop"],
+    "sparse_prefill": lambda: vtoken.SparsePrefill(pattern="a_shape", min_length=16, block_size=16),
+}
+
+
+@pytest.mark.parametrize("kind", list(ASSISTED))
+@pytest.mark.parametrize("name", list(INSIDE_THE_LLM))
+def test_assisted_decoding_with_a_stage_inside_the_llm_is_refused_first(llava4, prompts, name, kind):
+    """Assisted decoding runs the prompt with the first candidates and crops the cache on rejection (FastV and
+    MustDrop gave other tokens, or failed mid-generate contradicting themselves): refused before anything runs,
+    naming assisted decoding and the method; with generation-config settings too."""
+    model, _ = llava4
+    calls = []
+    hook = model.model.language_model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with vtoken.patched(model, INSIDE_THE_LLM[name]()), torch.no_grad():
+            with pytest.raises(vtoken.InputError, match=f"assisted decoding \\({kind}=\\).*{name}"):
+                model.generate(**prompts[0], **GREEDY, **_assisted(model, kind))
+            if kind == "prompt_lookup_num_tokens":
+                config = copy.deepcopy(model.generation_config)
+                config.prompt_lookup_num_tokens = 3
+                with pytest.raises(vtoken.InputError, match="assisted decoding"):
+                    model.generate(**prompts[0], max_new_tokens=3, generation_config=config)
+    finally:
+        hook.remove()
+    assert calls == []
+
+
+def test_prompt_lookup_with_images_and_assisted_turns_on_a_cache_are_refused_first(llava4, prompts):
+    """Prompt lookup proposes the prompt's image placeholders as candidates (transformers fails with a feature
+    count mismatch, unpatched too); assisted decoding on a cache runs the cached tokens again (other tokens than
+    plain decoding, unpatched too): both refused before anything runs, naming the reason."""
+    model, _ = llava4
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="do not match"):  # the stock failure this replaces
+            model.generate(**prompts[0], **GREEDY, prompt_lookup_num_tokens=3)
+    calls = []
+    with vtoken.patched(model, METHODS["fastervlm"]()), torch.no_grad():
+        first = model.generate(**prompts[0], **GREEDY, return_dict_in_generate=True)
+        hook = model.model.language_model.register_forward_pre_hook(lambda *a: calls.append(1))
+        try:
+            with pytest.raises(vtoken.InputError, match="prompt lookup .* image placeholders"):
+                model.generate(**prompts[0], **GREEDY, prompt_lookup_num_tokens=3)
+            ids = torch.cat([first.sequences, first.sequences[:, -3:]], dim=1)
+            for kind in ASSISTED:
+                with pytest.raises(vtoken.InputError, match="does not continue from past_key_values"):
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **GREEDY,
+                                   past_key_values=first.past_key_values, **_assisted(model, kind))  # fmt: skip
+        finally:
+            hook.remove()
+    assert calls == []
