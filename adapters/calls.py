@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from vtoken.errors import InputError
 
 from . import hf
+from .compiled import eager
 from .conversation import ConversationPath, cached_length, forget, remember_prompt
 from .prompt import compress_prompt, gather_columns
 
@@ -137,6 +138,7 @@ class CallPath(ConversationPath):
             return None
         return protected.repeat_interleave(shape[0] // protected.shape[0], dim=0)
 
+    @eager
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if args:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
@@ -155,6 +157,7 @@ class CallPath(ConversationPath):
         self._note_visual(kwargs)
         return (), kwargs
 
+    @eager
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """Leave the map of a pruned prompt on the cache the forward returns; with an LLM stage, the loss of a
         forward given labels: the model's own loss function over the sequence the last decoder layers ran on (the

@@ -29,6 +29,7 @@ from vtoken.timing import Stopwatch
 from vtoken.tokens import LayerTokens, Merged, TextTokens
 
 from . import hf
+from .compiled import eager
 from .conversation import remember_views, views_of
 from .state import PerThread
 
@@ -216,9 +217,11 @@ class QueryKeyProbe:
     def _store(self) -> dict[str, Any]:
         return self._captures.get().store
 
+    @eager
     def _on_output(self, name: str, module, args, output) -> None:
         self._keep(name, output)
 
+    @eager
     def _on_fused(self, module, args, output) -> None:
         """A fused qkv_proj's output [B, S, (H + 2 Hkv) * d]: queries first, then keys."""
         queries, keys = self._fused
@@ -229,6 +232,7 @@ class QueryKeyProbe:
         if self.active:
             self._store[name] = value
 
+    @eager
     def _on_input(self, module, args, kwargs) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
         self._keep("length", None if hidden is None else hidden.shape[1])
@@ -449,6 +453,7 @@ class LanguageModelStages:
         return None if prefill is None else prefill.view.column
 
     # ----------------------------------------------------------------- the LLM call
+    @eager
     def _before_lm(self, module, args, kwargs) -> None:
         embeds = kwargs.get("inputs_embeds")
         if embeds is None and kwargs.get("input_ids") is not None:
@@ -551,6 +556,7 @@ class LanguageModelStages:
         recurrent = hf.recurrent_mask(self.lm.config, hidden, mask, cache)
         return {"linear_attention": recurrent, "full_attention": causal}
 
+    @eager
     def _layer_input(self, index: int, module, args, kwargs):
         """Pre-hook of decoder layer `index`: the mask, positions and rotary tables of the sequence it runs on."""
         call = self._call
@@ -572,6 +578,7 @@ class LanguageModelStages:
             kwargs["position_embeddings"] = overrides.position_embeddings
         return args, kwargs
 
+    @eager
     def _layer_output(self, index: int, module, args, output):
         """Hook after drop layer `index`: the hidden states of the kept tokens."""
         if self._call.prefill is None:
@@ -727,6 +734,7 @@ class LanguageModelStages:
         ]
 
     # ----------------------------------------------------------------- after the prefill: the decode stage
+    @eager
     def _after_lm(self, module, args, output) -> None:
         call = self._call
         state = call.prefill

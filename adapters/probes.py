@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from vtoken.kernels import attention_row_probs
 
+from .compiled import eager
+
 
 class ClsAttentionProbe:
     """[CLS]->patch post-softmax attention of one ViT self-attention layer, head-mean, patch keys only.
@@ -34,10 +36,12 @@ class ClsAttentionProbe:
         self._hooks: list = []
         self._thread: int | None = None
 
+    @eager
     def _on_query(self, module, args, output):
         if threading.get_ident() == self._thread:
             self._query = output[:, self.cls_index]
 
+    @eager
     def _on_keys(self, module, args, output):
         if threading.get_ident() == self._thread:
             self._keys = output

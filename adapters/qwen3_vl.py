@@ -28,6 +28,7 @@ from vtoken.registry import register_adapter
 
 from . import hf
 from .base import EncodedImages
+from .compiled import eager
 from .qwen_vl import QwenVLAdapter
 
 
@@ -64,6 +65,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
         self.language_model.__dict__.pop("_deepstack_process", None)
         super().remove()
 
+    @eager
     def _deepstack(self, hidden, visual_pos_masks, visual_embeds) -> torch.Tensor:
         """Add each remaining visual token's DeepStack features at its slot of a sequence shortened by a drop.
 

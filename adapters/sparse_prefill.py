@@ -34,12 +34,14 @@ from vtoken.records import Record
 from vtoken.timing import Stopwatch
 
 from . import hf
+from .compiled import eager
 from .state import PerThread
 
 # attention module -> its stage, both weakly held: a patched model dropped without `unpatch` is still freed
 _STAGES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[SparseAttention]] = weakref.WeakKeyDictionary()
 
 
+@eager
 def sparse_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -174,6 +176,7 @@ class SparseAttention:
             self._saved = []
 
     # ----------------------------------------------------------------- per call
+    @eager
     def _before_lm(self, module, args, kwargs) -> None:
         embeds = kwargs.get("inputs_embeds")
         shape = embeds.shape[:2] if embeds is not None else kwargs["input_ids"].shape
@@ -184,6 +187,7 @@ class SparseAttention:
             call.video = self._video_layout(tuple(shape))
         self._local.get().call = call
 
+    @eager
     def _after_lm(self, module, args, output) -> None:
         call, self._local.get().call = self._local.get().call, None
         if call is None:
@@ -321,12 +325,14 @@ class SparseAttention:
             return [pixels.shape[1]] * pixels.shape[0]
         return None
 
+    @eager
     def _frames_hook(self, module, args, kwargs) -> None:
         if self._local.get().generate_frames is None:
             self._local.get().frames = self._frames_of(kwargs)
         else:
             self._local.get().frames = self._local.get().generate_frames
 
+    @eager
     def _ids_hook(self, module, args, kwargs) -> None:
         self._local.get().ids = kwargs.get("input_ids")
 

@@ -6,6 +6,7 @@ chat and streaming: test_chat.py.)"""
 import contextlib
 import copy
 import io
+import os
 import threading
 
 import pytest
@@ -452,3 +453,61 @@ def test_prompt_lookup_with_images_and_assisted_turns_on_a_cache_are_refused_fir
         finally:
             hook.remove()
     assert calls == []
+
+
+# ----------------------------------------------------------------------------------------------- 12. torch.compile
+# Each compiled case traces the whole model (~15-30 s here on CPU), so the suite compiles one family per adapter path
+# (1-D RoPE with a [CLS] probe, InternVL's probe with QK-norm, M-RoPE with DeepStack, the hybrid LLM) with the "eager"
+# backend, and LLaVA with "aot_eager" too; VTOKEN_COMPILE_FAMILIES=all runs every family (inductor was checked by
+# hand, see docs/reliability.md).
+COMPILED = ["tiny-llava", "tiny-internvl", "tiny-qwen3-vl", "tiny-qwen3.5"]
+if os.environ.get("VTOKEN_COMPILE_FAMILIES") == "all":
+    COMPILED = sorted(TINY_MODELS)
+
+
+def _stack(model, name):
+    """An encoder method ([CLS]-scored FasterVLM where the tower has [CLS]) and FastV where the family takes it."""
+    cls = name in ("tiny-llava", "tiny-internvl", "tiny-llava-next", "tiny-video-llava", "tiny-llava-next-video")
+    stack = [vtoken.FasterVLM(budget=0.25) if cls else vtoken.Random(budget=0.25)]
+    if name != "tiny-gemma3":
+        text = model.config.get_text_config()
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        stack.append(vtoken.FastV(layer=types.index("full_attention"), keep=0.5))
+    return stack
+
+
+@pytest.mark.parametrize(("name", "backend"), [(n, "eager") for n in COMPILED] + [("tiny-llava", "aot_eager")])
+def test_compiling_after_patch_equals_the_uncompiled_patched_model(name, backend, photos):
+    """Compiled after patch (`model.compile()`; `torch.compile(model)`'s wrapper with aot_eager): logits, records
+    and greedy tokens equal the uncompiled patched model's (vtoken's hooks run eagerly, so the [CLS] probes fire);
+    unpatching leaves the stock model's outputs."""
+    model, processor = TINY_MODELS[name]()
+    inputs = inputs_for(processor, [photos["chelsea"]], ["what is in the image?"])
+    with torch.no_grad():
+        stock = model(**inputs).logits
+        with vtoken.patched(model, _stack(model, name)) as handle:
+            logits = model(**inputs).logits
+            tokens = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+            records = summary_of(handle.records)
+            if backend == "aot_eager":  # the wrapper runs the patched model; its generate is the model's
+                compiled = torch.compile(model, backend=backend)
+            else:
+                model.compile(backend=backend)
+                compiled = model
+            got = compiled(**inputs).logits
+            got_records = summary_of(handle.records)
+            got_tokens = compiled.generate(**inputs, max_new_tokens=2, do_sample=False)
+        after = compiled(**inputs).logits
+    torch._dynamo.reset()
+    assert logits.shape[1] < stock.shape[1]  # pruned
+    assert torch.equal(got, logits) and got_records == records and torch.equal(got_tokens, tokens)
+    assert torch.equal(after, stock)
+
+
+def test_patching_a_compiled_wrapper_names_the_model_to_patch(llava4):
+    """`vtoken.patch(torch.compile(model))` is refused, naming `model._orig_mod`; the model stays unpatched."""
+    model, _ = llava4
+    wrapper = torch.compile(model, backend="eager")
+    with pytest.raises(vtoken.UnsupportedModelError, match=r"model\._orig_mod"):
+        vtoken.patch(wrapper, "fastervlm", budget=0.25)
+    assert vtoken.handle_of(model) is None

@@ -76,6 +76,17 @@ def _find_adapter(model: nn.Module):
     )
 
 
+def _refuse_compiled_wrapper(model: nn.Module) -> None:
+    """`torch.compile(model)` returns a wrapper (OptimizedModule) that calls the model: the model itself is patched."""
+    original = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(original, nn.Module):
+        raise UnsupportedModelError(
+            f"this is torch.compile's wrapper around a {type(original).__name__}, not the model: patch the model "
+            "itself, vtoken.patch(model._orig_mod, ...) (the compiled wrapper then runs the patched model), or patch "
+            "first and compile after"
+        )
+
+
 def patch(
     model: nn.Module, method: str | Method | Sequence[str | Method], *, layout: str = "native", **params: Any
 ) -> PatchHandle:
@@ -89,6 +100,7 @@ def patch(
     Warns once per process if the installed transformers lies outside the tested range (`vtoken.adapters.hf`).
     """
     hf.warn_if_untested()
+    _refuse_compiled_wrapper(model)
     if getattr(model, _HANDLE_ATTR, None) is not None:
         raise AlreadyPatchedError(
             f"{type(model).__name__} is already patched with {getattr(model, _HANDLE_ATTR).methods}; "
