@@ -27,6 +27,7 @@ from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import hf
 from .calls import CallPath
+from .frames import FrameLayout
 from .llm import LanguageModelStages
 from .prompt import run_rows
 from .sparse_prefill import SparseAttention
@@ -82,7 +83,7 @@ class EncodedImages:
     companions: list[list[torch.Tensor]] | None = None
 
 
-class Adapter(CallPath):
+class Adapter(CallPath, FrameLayout):
     """Base class; one subclass per model family (one file each in `adapters/`)."""
 
     family: ClassVar[str] = ""
@@ -195,6 +196,11 @@ class Adapter(CallPath):
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         """Per image, the placeholders that remain, when known before encoding (None: only after it)."""
         return [self.encoder_method.planned_count(n) for n in run_lengths]
+
+    def planned_offsets(self, modality: Modality, run_lengths: list[int], planned: list[int]) -> list[torch.Tensor]:
+        """Per image, the placeholders that remain when only their count is known (renumbered positions): the first
+        ones, unless an image's placeholders lie in several runs (see InternVL's videos)."""
+        return [torch.arange(k) for k in planned]
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         """Run the vision side with the encoder-stage method and return what reaches the LLM."""

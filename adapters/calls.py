@@ -77,7 +77,7 @@ class CallPath(ConversationPath):
                 self.planned_counts(modality, run_lengths)  # fmt: skip
             early = self.positions == "renumber" and None not in planned
             if early:
-                compressed = shrink([torch.arange(k) for k in planned])
+                compressed = shrink(self.planned_offsets(modality, run_lengths, planned))
             encoded = self.encode(modality, pixel_values, **encoder_kwargs)
             if placed:
                 encoded = self.select_placed(modality, encoded)

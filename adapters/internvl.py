@@ -7,17 +7,22 @@ thumbnail of the whole image (last); a video frame is one tile. Every tile goes 
 shuffle's outputs, per crop (a tile, the thumbnail or a video frame); methods select before the projector, which
 acts on every token alone. The prompt holds `<img>` + 256 `<IMG_CONTEXT>` per tile + `</img>` per image, and
 `FrameN: <img>...</img>` per video frame; the processor merges image tiles and video frames into one
-`pixel_values` without saying which tiles belong together, so they are grouped by the placeholder runs. Kept
-tokens are renumbered (1-D RoPE: the LLM sees a shorter prompt).
+`pixel_values` without saying which tiles belong together, so they are grouped by the placeholder runs, and the
+runs labelled "Frame1:", "Frame2:", ... (read with the model's tokenizer) make one video, its frames its crops.
+Kept tokens are renumbered (1-D RoPE: the LLM sees a shorter prompt).
 
 [CLS] signals (extension: FasterVLM and HiRED on InternVL): a token's score is the mean, over its 2 x 2 pixel
 shuffle group, of the head-mean attention of the [CLS] query to the group's patches in the layer whose output
 is the feature, read from q and k after QK-norm where the tower has it. For HiRED the thumbnail plays the base
-view. Records number an image's crops in the processor's order (the tiles in raster order, then the thumbnail).
+view. Records number an image's crops in the processor's order (the tiles in raster order, then the thumbnail),
+and a video's frames in order (modality "video"; images and videos each numbered on their own). Without the
+model's tokenizer (`vtoken.remember_tokenizer`, or a checkpoint to load it from) frames cannot be told from
+single-tile images: each is then recorded as an image, and sparse prefill's "grid" pattern is refused at `patch`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from contextlib import ExitStack
 from typing import Any
@@ -32,9 +37,10 @@ from vtoken.tokens import VisualTokens
 
 from .base import Adapter, EncodedImages, Modality
 from .flat_features import FlatFeatures
+from .frames import placeholder_runs
 from .probes import ClsAttentionProbe
 
-FRAME = re.compile(r"Frame(\d+):\s*<img>\s*$")  # InternVLProcessor's text before a video frame's placeholders
+FRAME_LABEL = re.compile(r"Frame(\d+):\s*(?:<img>)?\s*$")  # the text the processor puts before a video frame
 
 
 @register_adapter
@@ -110,45 +116,53 @@ class InternVLAdapter(FlatFeatures, Adapter):
         return self.inner.multi_modal_projector(features)
 
     # ----------------------------------------------------------------- tiles grouped by placeholder runs
+    def _tokenizer_or_none(self) -> Any:
+        """The tokenizer that reads the "FrameN:" labels (required at patch by video-only methods), or None."""
+        if self._tokenizer is not None:
+            return self._tokenizer
+        try:
+            return tokenizer_for(self.model, "internvl")
+        except VTokenError:
+            return None
+
+    def check_frame_layout(self) -> None:
+        if self._tokenizer_or_none() is None:
+            raise VTokenError(
+                "sparse_prefill: pattern='grid' on InternVL finds a video's frames by their 'FrameN:' labels in the "
+                "prompt, which needs the model's tokenizer: call vtoken.remember_tokenizer(model, processor) first "
+                "(or load the model with vtoken.zoo.load)"
+            )
+
+    def items(self, input_ids: torch.Tensor) -> list[tuple[str, int, list[tuple[int, int]]]]:
+        """The prompt's visual items in row-major order: (modality, row, [(start, end) of each placeholder run]):
+        an image is one run (its tiles); a video is the runs labelled Frame1:, Frame2:, ... (one tile each)."""
+        tokenizer = self._tokenizer_or_none()
+        items: list[tuple[str, int, list[tuple[int, int]]]] = []
+        expected = None  # the frame number that continues the current video
+        for row, start, end in placeholder_runs(input_ids == self.model.config.image_token_id):
+            number = None
+            if tokenizer is not None and end - start == self.tokens_per_crop:
+                before = input_ids[row, max(0, start - 16) : start].tolist()
+                found = FRAME_LABEL.search(tokenizer.decode(before, skip_special_tokens=False))
+                number = int(found.group(1)) if found else None
+            if number is not None and number == expected and items[-1][1] == row:
+                items[-1][2].append((start, end))
+            else:
+                items.append(("video" if number == 1 else "image", row, [(start, end)]))
+            expected = number + 1 if number is not None and items[-1][0] == "video" else None
+        return items
+
+    def frame_spans(self, input_ids: torch.Tensor, frames: list[int] | None) -> list[list[torch.Tensor]] | None:
+        """Per row, per video, the [F, 2] columns of its frames (each frame a run); None: no video."""
+        spans: list[list[torch.Tensor]] = [[] for _ in range(input_ids.shape[0])]
+        videos = [(row, runs) for kind, row, runs in self.items(input_ids) if kind == "video"]
+        for row, runs in videos:
+            spans[row].append(torch.tensor(runs))
+        return spans if videos else None
+
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        self._input_ids = kwargs["input_ids"]
+        self._state.family["items"] = self.items(kwargs["input_ids"])
         return kwargs
-
-    def _frames(self, runs: list[int]) -> list[tuple[int, int]]:
-        """For a video-only method: (video, frame) of every placeholder run, read from the prompt, where the
-        processor writes "FrameN: <img>" before each frame's run; an image's run is refused (InputError)."""
-        ids = self._input_ids.cpu()
-        is_placeholder = ids == self.model.config.image_token_id
-        found, video, previous = [], -1, None  # previous: (row, frame number) of the run before
-        for row in range(ids.shape[0]):
-            padded = torch.cat([torch.tensor([False]), is_placeholder[row], torch.tensor([False])]).int()
-            for start in (padded.diff() == 1).nonzero().squeeze(1).tolist():
-                before = self._tokenizer.decode(ids[row, max(0, start - 16) : start], skip_special_tokens=False)
-                match = FRAME.search(before)
-                if match is None:
-                    raise InputError(
-                        f"{self.encoder_method.name} acts on videos only; image {len(found)} of this call is an "
-                        'image, not a video frame (no "FrameN: <img>" before it in the prompt)'
-                    )
-                number = int(match.group(1))
-                if previous != (row, number - 1):
-                    video += 1
-                found.append((video, 0 if previous != (row, number - 1) else found[-1][1] + 1))
-                previous = (row, number)
-        if len(found) != len(runs):
-            raise InputError(f"{len(found)} frames found in the prompt for {len(runs)} placeholder runs")
-        return found
-
-    def _runs(self) -> list[int]:
-        """Lengths of the contiguous placeholder runs of the prompt, in row-major order (one per image or frame)."""
-        is_placeholder = (self._input_ids == self.model.config.image_token_id).cpu()
-        runs = []
-        for row in is_placeholder:
-            padded = torch.cat([torch.tensor([False]), row, torch.tensor([False])]).int()
-            starts = (padded.diff() == 1).nonzero().squeeze(1)
-            ends = (padded.diff() == -1).nonzero().squeeze(1)
-            runs += (ends - starts).tolist()
-        return runs
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
         size = self.tower.config.image_size
@@ -157,17 +171,30 @@ class InternVLAdapter(FlatFeatures, Adapter):
                 f"pixel_values of shape {tuple(pixel_values.shape)}; {type(self.model).__name__} expects "
                 f"[total_tiles, 3, {size[0]}, {size[1]}] (image tiles and video frames), as its processor makes them"
             )
-        runs, per_crop = self._runs(), self.tokens_per_crop
+        items, per_crop = self._state.family["items"], self.tokens_per_crop
+        runs = [end - start for _, _, spans in items for start, end in spans]
         if any(run % per_crop for run in runs) or sum(runs) // per_crop != pixel_values.shape[0]:
             raise InputError(
                 f"the prompt's image placeholder runs {runs} do not hold {per_crop} tokens for each of the "
                 f"{pixel_values.shape[0]} tiles in pixel_values; pass input_ids made by the model's own processor "
                 "from the same images"
             )
-        self._tiles = [run // per_crop for run in runs]
-        if "image" not in self.encoder_method.modalities:
-            self._state.family["frames"] = self._frames(runs)
-        return runs
+        if "image" not in self.encoder_method.modalities:  # a video method: every item must be a video
+            images = [i for i, (kind, _, _) in enumerate(items) if kind == "image"]
+            if images:
+                raise InputError(
+                    f"{self.encoder_method.name} acts on videos only; image {images[0]} of this call is an image, "
+                    'not a video frame (no "FrameN: <img>" before it in the prompt)'
+                )
+        self._state.family["tiles"] = [sum(end - start for start, end in spans) // per_crop for _, _, spans in items]
+        return [sum(end - start for start, end in spans) for _, _, spans in items]
+
+    def planned_offsets(self, modality: Modality, run_lengths: list[int], planned: list[int]) -> list[torch.Tensor]:
+        """Each crop's kept tokens at the start of its own stretch of placeholders (a video's frames are runs)."""
+        per_crop = self.tokens_per_crop
+        kept = [k // (n // per_crop) for k, n in zip(planned, run_lengths, strict=True)]
+        return [(torch.arange(n // per_crop)[:, None] * per_crop + torch.arange(k)).flatten() for k, n in
+                zip(kept, run_lengths, strict=True)]  # fmt: skip
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         kept = self.encoder_method.planned_count(self.tokens_per_crop)
@@ -225,19 +252,17 @@ class InternVLAdapter(FlatFeatures, Adapter):
     ) -> EncodedImages:
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         image_index, crop_index, base_first, crop_grid = [], [], [], {}
-        for image, tiles in enumerate(self._tiles):
-            image_index += [image] * tiles
-            crop_index += list(range(tiles))  # the processor's order: tiles, then the thumbnail
-            if tiles == 1:  # a single tile or a video frame
+        items, item_tiles = self._state.family["items"], self._state.family["tiles"]
+        for item, ((kind, _, _), tiles) in enumerate(zip(items, item_tiles, strict=True)):
+            image_index += [item] * tiles
+            crop_index += list(range(tiles))  # the processor's order: tiles then the thumbnail, or frames
+            if kind == "video":  # a video's crops are its frames, in order
+                base_first += list(range(tiles))
+            elif tiles == 1:  # a single tile
                 base_first.append(0)
             else:  # for methods, the thumbnail is the base view (crop 0), the tiles follow
                 base_first += [*range(1, tiles), 0]
-                crop_grid[image] = (1, tiles - 1)  # only the tile count is known (HiRED's "bands" need no more)
-        modality_name = "image"
-        if "image" not in self.encoder_method.modalities:  # a video method: frames grouped by video
-            frames = self._state.family["frames"]
-            image_index, crop_index = [v for v, _ in frames], [f for _, f in frames]
-            base_first, crop_grid, modality_name = crop_index, {}, "video"
+                crop_grid[item] = (1, tiles - 1)  # only the tile count is known (HiRED's "bands" need no more)
         tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), None,
                               torch.tensor(base_first), crop_grid or None)  # fmt: skip
         selection, timer = self.select(tokens)
@@ -249,10 +274,17 @@ class InternVLAdapter(FlatFeatures, Adapter):
         counts = selection.counts_per_crop()
         per_crop = list(embeds.split(counts))
         per_image, offsets, first = [], [], 0
-        for tiles in self._tiles:
+        for tiles in item_tiles:
             crops = range(first, first + tiles)
             first += tiles
             per_image.append(torch.cat([per_crop[c] for c in crops]))
-            offsets.append(torch.arange(sum(counts[c] for c in crops)))
-        records = self.crop_records(tokens, selection, timer, crop_index, modality_name)
+            # each crop's kept tokens stay in its own stretch of the placeholders (a video's frames are runs apart)
+            offsets.append(torch.cat([i * self.tokens_per_crop + torch.arange(counts[c]) for i, c in enumerate(crops)]))
+        # records: images and videos numbered on their own, a video's frames its crops
+        kinds = [kind for kind, _, _ in items]
+        number = [kinds[:item].count(kind) for item, kind in enumerate(kinds)]
+        records = [
+            dataclasses.replace(record, image=number[record.image], modality=kinds[record.image])
+            for record in self.crop_records(tokens, selection, timer, crop_index)
+        ]
         return EncodedImages(per_image, offsets, records)

@@ -42,6 +42,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
         "Qwen3VLMoeForConditionalGeneration",
         "Qwen3VLMoeModel",
     )
+    frame_runs = True  # each temporal patch is its own run after a `<t seconds>` timestamp
 
     def companion_features(self, out: Any) -> list[torch.Tensor]:
         return list(getattr(out, "deepstack_features", None) or [])

@@ -94,7 +94,7 @@ class _Call:
     """One LLM prefill on one thread."""
 
     length: int
-    video: tuple[torch.Tensor, torch.Tensor] | None = None  # grid: (span [B, 2], stride [B]) in LLM columns
+    video: list[list[torch.Tensor]] | None = None  # grid: per row, per video, [F, 2] frame columns in the LLM
     layers: list[_Layer] = field(default_factory=list)
     dense: list[str] = field(default_factory=list)  # why some layers ran the model's own attention
 
@@ -108,10 +108,21 @@ class SparseAttention:
         self.model = adapter.model
         self.lm = adapter.language_model
         layers = getattr(self.lm, "layers", None)
-        if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        softmax = [i for i, layer in enumerate(layers or []) if hasattr(layer, "self_attn")]
+        if not softmax:
             raise VTokenError(f"sparse_prefill: {type(self.lm).__name__} has no decoder layers with self_attn")
-        self.attention_modules = [layer.self_attn for layer in layers]
-        self.sparse_layers = frozenset(method.check_layers(len(layers)))
+        # hybrid LLMs (Qwen3.5): linear-attention layers keep their own recurrent path; only softmax layers go sparse
+        self.attention_modules = [layers[i].self_attn for i in softmax]
+        chosen = method.check_layers(len(layers))
+        other = [i for i in chosen if i not in softmax]
+        if other and method.layers is not None:
+            kinds = sorted({type(getattr(layers[i], "linear_attn", layers[i])).__name__ for i in other})
+            raise VTokenError(
+                f"sparse_prefill: layers {other} of {type(self.lm).__name__} are not softmax attention "
+                f"({', '.join(kinds)}: a recurrent state, no attention matrix to make sparse); its attention layers "
+                f"are {softmax}"
+            )
+        self.sparse_layers = frozenset(i for i in chosen if i in softmax)
         self.original = hf.attention_implementation(self.lm)
         if self.original not in hf.MASK_FUNCTIONS:
             raise VTokenError(
@@ -121,11 +132,13 @@ class SparseAttention:
         device = next(self.lm.parameters()).device
         if method.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise VTokenError(f"sparse_prefill: backend='triton' needs the LLM on a CUDA device; it is on {device}")
-        if method.pattern == "grid" and not any(m.name == "video" for m in adapter.modalities):
+        if method.pattern == "grid" and not adapter.takes_video:
             raise VTokenError(
                 f"sparse_prefill: pattern='grid' follows video frames, which {adapter.family} does not take; use "
                 "'a_shape' or 'vertical_slash'"
             )
+        if method.pattern == "grid":
+            adapter.check_frame_layout()  # what the family needs to find frames in a prompt (raises if missing)
         self._local = PerThread(_Local)  # per thread; a copy starts empty
         self._hooks: list = []
         self._saved: list[tuple[Any, Any]] = []
@@ -148,7 +161,7 @@ class SparseAttention:
     def _generate(self, *args: Any, **kwargs: Any) -> Any:
         """`model.generate` under pattern="grid": notes the call's frames (generate encodes before any forward)."""
         local = self._local.get()
-        local.generate_frames = self._frames_of(kwargs)
+        local.generate_frames = self.adapter.video_frames(kwargs)
         try:
             return self._stock_generate(*args, **kwargs)
         finally:
@@ -283,7 +296,8 @@ class SparseAttention:
             if bool((shift > 0).any()):
                 q, k, v, key_valid = (_roll(x, shift) for x in (q, k, v, key_valid))
                 if video is not None:
-                    video = (video[0] - shift[:, None], video[1])
+                    moved = zip(video, shift.tolist(), strict=True)
+                    video = [[frames - offset for frames in row] for row, offset in moved]
             else:
                 shift = None
             lengths = key_valid.sum(1)
@@ -315,49 +329,22 @@ class SparseAttention:
         return out
 
     # ----------------------------------------------------------------- grid: the call's frame layout
-    def _frames_of(self, kwargs: dict) -> list[int] | None:
-        """Frames of every video in a call's inputs (None: no video)."""
-        grid = kwargs.get("video_grid_thw")
-        if grid is not None:
-            return [int(t) for t in torch.as_tensor(grid)[:, 0].tolist()]
-        pixels = kwargs.get("pixel_values_videos")
-        if isinstance(pixels, torch.Tensor) and pixels.dim() == 5:
-            return [pixels.shape[1]] * pixels.shape[0]
-        return None
-
     @eager
     def _frames_hook(self, module, args, kwargs) -> None:
-        if self._local.get().generate_frames is None:
-            self._local.get().frames = self._frames_of(kwargs)
-        else:
-            self._local.get().frames = self._local.get().generate_frames
+        local = self._local.get()
+        local.frames = self.adapter.video_frames(kwargs) if local.generate_frames is None else local.generate_frames
 
     @eager
     def _ids_hook(self, module, args, kwargs) -> None:
         self._local.get().ids = kwargs.get("input_ids")
 
-    def _video_layout(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(span [B, 2], stride [B]) of the video tokens in this LLM call, from its input_ids and frame counts."""
+    def _video_layout(self, shape: tuple[int, int]) -> list[list[torch.Tensor]] | None:
+        """Per row, per video, [F, 2] frame columns in this LLM call (None: no frame layout), from its input_ids and
+        the call's videos, as the adapter finds them."""
         ids, frames = self._local.get().ids, self._local.get().frames
-        if ids is None or frames is None or tuple(ids.shape) != shape:
+        if ids is None or tuple(ids.shape) != shape:
             return None
-        video_id = getattr(self.model.config, "video_token_id", None)
-        if video_id is None:
-            video_id = getattr(self.model.config, "video_token_index", None)
-        is_video = ids == video_id
-        count = is_video.sum(1)
-        with_video = (count > 0).nonzero().squeeze(1).tolist()
-        if not with_video or len(with_video) % len(frames):
-            return None
-        per_row = torch.zeros(shape[0], dtype=torch.long)
-        per_row[with_video] = torch.tensor(frames).repeat_interleave(len(with_video) // len(frames))
-        columns = torch.arange(shape[1], device=ids.device)
-        start = torch.where(is_video, columns, shape[1]).amin(1)
-        end = torch.where(is_video, columns + 1, 0).amax(1)
-        stride = count.cpu() // per_row.clamp(min=1)
-        if bool(((end - start).cpu() != count.cpu()).any()):  # a row with several video runs
-            return None
-        return torch.stack([start, end.clamp(min=start)], 1), stride.to(ids.device)
+        return self.adapter.frame_spans(ids, frames)
 
 
 def causal_padding(mask: torch.Tensor | None, seq: int) -> tuple[torch.Tensor | None, bool]:

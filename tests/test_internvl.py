@@ -39,14 +39,15 @@ def reference_logits(model, input_ids, kept_embeddings):
         return model.lm_head(model.model.language_model(inputs_embeds=embeds).last_hidden_state)
 
 
-def kept_per_run(stock, records, tiles_per_run):
-    """Per placeholder run, the stock tokens of the kept indices, crops in the processor's order (tiles, then
-    the thumbnail)."""
-    by_key = {(r.image, r.crop): r.kept for r in records}
+def kept_per_run(stock, records, runs):
+    """Per placeholder run, the stock tokens of the kept indices. runs: per placeholder run, (modality, item, crops)
+    of the records it holds, crops in the processor's order (an image's tiles, then the thumbnail; a video's
+    frames are one run each); `stock` rows follow the runs' tiles in order."""
+    by_key = {(r.modality, r.image, r.crop): r.kept for r in records}
     out, first = [], 0
-    for image, tiles in enumerate(tiles_per_run):
-        out.append(torch.cat([stock[first + c, by_key[(image, c)]] for c in range(tiles)]))
-        first += tiles
+    for modality, item, crops in runs:
+        out.append(torch.cat([stock[first + i, by_key[(modality, item, c)]] for i, c in enumerate(crops)]))
+        first += len(crops)
     return out
 
 
@@ -70,7 +71,8 @@ def test_exact_budget_per_tile_and_equivalence_with_the_stock_tokens(ivl, budget
             assert (r.tokens_in, r.tokens_out, len(r.kept)) == (256, vtoken.tokens_to_keep(budget, 256), r.tokens_out)
             assert r.grid == (16, 16)
         stock = stock_tokens(model, inputs["pixel_values"])
-        ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, [tiles]))
+        kept = kept_per_run(stock, handle.records, [("image", 0, range(tiles))])
+        ref = reference_logits(model, inputs["input_ids"], kept)
         assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5, size
 
 
@@ -81,11 +83,13 @@ def test_video_frames_are_one_crop_each_with_their_budget(ivl, frames):
     with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
         logits = model(**inputs).logits
         out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
-    assert [(r.image, r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [
-        (f, 0, 256, 64) for f in range(frames)
+    # one video, its frames its crops ("FrameN:" runs)
+    assert [(r.modality, r.image, r.crop, r.tokens_in, r.tokens_out) for r in handle.records] == [
+        ("video", 0, f, 256, 64) for f in range(frames)
     ]
     stock = stock_tokens(model, inputs["pixel_values"])
-    ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, [1] * frames))
+    runs = [("video", 0, [f]) for f in range(frames)]
+    ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, runs))
     assert (logits - ref).abs().max() <= 1e-5 and out.shape[1] == inputs["input_ids"].shape[1] + 2
 
 
@@ -97,9 +101,12 @@ def test_images_and_video_in_one_prompt(ivl):
     inputs = processor(images=[make_image(800, 300)], videos=[example_clip(2)], text=[prompt], return_tensors="pt")
     with torch.no_grad(), vtoken.patched(model, "random", budget=0.1) as handle:
         logits = model(**inputs).logits
-    assert [(r.image, r.crop) for r in handle.records] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (2, 0)]
+    assert [(r.modality, r.image, r.crop) for r in handle.records] == [
+        ("image", 0, 0), ("image", 0, 1), ("image", 0, 2), ("image", 0, 3), ("video", 0, 0), ("video", 0, 1)
+    ]  # fmt: skip
     stock = stock_tokens(model, inputs["pixel_values"])
-    ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, [4, 1, 1]))
+    runs = [("image", 0, range(4)), ("video", 0, [0]), ("video", 0, [1])]
+    ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, runs))
     assert (logits - ref).abs().max() <= 1e-5
 
 

@@ -9,9 +9,11 @@ import io
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 from conftest import inputs_for
+from PIL import Image
 from transformers import StaticCache
 from vtoken.adapters import hf
 
@@ -511,3 +513,163 @@ def test_patching_a_compiled_wrapper_names_the_model_to_patch(llava4):
     with pytest.raises(vtoken.UnsupportedModelError, match=r"model\._orig_mod"):
         vtoken.patch(wrapper, "fastervlm", budget=0.25)
     assert vtoken.handle_of(model) is None
+
+
+# ----------------------------------------------------------------------------------------------- 13. sparse prefill
+def _lm_inputs_and_hidden(model, inputs):
+    """One forward: the LLM's keyword inputs and its last hidden state."""
+    seen = {}
+    hooks = [
+        model.model.language_model.register_forward_pre_hook(
+            lambda m, a, kw: seen.update(kwargs={k: v for k, v in kw.items() if k not in ("past_key_values",
+                                                                                          "use_cache")}),
+            with_kwargs=True,
+        ),
+        model.model.language_model.register_forward_hook(lambda m, a, out: seen.update(hidden=out.last_hidden_state)),
+    ]  # fmt: skip
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["kwargs"], seen["hidden"]
+
+
+def _masked_lm(model, lm_kwargs, blocks, block):
+    """The unpatched language model on captured inputs under the token mask of a block mask [1, Qb, Kb] (causal)."""
+    length = lm_kwargs["inputs_embeds"].shape[1]
+    mask = blocks.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :length, :length]
+    mask = mask & torch.ones(length, length, dtype=torch.bool).tril()
+    with torch.no_grad():
+        return model.model.language_model(**dict(lm_kwargs, attention_mask=mask[:, None]), use_cache=False)
+
+
+def _clip(frames, side):
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+    return [Image.fromarray(np.roll(base, 8 * i, axis=1)) for i in range(frames)]
+
+
+def _frames_found_by_hand(name, model, ids):
+    """[F, 2] (start, end) columns of a one-video prompt's frames, read off the prompt: Qwen3-VL's runs of video
+    placeholders (one per temporal patch, timestamps between); InternVL's image runs (one per frame, no image)."""
+    token = model.config.video_token_id if name == "tiny-qwen3-vl" else model.config.image_token_id
+    flags = torch.cat([torch.tensor([0]), (ids == token).long(), torch.tensor([0])]).diff()
+    return torch.stack([(flags == 1).nonzero().squeeze(1), (flags == -1).nonzero().squeeze(1)], 1)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-internvl"])
+def test_grid_plans_sparse_blocks_on_videos_whose_frames_are_separate_runs(name):
+    """Qwen3-VL (timestamps between temporal patches) and InternVL ("FrameN:" image runs): the grid pattern plans
+    real sparse blocks (ran dense before), and the LLM's output equals the unpatched LLM under the token mask of the
+    frames read off the prompt here."""
+    from vtoken.methods.sparse_prefill import frame_grid_blocks
+
+    model, processor = TINY_MODELS[name]()
+    prompt = build_prompt(processor, "what happens?", num_images=0, num_videos=1)
+    if name == "tiny-qwen3-vl":  # 4 temporal patches of 11 x 11 tokens
+        size = {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 1024}
+        inputs = processor(videos=[_clip(8, 448)], text=[prompt], return_tensors="pt", do_sample_frames=False,
+                           size=size)  # fmt: skip
+    else:  # 4 frames of 16 x 16 tokens
+        inputs = processor(videos=[_clip(4, 224)], text=[prompt], return_tensors="pt")
+    ids = inputs["input_ids"][0]
+    frames = _frames_found_by_hand(name, model, ids)
+    assert len(frames) > 2 and bool((frames[1:, 0] > frames[:-1, 1]).all())  # text between the frames
+    block, window = 16, 16
+    lm_kwargs, dense = _lm_inputs_and_hidden(model, inputs)
+    method = vtoken.SparsePrefill(pattern="grid", sink=0, window=window, block_size=block, min_length=16)
+    with vtoken.patched(model, method) as handle:
+        _, hidden = _lm_inputs_and_hidden(model, inputs)
+        records = handle.records
+    assert [r.stage for r in records] == [f"sparse.layer{i}" for i in range(len(model.model.language_model.layers))]
+    assert all(r.extra["density"] < 0.8 for r in records)
+    blocks = frame_grid_blocks(len(ids), block, [[frames]], 0, window)
+    want = _masked_lm(model, lm_kwargs, blocks, block).last_hidden_state
+    assert (hidden - want).abs().max() <= 1e-5 and (hidden - dense).abs().max() > 1e-3
+
+
+def test_frame_grid_blocks_follow_frames_with_text_between():
+    """Frames of 40 tokens with 5 text tokens between them: a query block inside a frame keeps the blocks of the
+    same positions in every earlier frame and the text before the video; blocks holding text stay dense."""
+    from vtoken.methods.sparse_prefill import frame_grid_blocks
+
+    seq, block, length, gap = 400, 8, 40, 5
+    starts = torch.arange(30, 30 + 6 * (length + gap), length + gap)
+    frames = torch.stack([starts, starts + length], 1)
+    mask = frame_grid_blocks(seq, block, [[frames]], 0, 8)[0]
+    n = mask.shape[0]
+    frame_of = {c: (f, c - int(s)) for f, (s, e) in enumerate(frames.tolist()) for c in range(s, e)}
+    inside = []
+    for qb in range(n):
+        columns = range(qb * block, (qb + 1) * block)
+        if not all(c in frame_of for c in columns):
+            assert bool(mask[qb, : qb + 1].all()) and not bool(mask[qb, qb + 1 :].any())  # dense, causal
+            continue
+        for c in columns:
+            f, offset = frame_of[c]
+            for earlier in range(f):  # the same spatial position in every earlier frame
+                assert bool(mask[qb, (int(frames[earlier, 0]) + offset) // block])
+        assert bool(mask[qb, : (30 - 1) // block + 1].all())  # the text before the video
+        inside.append(qb)
+    assert len(inside) > n / 3 and mask[inside].sum() < 0.6 * sum(qb + 1 for qb in inside)  # the frames' rows sparse
+
+
+def test_qwen3_5_sparse_prefill_runs_on_its_full_attention_layers(photos):
+    """Qwen3.5's hybrid LLM: sparse prefill takes its full-attention layers (the linear-attention layers keep their
+    recurrent path), equal to the unpatched LLM under the A-shape mask; naming a linear layer is refused, saying
+    which layers are attention."""
+    model, processor = TINY_MODELS["tiny-qwen3.5"]()
+    inputs = inputs_for(processor, [photos["coffee"]], ["what is in the image?"])
+    length = inputs["input_ids"].shape[1]
+    lm_kwargs, dense = _lm_inputs_and_hidden(model, inputs)
+    method = vtoken.SparsePrefill(pattern="a_shape", sink=16, window=16, block_size=16, min_length=16)
+    with vtoken.patched(model, method) as handle:
+        _, hidden = _lm_inputs_and_hidden(model, inputs)
+        records = handle.records
+    types = model.config.text_config.layer_types
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    assert [r.stage for r in records] == [f"sparse.layer{i}" for i in full] and all(
+        r.extra["density"] < 1 for r in records
+    )
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    allowed = ((j <= i) & ((j < 16) | (i - j < 16)))[None, None]
+    with torch.no_grad():
+        want = model.model.language_model(**dict(lm_kwargs, attention_mask=allowed), use_cache=False)
+    assert (hidden - want.last_hidden_state).abs().max() <= 1e-5 and (hidden - dense).abs().max() > 1e-3
+    linear = types.index("linear_attention")
+    with pytest.raises(vtoken.VTokenError, match=rf"layers \[{linear}\] .* not softmax attention.*{full}"):
+        vtoken.patch(model, vtoken.SparsePrefill(layers=[linear, full[0]]))
+    assert vtoken.handle_of(model) is None
+
+
+# ----------------------------------------------------------------------------------------------- 14. the CLI
+def test_cli_refuses_an_empty_prompt_instead_of_answering_another(capsys):
+    """`vtoken run --prompt ''` (or blank) is an error naming --prompt; it used to answer the default question."""
+    from vtoken.cli import main
+
+    for prompt in ("", "   "):
+        assert main(["run", "--model", "tiny-llava", "--prompt", prompt, "--repeats", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--prompt is empty" in err
+
+
+def test_cli_names_the_minimum_frames_of_a_one_frame_video(tmp_path, capsys):
+    """A 1-frame GIF on Qwen3-VL: one line naming the 2 frames its processor needs (a transformers traceback
+    before); with 2 frames the same call runs."""
+    from vtoken.cli import main
+    from vtoken.images import example_clip
+
+    for frames in (1, 2):
+        path = tmp_path / f"clip{frames}.gif"
+        clip = example_clip(frames)
+        clip[0].save(path, save_all=True, append_images=clip[1:], duration=100)
+        code = main(["run", "--model", "tiny-qwen3-vl", "--video", str(path), "--method", "random",
+                     "--repeats", "1", "--max-new-tokens", "1"])  # fmt: skip
+        captured = capsys.readouterr()
+        if frames == 1:
+            assert code == 2 and captured.err.count("\n") == 1
+            assert "gave 1 frame(s)" in captured.err and "needs at least 2" in captured.err
+        else:
+            assert code == 0, captured.err

@@ -121,6 +121,8 @@ def check_run_args(args: argparse.Namespace) -> None:
         check_device(args.device)
     if args.image and args.video:
         raise VTokenError("--image and --video were both given; pass one of them, not both")
+    if args.prompt is not None and not args.prompt.strip():
+        raise VTokenError("--prompt is empty; give a question, or leave --prompt out for the default one")
     for what, path in (("image", args.image), ("video", args.video)):
         if path is not None and not Path(path).is_file():
             raise InputError(f"cannot read {what} {path!r}: no such file")
@@ -146,6 +148,23 @@ def load_model(args: argparse.Namespace) -> tuple:
     if args.video and getattr(processor, "video_processor", None) is None:  # its processor takes no videos
         raise VTokenError(f"{args.model} ({adapter.family}) takes no videos; use --image")
     return model, processor
+
+
+def _process(processor, args: argparse.Namespace, prompt: str, visual: dict) -> Any:
+    """The processor's inputs; a video it refuses (too few frames for its temporal patch) as one line."""
+    try:
+        return processor(text=[prompt], return_tensors="pt", **visual)
+    except ValueError as err:
+        if not args.video:
+            raise
+        frames = len(visual["videos"][0])
+        need = getattr(getattr(processor, "video_processor", None), "temporal_patch_size", None)
+        if isinstance(need, int) and frames < need:
+            raise VTokenError(
+                f"--video {args.video!r} gave {frames} frame(s); {args.model}'s processor needs at least {need} "
+                f"(its temporal patch): pass a video with more frames, with --frames {need} or more"
+            ) from None
+        raise VTokenError(f"{args.model}'s processor cannot take --video {args.video!r}: {_first_line(err)}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
             image, args.prompt, expected = _example(args)
         visual = {"images": [image]}
         prompt = build_prompt(processor, args.prompt)
-    inputs = processor(text=[prompt], return_tensors="pt", **visual).to(model.device)
+    inputs = _process(processor, args, prompt, visual).to(model.device)
     for key, value in inputs.items():  # pixels in the model's dtype
         if value.is_floating_point():
             inputs[key] = value.to(model.dtype)

@@ -11,9 +11,10 @@ whole-prefill bound at attention density rho is 1 / (1 - a + a * rho)). Patterns
   slashes (fixed relative offsets). With `density`, every query block keeps that fraction of its causal key blocks,
   ranked by the attention mass the lines predict for each block; with `vertical` / `slash` counts, the blocks the
   top lines cross. The sink columns and the local diagonal (`window`) are always kept.
-- "grid" (video): the same spatial position across frames is a slash every `stride` tokens, stride = the
-  adapter's tokens per frame; query blocks inside the video keep those, the text before the video, the sink and
-  the local window; query blocks holding text after the video stay dense.
+- "grid" (video): a query token of a video frame keeps the same spatial position in every earlier frame of its
+  video (a slash every `stride` tokens when frames follow each other; frames may also be separate placeholder runs
+  with text between them, as Qwen3-VL's timestamps or InternVL's "FrameN:" labels), plus the text before the video,
+  the sink and the local window; query blocks holding any text token stay dense.
 
 This module plans (which blocks); `vtoken.adapters.sparse_prefill` runs the plans inside the model through
 transformers' AttentionInterface, and `vtoken.kernels.block_sparse_attention` computes them. Plans are
@@ -158,13 +159,13 @@ class SparsePrefill(Method):
         k: torch.Tensor,
         key_valid: torch.Tensor | None,
         scale: float,
-        video: tuple[torch.Tensor, torch.Tensor] | None = None,
+        video: list[list[torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The block plan of one layer and the kernel's element-level window (0: none).
 
         q: [B, H, S, d] rotary applied; k: [B, Hkv, S, d]; key_valid: [B, S] or None; every row's real tokens
-        start at column 0 (the caller aligns left-padded rows). video: for "grid", (span [B, 2] start/end columns
-        of the video tokens, stride [B] tokens per frame). Returns (counts, index, window).
+        start at column 0 (the caller aligns left-padded rows). video: for "grid", per row, per video, [F, 2]
+        (start, end) columns of its frames. Returns (counts, index, window).
         """
         batch, heads, seq = q.shape[:3]
         block = self.block_size
@@ -172,8 +173,7 @@ class SparsePrefill(Method):
             counts, index = a_shape_plan(seq, block, self.sink, self.local, q.device)
             return counts.expand(batch, heads, -1), index.expand(batch, heads, -1, -1), self.local
         if self.pattern == "grid":
-            span, stride = video
-            mask = grid_blocks(seq, block, span, stride, self.sink, self.local)
+            mask = frame_grid_blocks(seq, block, video, self.sink, self.local, q.device)
             counts, index = plan_from_block_mask(mask[:, None])
             return counts.expand(-1, heads, -1), index.expand(-1, heads, -1, -1), 0
         rows = estimate_rows(key_valid, batch, seq, q.device)
@@ -327,33 +327,49 @@ def line_blocks(
 
 
 def grid_blocks(seq: int, block: int, span: torch.Tensor, stride: torch.Tensor, sink: int, window: int) -> torch.Tensor:
-    """[B, Qb, Kb]: for query blocks inside a row's video span [start, end), the blocks on the diagonals at
-    multiples of `stride` (the same spatial position in earlier frames), the text before the video, the sink and
-    the local window; query blocks holding any token outside the span keep every causal block."""
-    batch = span.shape[0]
-    device = span.device
+    """[B, Qb, Kb]: `frame_grid_blocks` of one video per row whose frames follow each other: the video's span
+    [B, 2] (start, end) cut into frames of `stride` [B] tokens."""
+    videos = []
+    for (start, end), step in zip(span.tolist(), stride.tolist(), strict=True):
+        step = max(int(step), 1)
+        starts = torch.arange(start, end - step + 1, step)
+        videos.append([torch.stack([starts, starts + step], 1)] if end - start >= step else [])
+    return frame_grid_blocks(seq, block, videos, sink, window, span.device)
+
+
+def frame_grid_blocks(
+    seq: int, block: int, videos: list[list[torch.Tensor]], sink: int, window: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[B, Qb, Kb] bool: for query blocks whose every token belongs to a video frame, the key blocks holding the
+    same spatial position (offset in the frame) in every earlier frame of that video, every block before the
+    video's first frame (the text before it), the sink and the local window; other query blocks keep every causal
+    block. videos: per row, per video, [F, 2] (start, end) columns of its frames in order."""
     n = -(-seq // block)
     base = a_shape_blocks(seq, block, sink, window, device)
     causal = causal_blocks(seq, block, device)
-    qb = torch.arange(n, device=device)
     masks = []
-    for b in range(batch):
-        start, end = (int(x) for x in span[b].tolist())
-        step = max(int(stride[b]), 1)
+    for row in videos:
         mask = base.clone()
-        mask[:, : max(start - 1, 0) // block + 1 if start > 0 else 0] = True  # the text before the video
-        inside = (qb * block >= start) & ((qb + 1) * block <= end)
-        frames = max((end - start) // step, 0)
-        if frames > 1:
-            m = torch.arange(1, frames, device=device)  # earlier frames
-            first = torch.div(qb[:, None] * block - m[None, :] * step, block, rounding_mode="floor")
-            for kb in (first, first + 1):
-                ok = (kb >= 0) & (kb <= qb[:, None])
-                spill = torch.zeros(n, n + 1, dtype=torch.bool, device=device)
-                spill.scatter_(-1, torch.where(ok, kb, n), True)
-                mask |= spill[:, :n]
-        mask = torch.where(inside[:, None], mask, causal)
-        masks.append(mask & causal)
+        in_frame = torch.zeros(n * block, dtype=torch.bool, device=device)
+        for frames in row:
+            frames = frames.to(device=device, dtype=torch.long)
+            first = int(frames[0, 0])
+            lengths = frames[:, 1] - frames[:, 0]
+            for f in range(len(frames)):
+                start, length = int(frames[f, 0]), int(lengths[f])
+                in_frame[start : start + length] = True
+                query_blocks = torch.arange(start, start + length, device=device) // block
+                if first > 0:  # the text before the video
+                    mask[query_blocks.min() : query_blocks.max() + 1, : (first - 1) // block + 1] = True
+                if f == 0:
+                    continue
+                offsets = torch.arange(length, device=device)
+                same = offsets[None, :] < lengths[:f, None]  # [f, length]: earlier frames holding that position
+                keys = (frames[:f, :1] + offsets[None, :]) // block
+                queries = query_blocks[None, :].expand_as(keys)
+                mask[queries[same], keys[same]] = True
+        inside = in_frame.view(n, block).all(1)
+        masks.append(torch.where(inside[:, None], mask, causal) & causal)
     return torch.stack(masks)
 
 
