@@ -363,9 +363,19 @@ class Adapter(CallPath, FrameLayout):
                 )
             missing = sorted(set(method.requires) - self.available_signals() - COMMON_SIGNALS)
             if missing:
+                provided = self.available_signals()
+                layers = sorted(int(n.split("@")[1]) for n in provided if n.startswith("cls_attention@") and
+                                n.split("@")[1].isdigit())  # fmt: skip
+                out_of_range = [n for n in missing if n.startswith("cls_attention@")] if layers else []
+                why = (
+                    f"{', '.join(out_of_range)}: no such layer in its vision tower, whose [CLS] attention is "
+                    f"available at layers {layers[0]}..{layers[-1]} (cls_attention@L; -1 = the last)"
+                    if out_of_range
+                    else f"it provides {sorted(provided | COMMON_SIGNALS)}"
+                )
                 raise MissingSignalError(
                     f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
-                    f"({self.family}) cannot provide; it provides {sorted(self.available_signals() | COMMON_SIGNALS)}"
+                    f"({self.family}) cannot provide; {why}"
                 )
             if "question" in method.requires:
                 self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, VTokenError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 from vtoken.towers import TimmRowProbe
@@ -63,6 +63,16 @@ class PerceptionLMAdapter(Adapter):
         if self.has_cls and hasattr(self.timm_model.blocks[-1].attn, "q_norm"):
             signals |= {"cls_attention", "keys"}
         return signals
+
+    def validate(self) -> None:
+        method = self.encoder_method
+        if method is not None and getattr(method, "partition", None) is not None:  # HiRED: before its signals
+            raise VTokenError(
+                f"{method.name} splits each image's budget over its tile grid (rows x columns), which "
+                f"{type(self.model).__name__}'s inputs do not give (its processor returns the tiles without their "
+                "layout); use a method that selects per tile: fastervlm, random, pool, mmtok or fourier"
+            )
+        super().validate()
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
         size = tuple(self.timm_model.patch_embed.img_size)

@@ -188,7 +188,7 @@ def test_bad_towers_layers_and_signals_are_named(tower):
         vtoken.encode(model, x, layer=-4)
     with pytest.raises(vtoken.VTokenError, match="unknown signal 'attention'.*cls_attention"):
         vtoken.encode(model, x, signals=("attention",))
-    with pytest.raises(vtoken.VTokenError, match="layer=7"):
+    with pytest.raises(vtoken.VTokenError, match=r"signal 'cls_attention@7' reads block 7.*\[-3, 2\]"):
         vtoken.encode(model, x, signals=("cls_attention@7",))
     with pytest.raises(vtoken.InputError, match=r"expected \[B, 3, H, W\]"):
         vtoken.encode(model, x[0])

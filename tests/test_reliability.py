@@ -673,3 +673,37 @@ def test_cli_names_the_minimum_frames_of_a_one_frame_video(tmp_path, capsys):
             assert "gave 1 frame(s)" in captured.err and "needs at least 2" in captured.err
         else:
             assert code == 0, captured.err
+
+
+# ----------------------------------------------------------------------------------------------- 15. messages
+def _hooks_of(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("name", "method", "needles"),
+    [
+        # HiRED on PerceptionLM: the tile grid its split needs (it blamed a missing cls_attention@0)
+        ("tiny-perception-lm", lambda: vtoken.HiRED(budget=0.25), ["tile grid", "fastervlm, random"]),
+        # a [CLS] layer the tower lacks: the signal, the layers it has
+        ("tiny-llava", lambda: vtoken.HiRED(budget=0.25, layer_early=99), ["cls_attention@99", "layers 0..2"]),
+        # grid on a family that takes no video (InternVL takes videos: test_grid_plans_sparse_blocks_...)
+        ("tiny-gemma3", lambda: vtoken.SparsePrefill(pattern="grid"), ["follows video frames", "a_shape"]),
+    ],
+)
+def test_refusals_at_patch_name_the_cause_and_the_fix(name, method, needles):
+    model, _ = TINY_MODELS[name]()
+    hooks = _hooks_of(model)
+    with pytest.raises(vtoken.VTokenError) as error:
+        vtoken.patch(model, method())
+    assert all(needle in str(error.value) for needle in needles), str(error.value)
+    assert vtoken.handle_of(model) is None and _hooks_of(model) == hooks
+
+
+def test_functional_encode_names_an_out_of_range_signal(llava4, prompts):
+    """`cls_attention@99` on a 3-block tower: the signal and the accepted range (it said only 'layer=99')."""
+    from vtoken.functional import encode
+
+    model, _ = llava4
+    with pytest.raises(vtoken.VTokenError, match=r"signal 'cls_attention@99' .* 3 blocks .* \[-3, 2\]"):
+        encode(model.model.vision_tower, prompts[0]["pixel_values"], signals=["cls_attention@99"])

@@ -66,7 +66,18 @@ def encode(
     view = tower_of(tower)
     block = view.block_index(layer)
     names = list(dict.fromkeys([signals] if isinstance(signals, str) else signals))
-    wanted = {name: view.block_index(_signal_block(name, layer)) for name in names}
+    wanted = {}
+    for name in names:
+        at = _signal_block(name, layer)
+        try:
+            wanted[name] = view.block_index(at)
+        except VTokenError as error:
+            depth = len(view.blocks)
+            raise VTokenError(
+                f"signal {name!r} reads block {at}, which this {view.kind} tower of {depth} "
+                f"blocks does not have; accepted: cls_attention@L with L in [{-depth}, {depth - 1}] (Python-style: "
+                "0 = the first block, -1 = the last)"
+            ) from error
     if pixel_values.dim() != 4:
         raise InputError(f"pixel_values of shape {tuple(pixel_values.shape)}; expected [B, 3, H, W]")
     probes = {name: view.probe(index) for name, index in wanted.items()}
