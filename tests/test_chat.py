@@ -410,3 +410,25 @@ def test_streamer_sees_the_callers_prompt_and_the_returned_tokens(name, skip_pro
         assert torch.equal(seen[0], caller)  # the caller's prompt, not the shrunk one
         assert torch.equal(torch.cat([t.view(-1) for t in seen]), returned[0])
         assert text == decode(returned[0, caller.shape[1] :] if skip_prompt else returned[0])
+
+
+def test_a_new_image_on_an_llm_stage_cache_is_refused_first():
+    """FastV prunes inside the LLM during a prefill from an empty cache: a later turn bringing a new image on its
+    cache is refused before the LLM runs, naming the ways that work (a cropped cache too)."""
+    model, processor = TINY_MODELS["tiny-llava"](text_layers=4)
+    first = _turn1(processor, make_image(300, 220, 1))
+    new = _image_turn(processor, make_image(200, 260, 2))
+    with vtoken.patched(model, vtoken.FastV(layer=1, keep=0.25)):
+        out1 = _generate(model, **first)
+        calls = []
+        hook = model.model.language_model.register_forward_pre_hook(lambda *a: calls.append(1))
+        try:
+            with pytest.raises(vtoken.InputError, match="fastv prunes .* new images on top of a cache .* text only"):
+                _generate(model, **_with_new_image(first, out1.sequences, new), past_key_values=out1.past_key_values)
+            out1.past_key_values.crop(-(STEPS + 3))  # into the prompt
+            with pytest.raises(vtoken.InputError, match="fewer than the .* pruned prompt"):
+                _generate(model, **_second_turn_kwargs(first, out1.sequences, _text_turn(processor)),
+                          past_key_values=out1.past_key_values)  # fmt: skip
+        finally:
+            hook.remove()
+    assert calls == []
