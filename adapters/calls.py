@@ -278,13 +278,13 @@ class CallPath(ConversationPath):
                 "candidates are rejected, so the prefill would see other tokens than plain decoding and the per-layer "
                 "caches would be cut wrongly. Generate without it, or use an encoder-stage method"
             )
-        past = cached_length(kwargs.get("past_key_values"))
+        past = cached_length(hf.cache_in(kwargs))
         if past:
             raise InputError(
-                f"assisted decoding ({named}) does not continue from past_key_values ({past} tokens here): "
+                f"assisted decoding ({named}) does not continue from a cache ({hf.CACHE_KWARG}, {past} tokens here): "
                 "its first step runs the whole input_ids again on top of the cache, so it gives other tokens than "
                 "plain decoding (transformers does so without vtoken too). Generate this turn without it, or pass "
-                "the whole conversation without past_key_values"
+                f"the whole conversation without {hf.CACHE_KWARG}"
             )
         if kwargs.get("prompt_lookup_num_tokens", getattr(config, "prompt_lookup_num_tokens", None)) is not None:
             present = self.present(kwargs)

@@ -21,6 +21,8 @@ import torch
 
 from vtoken.errors import InputError
 
+from . import hf
+
 _PROMPT = "_vtoken_prompt"
 _VIEWS = "_vtoken_views"
 
@@ -124,7 +126,7 @@ class ConversationPath:
         try:
             return notes.rows(batch)
         except ValueError as error:
-            raise InputError(f"past_key_values: {error}; continue each conversation with its own cache") from None
+            raise InputError(f"{hf.CACHE_KWARG}: {error}; continue each conversation with its own cache") from None
 
     def _refuse_visual_on_cache(self, kwargs: dict[str, Any], past: int) -> None:
         """LLM stages prune during a prefill from an empty cache; new visual inputs on a cache are refused."""
@@ -134,7 +136,7 @@ class ConversationPath:
         raise InputError(
             f"{self.prefill_method.name} prunes visual tokens inside the LLM during a prefill from an empty cache; "
             f"this call brings new {present[0].name}s on top of a cache holding {past} tokens, which it cannot "
-            "prune there. Pass the whole conversation without past_key_values (it is pruned afresh), continue with "
+            f"prune there. Pass the whole conversation without {hf.CACHE_KWARG} (it is pruned afresh), continue with "
             "text only, or use an encoder-stage method, which prunes a later turn's images too"
         )
 
@@ -148,20 +150,22 @@ class ConversationPath:
         held, stands_for = (0, 0) if notes is None else (notes.ids.shape[1], notes.caller_ids.shape[1])
         if notes is not None and past < held:
             raise InputError(
-                f"past_key_values holds {past} tokens, fewer than the {held} of the pruned prompt it was filled with "
+                f"the cache ({hf.CACHE_KWARG}) holds {past} tokens, fewer than the {held} of the pruned prompt it was "
+                "filled with "
                 "(cropped inside the prompt?); continue from the whole cache, or start again without one"
             )
         cut = stands_for + past - held  # the caller's column of the first token the cache lacks
         if width <= cut:
             raise InputError(
-                f"input_ids hold {width} columns, but past_key_values already holds {cut} of this conversation "
+                f"input_ids hold {width} columns, but the cache ({hf.CACHE_KWARG}) already holds {cut} of this "
+                "conversation "
                 "(counted as you count them); generate() takes the whole conversation: the earlier turns, as "
                 "returned, followed by the new tokens"
             )
         if notes is not None and not torch.equal(ids[:, :stands_for], notes.caller_ids.to(ids.device)):
             raise InputError(
-                f"input_ids[:, :{stands_for}] differ from the prompt past_key_values was filled with; pass that "
-                "conversation followed by the new tokens, or no past_key_values"
+                f"input_ids[:, :{stands_for}] differ from the prompt the cache ({hf.CACHE_KWARG}) was filled with; "
+                f"pass that conversation followed by the new tokens, or no {hf.CACHE_KWARG}"
             )
         self._refuse_visual_on_cache(kwargs, past)
         mask = kwargs.get("attention_mask")

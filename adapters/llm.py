@@ -513,7 +513,7 @@ class LanguageModelStages:
         full = past + steps
         if past < prompt_length:
             raise InputError(
-                f"past_key_values holds {past} tokens, fewer than the {prompt_length} of the prompt "
+                f"the cache ({hf.CACHE_KWARG}) holds {past} tokens, fewer than the {prompt_length} of the prompt "
                 f"{self.method.name} pruned into it (was it cropped?); its layers hold different lengths, so it can "
                 "only grow: continue from the whole cache, or start again without one"
             )

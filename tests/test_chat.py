@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import make_image
 from transformers import DynamicCache, TextIteratorStreamer
+from vtoken.adapters import hf
 
 import vtoken
 from vtoken.zoo import TINY_MODELS, build_prompt
@@ -81,7 +82,7 @@ def continue_by_hand(model, cache, new_ids, text_start, rope_start, steps=STEPS)
                 positions = torch.cat([text[None], rope])
                 rope_start += n
             mask = torch.ones(1, text_start + n, dtype=torch.long)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **hf.cache_kwargs(cache),
                         use_cache=True)  # fmt: skip
             text_start += n
             logits.append(out.logits[:, -1])
@@ -98,14 +99,15 @@ def test_text_turn_after_a_pruned_turn_continues_its_cache(family):
     first = _turn1(processor, make_image(300, 220, 1))
     new_ids = _text_turn(processor)
     for given_cache in (False, True):
-        cache_kwargs = {"past_key_values": DynamicCache(config=model.config.get_text_config())} if given_cache else {}
+        given = DynamicCache(config=model.config.get_text_config())
+        cache_kwargs = hf.cache_kwargs(given) if given_cache else {}
         with vtoken.patched(model, vtoken.Random(budget=0.25)) as handle:
             out1 = _generate(model, **first, **cache_kwargs)
             dropped = sum(r.tokens_in - r.tokens_out for r in handle.records)
-            cache = out1.past_key_values
-            assert dropped > 0 and (not given_cache or cache is cache_kwargs["past_key_values"])
+            cache = hf.cache_out(out1)
+            assert dropped > 0 and (not given_cache or cache is given)
             held = copy.deepcopy(cache)
-            out2 = _generate(model, **_second_turn_kwargs(first, out1.sequences, new_ids), past_key_values=cache)
+            out2 = _generate(model, **_second_turn_kwargs(first, out1.sequences, new_ids), **hf.cache_kwargs(cache))
         past = held.get_seq_length()
         prompt = first["input_ids"].shape[1]
         assert past == prompt - dropped + STEPS - 1  # the pruned prompt and the tokens generated since
@@ -176,10 +178,11 @@ def test_image_turn_on_a_pruned_cache_prunes_the_new_image_alone(family, budget)
     method = vtoken.Random(budget=budget)
     with vtoken.patched(model, method) as handle:
         out1 = _generate(model, **first)
-        held = copy.deepcopy(out1.past_key_values)
+        held = copy.deepcopy(hf.cache_out(out1))
         capture = _Capture(model.model)
         try:
-            out2 = _generate(model, **_with_new_image(first, out1.sequences, new), past_key_values=out1.past_key_values)
+            turn2 = _with_new_image(first, out1.sequences, new)
+            out2 = _generate(model, **turn2, **hf.cache_kwargs(hf.cache_out(out1)))
         finally:
             capture.remove()
         records = list(handle.records)
@@ -210,7 +213,7 @@ def test_image_turn_on_a_pruned_cache_prunes_the_new_image_alone(family, budget)
                                                                "mm_token_type_ids")}  # fmt: skip
     with torch.no_grad():
         ref = model(input_ids=given, attention_mask=torch.ones(1, past + n, dtype=torch.long), position_ids=positions,
-                    past_key_values=held, use_cache=True, **extra)  # fmt: skip
+                    **hf.cache_kwargs(held), use_cache=True, **extra)  # fmt: skip
         first_logits = ref.logits[:, -1]
         rope_next = int(positions[1:].max()) + 1 if name in MROPE else None
         logits, tokens = continue_by_hand(model, held, first_logits.argmax(-1, keepdim=True), past + n, rope_next,
@@ -221,7 +224,7 @@ def test_image_turn_on_a_pruned_cache_prunes_the_new_image_alone(family, budget)
     if budget == 1.0 and name not in MROPE:  # the unpatched model's own turn 2
         stock1 = _generate(model, **first)
         stock2 = _generate(model, **_with_new_image(first, stock1.sequences, new),
-                           past_key_values=stock1.past_key_values)  # fmt: skip
+                           **hf.cache_kwargs(hf.cache_out(stock1)))  # fmt: skip
         assert torch.equal(out2.sequences, stock2.sequences)
         assert (torch.cat(out2.logits) - torch.cat(stock2.logits)).abs().max() <= 1e-5
 
@@ -249,7 +252,7 @@ def test_text_turn_keeping_every_token_is_the_unpatched_models(family, stage):
         with vtoken.patched(model, method) if patched else contextlib.nullcontext():
             out1 = _generate(model, **first)
             turns.append(_generate(model, **_second_turn_kwargs(first, out1.sequences, new_ids),
-                                   past_key_values=out1.past_key_values))  # fmt: skip
+                                   **hf.cache_kwargs(hf.cache_out(out1))))  # fmt: skip
     stock, mine = turns
     assert torch.equal(mine.sequences, stock.sequences), name
     assert (torch.cat(mine.logits) - torch.cat(stock.logits)).abs().max() <= 1e-5, name
@@ -260,7 +263,7 @@ def _forward_turn(model, cache, first, sequences, new_ids):
     width = sequences.shape[1] + new_ids.shape[1]
     ids = torch.cat([sequences[:, -1:], new_ids], dim=1)
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones(1, width, dtype=torch.long), past_key_values=cache,
+        return model(input_ids=ids, attention_mask=torch.ones(1, width, dtype=torch.long), **hf.cache_kwargs(cache),
                      use_cache=True).logits[:, -1]  # fmt: skip
 
 
@@ -273,13 +276,13 @@ def test_text_turn_through_forward_continues_the_cache(family):
     new_ids = _text_turn(processor)
     with vtoken.patched(model, vtoken.Random(budget=0.25)):
         out1 = _generate(model, **first)
-        held = copy.deepcopy(out1.past_key_values)
-        got = _forward_turn(model, out1.past_key_values, first, out1.sequences, new_ids)
+        held = copy.deepcopy(hf.cache_out(out1))
+        got = _forward_turn(model, hf.cache_out(out1), first, out1.sequences, new_ids)
         token = got.argmax(-1, keepdim=True)
         width = out1.sequences.shape[1] + new_ids.shape[1] + 1
         with torch.no_grad():
             step = model(input_ids=token, attention_mask=torch.ones(1, width, dtype=torch.long),
-                         past_key_values=out1.past_key_values, use_cache=True).logits[:, -1]  # fmt: skip
+                         **hf.cache_kwargs(hf.cache_out(out1)), use_cache=True).logits[:, -1]  # fmt: skip
     rope = _next_rope_position(model, first) + STEPS - 1 if name in MROPE else None
     ids = torch.cat([out1.sequences[:, -1:], new_ids], dim=1)
     logits, _ = continue_by_hand(model, held, ids, held.get_seq_length(), rope, steps=2)
@@ -297,11 +300,11 @@ def test_a_conversation_must_extend_the_cached_prompt(family):
         other = out1.sequences.clone()
         other[0, 1] = (other[0, 1] + 1) % 10
         kwargs = _second_turn_kwargs(first, other, _text_turn(processor))
-        with pytest.raises(vtoken.InputError, match="differ from the prompt past_key_values was filled with"):
-            _generate(model, **kwargs, past_key_values=out1.past_key_values)
+        with pytest.raises(vtoken.InputError, match="differ from the prompt the cache .* was filled with"):
+            _generate(model, **kwargs, **hf.cache_kwargs(hf.cache_out(out1)))
         short = {"input_ids": first["input_ids"], "attention_mask": first["attention_mask"]}
         with pytest.raises(vtoken.InputError, match="generate.. takes the whole conversation"):
-            _generate(model, **short, past_key_values=out1.past_key_values)
+            _generate(model, **short, **hf.cache_kwargs(hf.cache_out(out1)))
 
 
 def continue_by_layers(model, cache, ids, positions, steps=STEPS):
@@ -317,12 +320,12 @@ def continue_by_layers(model, cache, ids, positions, steps=STEPS):
             hidden = lm.embed_tokens(ids)
             n = ids.shape[1]
             for i, layer in enumerate(lm.layers):
-                past = cache.layers[i].keys.shape[2]
+                past = hf.cache_layers(cache)[i].keys.shape[2]
                 mask = torch.zeros(1, 1, n, past + n)
                 mask[..., past:] = torch.full((n, n), torch.finfo(hidden.dtype).min).triu(1)
                 pos = positions(i) + offset + torch.arange(n)
                 pos = pos[0] if pos.shape[0] == 1 else pos
-                hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                hidden = layer(hidden, attention_mask=mask, position_ids=pos, **hf.cache_kwargs(cache), use_cache=True,
                                position_embeddings=lm.rotary_emb(hidden, pos))  # fmt: skip
             logits.append(model.lm_head(lm.norm(hidden[:, -1])))
             offset += n
@@ -344,10 +347,10 @@ def test_text_turn_after_fastv_continues_each_layers_cache(name, positions):
     new_ids = _text_turn(processor)
     with vtoken.patched(model, dataclasses.replace(_fastv(model, 0.25), positions=positions)):
         out1 = _generate(model, **first)
-        held = copy.deepcopy(out1.past_key_values)
+        held = copy.deepcopy(hf.cache_out(out1))
         out2 = _generate(model, **_second_turn_kwargs(first, out1.sequences, new_ids),
-                         past_key_values=out1.past_key_values)  # fmt: skip
-    lengths = [layer.keys.shape[2] for layer in held.layers]
+                         **hf.cache_kwargs(hf.cache_out(out1)))  # fmt: skip
+    lengths = [layer.keys.shape[2] for layer in hf.cache_layers(held)]
     assert lengths[-1] < lengths[0]  # the later layers hold fewer tokens
     past = lengths[0]
     start = _next_rope_position(model, first) + STEPS - 1 if name in MROPE else past
@@ -404,7 +407,7 @@ def test_streamer_sees_the_callers_prompt_and_the_returned_tokens(name, skip_pro
     with vtoken.patched(model, vtoken.Random(budget=0.25)):
         out1, text1, seen1 = _stream(model, processor, skip_prompt, **first, return_dict_in_generate=True)
         turn2 = _second_turn_kwargs(first, out1.sequences, _text_turn(processor))
-        out2, text2, seen2 = _stream(model, processor, skip_prompt, **turn2, past_key_values=out1.past_key_values)
+        out2, text2, seen2 = _stream(model, processor, skip_prompt, **turn2, **hf.cache_kwargs(hf.cache_out(out1)))
     for caller, returned, text, seen in ((first["input_ids"], out1.sequences, text1, seen1),
                                          (turn2["input_ids"], out2, text2, seen2)):  # fmt: skip
         assert torch.equal(seen[0], caller)  # the caller's prompt, not the shrunk one
@@ -424,11 +427,11 @@ def test_a_new_image_on_an_llm_stage_cache_is_refused_first():
         hook = model.model.language_model.register_forward_pre_hook(lambda *a: calls.append(1))
         try:
             with pytest.raises(vtoken.InputError, match="fastv prunes .* new images on top of a cache .* text only"):
-                _generate(model, **_with_new_image(first, out1.sequences, new), past_key_values=out1.past_key_values)
-            out1.past_key_values.crop(-(STEPS + 3))  # into the prompt
+                _generate(model, **_with_new_image(first, out1.sequences, new), **hf.cache_kwargs(hf.cache_out(out1)))
+            hf.cache_out(out1).crop(-(STEPS + 3))  # into the prompt
             with pytest.raises(vtoken.InputError, match="fewer than the .* pruned prompt"):
                 _generate(model, **_second_turn_kwargs(first, out1.sequences, _text_turn(processor)),
-                          past_key_values=out1.past_key_values)  # fmt: skip
+                          **hf.cache_kwargs(hf.cache_out(out1)))  # fmt: skip
         finally:
             hook.remove()
     assert calls == []

@@ -449,9 +449,9 @@ def test_prompt_lookup_with_images_and_assisted_turns_on_a_cache_are_refused_fir
                 model.generate(**prompts[0], **GREEDY, prompt_lookup_num_tokens=3)
             ids = torch.cat([first.sequences, first.sequences[:, -3:]], dim=1)
             for kind in ASSISTED:
-                with pytest.raises(vtoken.InputError, match="does not continue from past_key_values"):
+                with pytest.raises(vtoken.InputError, match="does not continue from a cache"):
                     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **GREEDY,
-                                   past_key_values=first.past_key_values, **_assisted(model, kind))  # fmt: skip
+                                   **hf.cache_kwargs(hf.cache_out(first)), **_assisted(model, kind))  # fmt: skip
         finally:
             hook.remove()
     assert calls == []
@@ -521,7 +521,7 @@ def _lm_inputs_and_hidden(model, inputs):
     seen = {}
     hooks = [
         model.model.language_model.register_forward_pre_hook(
-            lambda m, a, kw: seen.update(kwargs={k: v for k, v in kw.items() if k not in ("past_key_values",
+            lambda m, a, kw: seen.update(kwargs={k: v for k, v in kw.items() if k not in (hf.CACHE_KWARG,
                                                                                           "use_cache")}),
             with_kwargs=True,
         ),
