@@ -151,16 +151,14 @@ class ConversationPath:
         if notes is not None and past < held:
             raise InputError(
                 f"the cache ({hf.CACHE_KWARG}) holds {past} tokens, fewer than the {held} of the pruned prompt it was "
-                "filled with "
-                "(cropped inside the prompt?); continue from the whole cache, or start again without one"
+                "filled with (cropped inside the prompt?); continue from the whole cache, or start again without one"
             )
         cut = stands_for + past - held  # the caller's column of the first token the cache lacks
         if width <= cut:
             raise InputError(
                 f"input_ids hold {width} columns, but the cache ({hf.CACHE_KWARG}) already holds {cut} of this "
-                "conversation "
-                "(counted as you count them); generate() takes the whole conversation: the earlier turns, as "
-                "returned, followed by the new tokens"
+                "conversation (counted as you count them); generate() takes the whole conversation: the earlier "
+                "turns, as returned, followed by the new tokens"
             )
         if notes is not None and not torch.equal(ids[:, :stands_for], notes.caller_ids.to(ids.device)):
             raise InputError(
@@ -229,11 +227,10 @@ class ConversationPath:
                 f"conversation so far and the new tokens: {callers_past + steps} columns as you count them (or "
                 f"{past + steps} as the cache holds them); got {tuple(mask.shape)}"
             )
-        if mask is None:
-            prefix_mask = None if notes is None else notes.mask
-            prefix_mask = torch.ones(batch, past, dtype=torch.long, device=new.device) if prefix_mask is None else (
-                torch.cat([prefix_mask, torch.ones(batch, past - held, dtype=prefix_mask.dtype,
-                                                   device=prefix_mask.device)], dim=1))  # fmt: skip
+        if mask is None:  # no padding since the cached prompt: its mask, then ones
+            prefix_mask = torch.ones(batch, past, dtype=torch.long, device=new.device)
+            if notes is not None and notes.mask is not None:
+                prefix_mask[:, :held] = notes.mask.to(prefix_mask)
             tail_mask = None
         elif mask.shape[1] == past + steps:
             prefix_mask, tail_mask = mask[:, :past], mask[:, past:]

@@ -148,7 +148,7 @@ class QwenVLAdapter(Adapter):
             grids = {key: kwargs.get(key) for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
             if kwargs.get("mm_token_type_ids") is None or (grids["image_grid_thw"] is None
                                                           and grids["video_grid_thw"] is None):  # fmt: skip
-                return None  # text only: positions are the text positions
+                return torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)  # text only: no delta
             positions = self._rope_positions(kwargs, grids)
         valid = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
         largest = positions[-3:].masked_fill(~valid.to(positions.device)[None], -1).amax(dim=(0, 2))
