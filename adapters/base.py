@@ -197,9 +197,12 @@ class Adapter(CallPath, FrameLayout):
         """Per image, the placeholders that remain, when known before encoding (None: only after it)."""
         return [self.encoder_method.planned_count(n) for n in run_lengths]
 
-    def planned_offsets(self, modality: Modality, run_lengths: list[int], planned: list[int]) -> list[torch.Tensor]:
+    def planned_offsets(
+        self, modality: Modality, run_lengths: list[int], planned: list[int]
+    ) -> list[torch.Tensor] | None:
         """Per image, the placeholders that remain when only their count is known (renumbered positions): the first
-        ones, unless an image's placeholders lie in several runs (see InternVL's videos)."""
+        ones, unless an image's placeholders lie in several runs (see InternVL's videos; None: where they stay is
+        known only after selecting)."""
         return [torch.arange(k) for k in planned]
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:

@@ -76,8 +76,10 @@ class CallPath(ConversationPath):
             planned = [method.planned_count(n) for n in run_lengths] if placed else \
                 self.planned_counts(modality, run_lengths)  # fmt: skip
             early = self.positions == "renumber" and None not in planned
+            offsets = self.planned_offsets(modality, run_lengths, planned) if early else None
+            early = offsets is not None  # (None: where they stay is known only after selecting)
             if early:
-                compressed = shrink(self.planned_offsets(modality, run_lengths, planned))
+                compressed = shrink(offsets)
             encoded = self.encode(modality, pixel_values, **encoder_kwargs)
             if placed:
                 encoded = self.select_placed(modality, encoded)

@@ -189,12 +189,21 @@ class InternVLAdapter(FlatFeatures, Adapter):
         self._state.family["tiles"] = [sum(end - start for start, end in spans) // per_crop for _, _, spans in items]
         return [sum(end - start for start, end in spans) for _, _, spans in items]
 
-    def planned_offsets(self, modality: Modality, run_lengths: list[int], planned: list[int]) -> list[torch.Tensor]:
-        """Each crop's kept tokens at the start of its own stretch of placeholders (a video's frames are runs)."""
-        per_crop = self.tokens_per_crop
-        kept = [k // (n // per_crop) for k, n in zip(planned, run_lengths, strict=True)]
-        return [(torch.arange(n // per_crop)[:, None] * per_crop + torch.arange(k)).flatten() for k, n in
-                zip(kept, run_lengths, strict=True)]  # fmt: skip
+    def planned_offsets(
+        self, modality: Modality, run_lengths: list[int], planned: list[int]
+    ) -> list[torch.Tensor] | None:
+        """An image's kept tokens anywhere in its one run (only the count matters); a video's, each frame's share at
+        the start of its own run (frames are runs apart), when the method keeps a count per frame; None otherwise
+        (a method choosing over the whole video: where they stay is known after it chose)."""
+        per_crop, offsets = self.tokens_per_crop, []
+        for (_, _, spans), k in zip(self._state.family["items"], planned, strict=True):
+            if len(spans) == 1:
+                offsets.append(torch.arange(k))
+            elif self.encoder_method.acts_on == "placed" or k % len(spans):
+                return None
+            else:
+                offsets.append((torch.arange(len(spans))[:, None] * per_crop + torch.arange(k // len(spans))).flatten())
+        return offsets
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         kept = self.encoder_method.planned_count(self.tokens_per_crop)
