@@ -241,6 +241,29 @@ def encoder_output(features: Any, **extra: Any) -> Any:
     return BaseModelOutputWithPooling(pooler_output=features)
 
 
+# ----------------------------------------------------------------- families' own feature plumbing
+def pack_anyres_features(
+    inner: nn.Module, features: list[torch.Tensor], image_sizes: Any, aspect_ratio: str
+) -> list[torch.Tensor]:
+    """LLaVA-OneVision's stitching, unpadding and downsampling of each image's crops, without newlines:
+    `inner.pack_image_features(features, image_sizes, image_newline=None, vision_aspect_ratio=)` returns
+    (packed list of [N_i, D], lengths) (the inner model's method; unchanged 5.19-5.24)."""
+    packed, _ = inner.pack_image_features(features, image_sizes, image_newline=None, vision_aspect_ratio=aspect_ratio)
+    return list(packed)
+
+
+def pool_video_frames(inner: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """[F, N, D] -> [F, ceil(side / 2)^2, D]: LLaVA-OneVision's 2x2 bilinear pooling of each frame's projected tokens
+    (`inner.apply_pooling`; unchanged 5.19-5.24)."""
+    return inner.apply_pooling(features)
+
+
+def pixel_shuffle(inner: nn.Module, grid: torch.Tensor, scale: float) -> torch.Tensor:
+    """[T, S, S, D] -> [T, S * scale, S * scale, D / scale^2]: InternVL's pixel shuffle of a tile's patch grid
+    (`inner.pixel_shuffle(x, scale_factor=)`; unchanged 5.19-5.24)."""
+    return inner.pixel_shuffle(grid, scale_factor=scale)
+
+
 # ----------------------------------------------------------------- M-RoPE (Qwen-VL families)
 def rope_index(model: nn.Module, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, **kwargs: Any) -> Any:
     """[3, B, L] (t, h, w) M-RoPE positions of a prompt as the model builds them: `model.get_rope_index(input_ids,

@@ -35,6 +35,7 @@ from vtoken.question import tokenizer_for
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
+from . import hf
 from .base import Adapter, EncodedImages, Modality
 from .flat_features import FlatFeatures
 from .frames import placeholder_runs
@@ -236,7 +237,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
         hidden = out.last_hidden_state if layer == -1 else out.hidden_states[layer]
         side = self.patch_grid
         patches = hidden[:, 1:].reshape(hidden.shape[0], side, side, -1)
-        shuffled = self.inner.pixel_shuffle(patches, scale_factor=self.model.config.downsample_ratio)
+        shuffled = hf.pixel_shuffle(self.inner, patches, self.model.config.downsample_ratio)
         features = shuffled.reshape(hidden.shape[0], self.tokens_per_crop, -1)
 
         def grouped(probe: ClsAttentionProbe) -> torch.Tensor:  # mean over each pixel-shuffle group
@@ -245,7 +246,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
 
         def shuffled_keys(probe: ClsAttentionProbe) -> torch.Tensor:  # a token's key: its group's, concatenated
             keys = probe.patch_keys.reshape(hidden.shape[0], side, side, -1)
-            shuffled = self.inner.pixel_shuffle(keys, scale_factor=self.model.config.downsample_ratio)
+            shuffled = hf.pixel_shuffle(self.inner, keys, self.model.config.downsample_ratio)
             return shuffled.reshape(hidden.shape[0], self.tokens_per_crop, -1)
 
         signals = {name: (lambda probe=probes[index], name=name: (shuffled_keys if name == "keys" else grouped)(probe))

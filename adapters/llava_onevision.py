@@ -126,7 +126,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         if modality.name == "video":
             videos, frames = pixel_values.shape[:2]
             embeds = self._projected(pixel_values.flatten(0, 1), vision_feature_layer, vision_feature_select_strategy)
-            pooled = self.inner.apply_pooling(embeds)
+            pooled = hf.pool_video_frames(self.inner, embeds)
             side = math.ceil(self.grid[0] / 2)
             tokens = VisualTokens(pooled, (side, side), {}, torch.arange(videos).repeat_interleave(frames))
             selection, timer = self.select(tokens)
@@ -144,10 +144,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             pixel_values = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])
         embeds = self._projected(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         # the model's own stitching, unpadding and downsampling, without newlines: base view, then the grid
-        packed, _ = self.inner.pack_image_features(
-            list(embeds.split(counts)), image_sizes, image_newline=None,
-            vision_aspect_ratio=vision_aspect_ratio or self.model.config.vision_aspect_ratio,
-        )  # fmt: skip
+        aspect = vision_aspect_ratio or self.model.config.vision_aspect_ratio
+        packed = hf.pack_anyres_features(self.inner, list(embeds.split(counts)), image_sizes, aspect)
         side = self.grid[0]
         base = torch.stack([p[: side * side] for p in packed])
         base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed)))

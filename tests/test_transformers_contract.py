@@ -4,6 +4,7 @@ assumption and the release that changed it, so a new release's break reads as on
 failures across the adapter and LLM-stage tests."""
 
 import inspect
+import math
 import re
 import warnings
 from pathlib import Path
@@ -273,6 +274,51 @@ def test_anyres_geometry():
         assert tuple(grid((300, 700), pinpoints, 336)) == (1, 2), broken(f"{family}: a wide image's grid is 1 x 2")
         assert count((300, 700), pinpoints, 336) == 3, broken(f"{family}: a 1 x 2 grid is 3 crops with the base")
         assert unpad(torch.zeros(1, 24, 48), (300, 700)).shape == (1, 20, 48), broken(f"{family}: unpad_image")
+
+
+# ----------------------------------------------------------------- families' own feature plumbing
+def test_onevision_packing_and_pooling():
+    """OneVision's `pack_image_features` keeps each image's base crop first and unchanged ([side^2, D] rows, which
+    the adapter selects on) and packs one tensor per image; `apply_pooling` takes each frame's side x side grid to
+    ceil(side / 2)^2 tokens, a constant map staying constant (bilinear)."""
+    from vtoken.zoo import TINY_MODELS
+
+    model, _ = TINY_MODELS["tiny-onevision"]()
+    inner, config = model.model, model.config
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    width = config.text_config.hidden_size
+    size = config.vision_config.image_size
+    image_sizes = torch.tensor([[size, 2 * size], [size, size]])
+    count = hf.modeling_function("llava_onevision", "image_size_to_num_patches")
+    crops = [count(tuple(s.tolist()), config.image_grid_pinpoints, size) for s in image_sizes]
+    features = [torch.randn(n, side * side, width) for n in crops]
+    with torch.no_grad():
+        packed = hf.pack_anyres_features(inner, features, image_sizes, config.vision_aspect_ratio)
+        frames = torch.randn(3, side * side, width)
+        pooled = hf.pool_video_frames(inner, frames)
+        flat = hf.pool_video_frames(inner, torch.full((1, side * side, width), 0.5))
+    assert len(packed) == 2 and all(p.shape[-1] == width for p in packed), broken(
+        "pack_image_features: one [N, D] per image"
+    )
+    for got, crop in zip(packed, features, strict=True):
+        assert torch.equal(got[: side * side], crop[0]), broken("pack_image_features: the base crop first, unchanged")
+    assert packed[0].shape[0] > side * side, broken("pack_image_features: a 1 x 2 grid adds its stitched crops")
+    assert pooled.shape == (3, math.ceil(side / 2) ** 2, width), broken("apply_pooling: [F, ceil(side/2)^2, D]")
+    assert torch.allclose(flat, torch.full_like(flat, 0.5)), broken("apply_pooling: bilinear (a constant stays)")
+
+
+def test_internvl_pixel_shuffle_permutes_a_tile():
+    """InternVL's `pixel_shuffle` of a [T, S, S, D] patch grid is [T, S/2, S/2, 4D] holding the same values (a
+    rearrangement, which the adapter applies to keys and scores alike)."""
+    from vtoken.zoo import TINY_MODELS
+
+    model, _ = TINY_MODELS["tiny-internvl"]()
+    grid = torch.randn(2, 8, 8, 6)
+    shuffled = hf.pixel_shuffle(model.model, grid, model.config.downsample_ratio)
+    assert shuffled.shape == (2, 4, 4, 24), broken("pixel_shuffle(scale 0.5): [T, S/2, S/2, 4D]")
+    assert torch.equal(shuffled.flatten().sort().values, grid.flatten().sort().values), broken(
+        "pixel_shuffle: a permutation"
+    )
 
 
 # ----------------------------------------------------------------- encoders
