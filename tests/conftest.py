@@ -1,3 +1,5 @@
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,29 @@ torch.set_num_threads(1)
 def llava():
     """(model, processor): the built-in tiny LLaVA-1.5, fp32, SDPA everywhere."""
     return tiny_llava()
+
+
+DEEP_LAYERS = 6  # the LLM depth of `deep_llava`: room for several drop points
+
+
+@pytest.fixture(scope="module")
+def deep_llava():
+    """The tiny LLaVA-1.5 with a 6-layer LLM (4 query heads, 2 key/value heads: GQA), for the LLM stages."""
+    return tiny_llava(text_layers=DEEP_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def eager_lm(deep_llava):
+    """An eager-attention copy of `deep_llava`'s language model and its head (attention maps from each layer)."""
+    model = copy.deepcopy(deep_llava[0])
+    model.set_attn_implementation("eager")
+    return model.model.language_model, model.lm_head
+
+
+@pytest.fixture
+def single(deep_llava, photos):
+    """One prompt with one photo for `deep_llava`."""
+    return inputs_for(deep_llava[1], [photos["astronaut"]], ["what is in the image? answer with one word."])
 
 
 @pytest.fixture(autouse=True)

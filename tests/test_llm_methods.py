@@ -8,14 +8,20 @@ post-RoPE keys from the layer's cache, the next layer's attention recomputed by 
 norm), applies the method's rule with loops, inserts recycled tokens, renumbers positions and decodes greedily.
 """
 
-import copy
 import math
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OTHER_TINY_MODELS, assert_batch_equals_one_by_one, assert_identity, inputs_for, video_inputs
+from conftest import (
+    DEEP_LAYERS,
+    OTHER_TINY_MODELS,
+    assert_batch_equals_one_by_one,
+    assert_identity,
+    inputs_for,
+    video_inputs,
+)
 from test_llm_stages import captured_llm_input
 from transformers import DynamicCache
 from vtoken.adapters import hf
@@ -23,28 +29,10 @@ from vtoken.adapters import hf
 import vtoken
 from vtoken.methods.dart import dart_pick
 from vtoken.methods.sparsevlm import dpc_knn_merge, rater_mask
-from vtoken.zoo import TINY_MODELS, build_prompt, tiny_llava
+from vtoken.zoo import TINY_MODELS, build_prompt
 
-LAYERS = 6
+LAYERS = DEEP_LAYERS
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def deep_llava():
-    """The tiny LLaVA-1.5 with a 6-layer LLM (4 query heads, 2 key/value heads: GQA)."""
-    return tiny_llava(text_layers=LAYERS)
-
-
-@pytest.fixture(scope="module")
-def eager_lm(deep_llava):
-    model = copy.deepcopy(deep_llava[0])
-    model.set_attn_implementation("eager")
-    return model.model.language_model, model.lm_head
-
-
-@pytest.fixture
-def single(deep_llava, photos):
-    return inputs_for(deep_llava[1], [photos["astronaut"]], ["what is in the image? answer with one word."])
 
 
 # --------------------------------------------------------------------------- the reference

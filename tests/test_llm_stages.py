@@ -5,39 +5,19 @@ Python lists of prompt columns: it reads the full attention map, applies each me
 hidden states, cuts caches and decodes greedily, so it shares no index arithmetic with `adapters/llm.py`.
 """
 
-import copy
 import math
 
 import pytest
 import torch
-from conftest import OTHER_TINY_MODELS, inputs_for
+from conftest import DEEP_LAYERS, OTHER_TINY_MODELS, inputs_for
 from transformers import DynamicCache
 from vtoken.adapters import hf
 
 import vtoken
 from vtoken.methods.mustdrop import dual_attention_filter
-from vtoken.zoo import TINY_MODELS, tiny_llava
+from vtoken.zoo import TINY_MODELS
 
-LAYERS = 6
-
-
-@pytest.fixture(scope="module")
-def deep_llava():
-    """The tiny LLaVA-1.5 with a 6-layer LLM (room for several drop points)."""
-    return tiny_llava(text_layers=LAYERS)
-
-
-@pytest.fixture(scope="module")
-def eager_lm(deep_llava):
-    """An eager-attention copy of the language model and its head (attention maps come back from each layer)."""
-    model = copy.deepcopy(deep_llava[0])
-    model.set_attn_implementation("eager")
-    return model.model.language_model, model.lm_head
-
-
-@pytest.fixture
-def single(deep_llava, photos):
-    return inputs_for(deep_llava[1], [photos["astronaut"]], ["what is in the image? answer with one word."])
+LAYERS = DEEP_LAYERS
 
 
 def captured_llm_input(model, inputs):

@@ -54,6 +54,15 @@ def tiny_text(tokenizer, **overrides) -> dict:
 
 
 QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def qwen_token_ids(tokenizer) -> dict[str, int]:
+    """The Qwen-VL configs' special-token ids (image, video, vision start/end) from a tiny Qwen tokenizer."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+
+
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for item in message['content'] %}"
     "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"

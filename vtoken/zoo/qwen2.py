@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from ..parts import tiny_tokenizer
-from .common import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, TINY_TEXT, _instantiate, _with_tokenizer, tiny_text
+from .common import (
+    QWEN_CHAT_TEMPLATE,
+    QWEN_SPECIALS,
+    TINY_TEXT,
+    _instantiate,
+    _with_tokenizer,
+    qwen_token_ids,
+    tiny_text,
+)
 
 
 def _tiny_qwen(config_cls, model_cls, processor_cls, vision: dict, seed: int):
@@ -16,17 +24,13 @@ def _tiny_qwen(config_cls, model_cls, processor_cls, vision: dict, seed: int):
         tokenizer=tokenizer,
         chat_template=QWEN_CHAT_TEMPLATE,
     )
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = tiny_text(
         tokenizer, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     )
     config = config_cls(
         vision_config=vision,
         text_config=text,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_token_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..parts import tiny_tokenizer
 from ..question import remember_tokenizer
-from .common import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, _instantiate, tiny_text
+from .common import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, _instantiate, qwen_token_ids, tiny_text
 
 QWEN3_VISION = dict(
     depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, num_position_embeddings=64
@@ -37,15 +37,11 @@ def _qwen3_processor():
 def _tiny_qwen3(config_cls, model_cls, vision: dict, text: dict, seed: int):
     processor = _qwen3_processor()
     tokenizer = processor.tokenizer
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = tiny_text(tokenizer, **text)
     config = config_cls(
         vision_config=vision,
         text_config=text,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_token_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
     )
     model = _instantiate(model_cls, config, tokenizer, seed)
