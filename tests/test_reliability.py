@@ -460,8 +460,8 @@ def test_prompt_lookup_with_images_and_assisted_turns_on_a_cache_are_refused_fir
 # ----------------------------------------------------------------------------------------------- 12. torch.compile
 # Each compiled case traces the whole model (~15-30 s here on CPU), so the suite compiles one family per adapter path
 # (1-D RoPE with a [CLS] probe, InternVL's probe with QK-norm, M-RoPE with DeepStack, the hybrid LLM) with the "eager"
-# backend, and LLaVA with "aot_eager" too; VTOKEN_COMPILE_FAMILIES=all runs every family (inductor was checked by
-# hand, see docs/reliability.md).
+# backend, and LLaVA with "aot_eager" and "inductor" too (inductor: ~45 s of C++ compilation, fused kernels round
+# differently: logits within 1e-5); VTOKEN_COMPILE_FAMILIES=all runs every family.
 COMPILED = ["tiny-llava", "tiny-internvl", "tiny-qwen3-vl", "tiny-qwen3.5"]
 if os.environ.get("VTOKEN_COMPILE_FAMILIES") == "all":
     COMPILED = sorted(TINY_MODELS)
@@ -478,7 +478,9 @@ def _stack(model, name):
     return stack
 
 
-@pytest.mark.parametrize(("name", "backend"), [(n, "eager") for n in COMPILED] + [("tiny-llava", "aot_eager")])
+@pytest.mark.parametrize(
+    ("name", "backend"), [(n, "eager") for n in COMPILED] + [("tiny-llava", "aot_eager"), ("tiny-llava", "inductor")]
+)
 def test_compiling_after_patch_equals_the_uncompiled_patched_model(name, backend, photos):
     """Compiled after patch (`model.compile()`; `torch.compile(model)`'s wrapper with aot_eager): logits, records
     and greedy tokens equal the uncompiled patched model's (vtoken's hooks run eagerly, so the [CLS] probes fire);
@@ -502,8 +504,9 @@ def test_compiling_after_patch_equals_the_uncompiled_patched_model(name, backend
         after = compiled(**inputs).logits
     torch._dynamo.reset()
     assert logits.shape[1] < stock.shape[1]  # pruned
-    assert torch.equal(got, logits) and got_records == records and torch.equal(got_tokens, tokens)
-    assert torch.equal(after, stock)
+    close = torch.equal if backend != "inductor" else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-5)
+    assert close(got, logits) and got_records == records and torch.equal(got_tokens, tokens)
+    assert close(after, stock)
 
 
 def test_patching_a_compiled_wrapper_names_the_model_to_patch(llava4):
