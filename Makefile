@@ -24,7 +24,7 @@ MIN_TESTS := tests/test_transformers_contract.py tests/test_families.py tests/te
 	tests/test_qwen_vl.py tests/test_qwen3_vl.py tests/test_qwen3_5.py tests/test_gemma3.py tests/test_internvl.py \
 	tests/test_perception_lm.py tests/test_fast_vlm.py tests/test_llm_stages.py tests/test_llm_methods.py \
 	tests/test_sparse_prefill.py tests/test_reliability.py tests/test_qk_probe.py tests/test_counts.py \
-	tests/test_checkpoint.py tests/test_functional.py tests/test_scope.py
+	tests/test_checkpoint.py tests/test_functional.py tests/test_scope.py tests/test_chat.py
 COMPAT_VENV := .venv-compat
 # the vLLM venv (vLLM plugin tests): requirements-vllm.lock installed as it is (--no-deps: the lock is complete and
 # leaves out torchaudio/torchcodec, CUDA builds that fail beside torch+cpu and that nothing here uses)
