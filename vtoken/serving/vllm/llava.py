@@ -26,7 +26,7 @@ from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
 from .config import ServingConfig, error, serving_config
-from .selection import check_counts, select
+from .selection import check_counts, select, select_placed
 from .signals import QKVClsProbe
 
 COMMON = {"question", "projected", "vision_features"}
@@ -52,15 +52,20 @@ class LlavaFamily:
     def grid(self) -> tuple[int, int]:
         return self.side, self.side
 
+    @property
+    def has_cls(self) -> bool:
+        """A [CLS] token the LLM never sees (LLaVA drops it), scored at any layer up to the feature layer."""
+        return self.hf_config.vision_feature_select_strategy == "default" and self.feature_layer >= 0
+
     def signals(self) -> set[str]:
         signals = {"patch_features", "grid", "resized_grid"} | COMMON
-        if self.hf_config.vision_feature_select_strategy == "default" and self.feature_layer >= 0:
-            signals |= {"cls_attention"} | {f"cls_attention@{i}" for i in range(self.feature_layer + 1)}
+        if self.has_cls:
+            signals |= {"cls_attention", "keys"} | {f"cls_attention@{i}" for i in range(self.feature_layer + 1)}
             signals |= {f"cls_attention@{i - self.num_layers}" for i in range(self.feature_layer + 1)}
         return signals
 
     def attention_layer(self, signal: str) -> int:
-        if signal == "cls_attention":
+        if signal in ("cls_attention", "keys"):
             return self.feature_layer
         return int(signal.removeprefix("cls_attention@")) % self.num_layers
 
@@ -74,7 +79,8 @@ class LlavaFamily:
         """Placeholders of one image [3, H, W] (known before the encoder)."""
         valid = self.valid(method, pixel_values[None])
         n = self.side * self.side if valid is None else int(valid.sum())
-        count = method.count_before_encoding(n, self.grid, 1)
+        grid = (1, n) if method.acts_on == "placed" else self.grid  # placed: the image's run as the LLM gets it
+        count = method.count_before_encoding(n, grid, 1)
         if count is None:
             raise error(f"{method.name}'s token count on {self.name} depends on the data; {why_counts()}")
         return count
@@ -83,6 +89,7 @@ class LlavaFamily:
         """Refuse at start what this family cannot serve (signals, layout, counts decided by the data)."""
         method = config.method
         check_signals(method, self.signals(), self.name)
+        check_modality(method, self.name)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
         n = self.side * self.side
@@ -97,6 +104,15 @@ def why_counts() -> str:
         "vLLM sizes a prompt's image placeholders before the encoder runs, so only methods whose count is known "
         "then are served (a fraction or count budget with scope='crop'); use vtoken.patch on transformers for this"
     )
+
+
+def check_modality(method, family: str) -> None:
+    """Refuse a method that does not act on images (VidCom2: videos only) on a family served for images."""
+    if "image" not in method.modalities:
+        raise error(
+            f"method {method.name!r} acts on {', '.join(method.modalities)} only, and {family} in vLLM serves "
+            "images; use it with vtoken.patch on transformers on a video model"
+        )
 
 
 def check_signals(method, available: set[str], family: str) -> None:
@@ -191,26 +207,43 @@ class Llava(LlavaForConditionalGeneration):
         if isinstance(pixel_values, list):
             pixel_values = torch.stack(pixel_values)
         method, family = self.vtoken.method, LlavaFamily(self.config)
-        layers = self.vision_tower.vision_model.encoder.layers
-        probes = {
-            name: QKVClsProbe(layers[family.attention_layer(name)].self_attn)
-            for name in method.requires
-            if name.startswith("cls_attention")
-        }
-        with ExitStack() as stack:
-            for probe in probes.values():
-                stack.enter_context(probe)
-            features = self.vision_tower(
-                pixel_values, feature_select_strategy=self.config.vision_feature_select_strategy
-            )  # [B, N, Dv], before the projector
-        signals = {name: (lambda probe=probe: probe.scores) for name, probe in probes.items()}
-        valid = family.valid(method, pixel_values)
-        tokens = VisualTokens(features, family.grid, signals, torch.arange(len(features)),
-                              None if valid is None else valid.to(features.device))  # fmt: skip
-        selection = select(method, tokens, self.multi_modal_projector, self.text_query(asked, family.name))
-        embeds = kept_embeddings(tokens, selection, self.multi_modal_projector)
+        features, signals = encode_crops(self, family, method, pixel_values)  # [B, N, Dv], before the projector
+        if method.acts_on == "placed":  # DivPrune: among the projected tokens as placed (all N of each image)
+            embeds = select_placed(method, list(self.multi_modal_projector(features)))
+        else:
+            valid = family.valid(method, pixel_values)
+            tokens = VisualTokens(features, family.grid, signals, torch.arange(len(features)),
+                                  None if valid is None else valid.to(features.device))  # fmt: skip
+            selection = select(method, tokens, self.multi_modal_projector, self.text_query(asked, family.name))
+            embeds = kept_embeddings(tokens, selection, self.multi_modal_projector)
         check_counts(method, [len(e) for e in embeds], [family.count(method, p) for p in pixel_values], "image")
         return tuple(embeds)
+
+
+def encode_crops(model, family: LlavaFamily, method, crops: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """vLLM's CLIP tower (built up to the feature layer) on crops [C, 3, H, W], once, with [CLS]-row probes on the
+    layers the method reads: patch features [C, N, Dv] before the projector, and the signals as callables
+    (resolved in `select`), "cls_token" ([C, Dv], the [CLS] feature) for methods that send it (VisionZip)."""
+    layers = model.vision_tower.vision_model.encoder.layers
+    probes: dict[int, QKVClsProbe] = {}
+    wanted = {}  # signal -> (probe, what it reads)
+    for name in method.requires:
+        if name.startswith("cls_attention") or name == "keys":
+            layer = family.attention_layer(name)
+            probe = probes.setdefault(layer, QKVClsProbe(layers[layer].self_attn))
+            wanted[name] = (probe, "patch_keys" if name == "keys" else "scores")
+    with_cls = "cls_token" in method.uses and family.has_cls
+    strategy = "full" if with_cls else model.config.vision_feature_select_strategy
+    with ExitStack() as stack:
+        for probe in probes.values():
+            stack.enter_context(probe)
+        hidden = model.vision_tower(crops, feature_select_strategy=strategy)
+    signals: dict[str, Any] = {name: (lambda probe=probe, read=read: getattr(probe, read))
+                               for name, (probe, read) in wanted.items()}  # fmt: skip
+    if with_cls:
+        signals["cls_token"] = hidden[:, 0]
+        hidden = hidden[:, 1:]
+    return hidden, signals
 
 
 def kept_embeddings(tokens: VisualTokens, selection: Selection, project) -> list[torch.Tensor]:

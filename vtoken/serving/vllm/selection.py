@@ -32,6 +32,20 @@ def select(
     return method.select(tokens)
 
 
+def select_placed(method: EncoderMethod, placed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A method acting on the tokens as placed (DivPrune): every image's run [L_i, D], as the LLM would receive it
+    (projected, packed, newlines included) -> its kept rows [k_i, D], in order. The call vtoken's transformers
+    adapters make (`Adapter.select_placed`)."""
+    lengths = [len(p) for p in placed]
+    if not placed or not max(lengths):
+        return placed
+    width = max(lengths)
+    features = torch.stack([torch.nn.functional.pad(p, (0, 0, 0, width - len(p))) for p in placed])
+    valid = torch.arange(width, device=features.device)[None] < torch.tensor(lengths, device=features.device)[:, None]
+    selection = method.select(VisualTokens(features, (1, width), {}, torch.arange(len(placed)), valid))
+    return [p[selection.kept_of(i).to(p.device)] for i, p in enumerate(placed)]
+
+
 def check_counts(method: EncoderMethod, produced: list[int], planned: list[int], where: str) -> None:
     """The encoder must fill exactly the placeholders the front end planned (a mismatch would shift the prompt)."""
     if produced != planned:

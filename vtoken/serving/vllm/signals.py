@@ -17,9 +17,11 @@ from vtoken.kernels import attention_row_probs
 
 
 class QKVClsProbe:
-    """[CLS]->patch head-mean post-softmax attention of one vLLM `CLIPAttention`, patch keys only ([B, S - 1]).
+    """[CLS]->patch head-mean post-softmax attention of one vLLM `CLIPAttention`, patch keys only ([B, S - 1]),
+    and the patch keys' head mean ([B, S - 1, d], VisionZip's similarity metric).
 
-    Use as a context manager around the tower call; `scores` afterwards. Only the entering thread is captured.
+    Use as a context manager around the tower call; `scores` / `patch_keys` afterwards. Only the entering thread
+    is captured.
     """
 
     def __init__(self, attention: nn.Module):
@@ -47,17 +49,30 @@ class QKVClsProbe:
             self._hook.remove()
             self._hook = None
 
-    @property
-    def scores(self) -> torch.Tensor:
+    def _query_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, S, H_local, d] queries and keys of this rank's heads."""
         if self._qkv is None:
             raise RuntimeError("vtoken: the probed vision attention layer did not run")
         query, keys, _ = self._qkv.chunk(3, dim=-1)  # [B, S, H_local * d] each
         batch, seq = keys.shape[:2]
-        query = query[:, 0].reshape(batch, self.local_heads, self.head_dim).float()
-        keys = keys.reshape(batch, seq, self.local_heads, self.head_dim).float()
-        summed = attention_row_probs(query, keys, self.scale).sum(dim=1)  # [B, S] over this rank's heads
+        shape = (batch, seq, self.local_heads, self.head_dim)
+        return query.reshape(shape), keys.reshape(shape)
+
+    def _head_mean(self, summed: torch.Tensor) -> torch.Tensor:
+        """A sum over this rank's heads -> the mean over every rank's heads (tensor parallelism: all-reduced)."""
         if self.tp_size > 1:
             from vllm.distributed import tensor_model_parallel_all_reduce
 
             summed = tensor_model_parallel_all_reduce(summed)
-        return (summed / self.total_heads)[:, 1:]
+        return summed / self.total_heads
+
+    @property
+    def scores(self) -> torch.Tensor:
+        query, keys = self._query_keys()
+        summed = attention_row_probs(query[:, 0].float(), keys.float(), self.scale).sum(dim=1)  # [B, S]
+        return self._head_mean(summed)[:, 1:]
+
+    @property
+    def patch_keys(self) -> torch.Tensor:
+        _, keys = self._query_keys()
+        return self._head_mean(keys.sum(dim=2))[:, 1:]
