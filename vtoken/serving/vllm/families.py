@@ -8,6 +8,7 @@ from typing import Any
 # The architectures served, with the family names the docs use (FAMILIES builds their hooks).
 SERVED = {
     "LlavaForConditionalGeneration": "LLaVA-1.5",
+    "LlavaNextForConditionalGeneration": "LLaVA-NeXT",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
     "Qwen3VLForConditionalGeneration": "Qwen3-VL",
 }
@@ -16,7 +17,7 @@ SERVED = {
 def FAMILIES() -> dict[str, tuple[type, dict[str, Any], Any]]:  # noqa: N802 - a lazy constant
     from vllm.model_executor.models.llava import LlavaDummyInputsBuilder
 
-    from . import llava, qwen
+    from . import llava, llava_next, qwen
 
     return {
         **qwen.families(),
@@ -25,17 +26,21 @@ def FAMILIES() -> dict[str, tuple[type, dict[str, Any], Any]]:  # noqa: N802 - a
             dict(llava.PROCESSOR, dummy_inputs=LlavaDummyInputsBuilder),
             llava.checked_config,
         ),
+        "LlavaNextForConditionalGeneration": (
+            llava_next.LlavaNext,
+            dict(llava_next.PROCESSOR, dummy_inputs=LlavaDummyInputsBuilder),
+            llava_next.checked_config,
+        ),
     }
 
 
 # Architectures vtoken patches on transformers that the plugin does not serve yet, with the reason; every other
 # architecture vLLM knows is refused too (generic reason). An entry is refused at start, never silently ignored.
 NOT_SERVED = {
-    "LlavaNextForConditionalGeneration": "LLaVA-NeXT's native packing ends every row that keeps tokens with a "
-    "newline, so its placeholder count is known only after selection (layout='official', whose count per crop is "
-    "known before encoding, is not wired into vLLM's LLaVA-NeXT yet)",
-    "LlavaNextVideoForConditionalGeneration": "as LLaVA-NeXT (newlines after rows that keep tokens)",
-    "LlavaOnevisionForConditionalGeneration": "as LLaVA-NeXT (newlines after rows that keep tokens)",
+    "LlavaNextVideoForConditionalGeneration": "not wired yet (its native image packing ends every row that keeps "
+    "tokens with a newline, so a crop-level selection's count is known only after selection)",
+    "LlavaOnevisionForConditionalGeneration": "not wired yet (its native packing ends every row that keeps tokens "
+    "with a newline, so a crop-level selection's count is known only after selection)",
     "Qwen2VLForConditionalGeneration": "not wired yet (Qwen2.5-VL and Qwen3-VL are)",
     "Gemma3ForConditionalGeneration": "not wired yet",
     "InternVLChatModel": "not wired yet",

@@ -1,0 +1,232 @@
+"""LLaVA-NeXT in vLLM: served where an image's placeholder count is known before its crops are encoded.
+
+LLaVA-NeXT's native packing (base view, then the stitched sub-images unpadded, a newline after every row that
+still has tokens) makes the count of a crop-level selection depend on which rows keep tokens: known only after
+selection, so refused. Served instead:
+- `layout="official"` (as `vtoken.patch(model, method, layout="official")`: the seed methods' own LLaVA-NeXT
+  packing): every crop keeps its budget of all its tokens, no unpadding, no newlines; the base view's kept tokens,
+  then the kept sub-image tokens in raster order of the full stitched grid (VisionZip: then every sub-image's
+  [CLS] row, then every sub-image's merged rows). Count: crops x the method's count per crop.
+- methods acting on the tokens as placed (DivPrune), on the native layout: they choose among the image's run as
+  vLLM's own LLaVA-NeXT packs it (newlines included), whose length follows from the image size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
+from vllm.model_executor.models.llava_next import (
+    LlavaNextForConditionalGeneration,
+    LlavaNextMultiModalProcessor,
+    LlavaNextProcessingInfo,
+)
+
+from vtoken.adapters.llava_next import LlavaNextAdapter
+from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
+
+from . import question as questions
+from .config import ServingConfig, error, serving_config
+from .llava import Llava, LlavaFamily, check_modality, check_signals, encode_crops, kept_embeddings, why_counts
+from .selection import check_counts, select, select_placed
+
+LAYOUTS = ("native", "official")
+
+
+class LlavaNextFamily(LlavaFamily):
+    """What vtoken knows about a LLaVA-NeXT config in vLLM: crop grids, signals, counts per image."""
+
+    name = "llava-next"
+
+    def signals(self) -> set[str]:
+        return super().signals() - {"resized_grid"}  # crops are stitched back on the grid: no smaller grids
+
+    def crops(self, image_size: Any) -> tuple[int, int]:
+        """(rows, cols) of sub-image crops of an image of `image_size` (height, width)."""
+        config = self.hf_config
+        height, width = (int(x) for x in image_size)
+        rows, cols = get_anyres_image_grid_shape((height, width), config.image_grid_pinpoints,
+                                                 config.vision_config.image_size)  # fmt: skip
+        return int(rows), int(cols)
+
+    def image_count(self, method, image_size: Any, native_length: int) -> int:
+        """Placeholders of one image (known before the encoder); `native_length`: its stock run (vLLM's count)."""
+        if method.acts_on == "placed":
+            count = method.count_before_encoding(native_length, (1, native_length), 1)
+        else:
+            rows, cols = self.crops(image_size)
+            crops = 1 + rows * cols
+            per_crop = method.count_before_encoding(self.side * self.side, self.grid, crops)
+            count = None if per_crop is None else per_crop * crops + _base_newline(method, crops)
+        if count is None:
+            raise error(f"{method.name}'s token count on {self.name} depends on the data; {why_counts()}")
+        return count
+
+    def check(self, config: ServingConfig) -> None:
+        method, layout = config.method, config.layout
+        check_signals(method, self.signals(), self.name)
+        check_modality(method, self.name)
+        if layout not in LAYOUTS:
+            raise error(f"layout={layout!r} is not available for {self.name}; it has: {', '.join(LAYOUTS)}")
+        placed = method.acts_on == "placed"
+        if placed and layout == "official":
+            raise error(
+                f"{method.name} selects among the tokens as {self.name} packs them (newlines included), which is "
+                "what its official code does: use layout='native'"
+            )
+        if not placed and layout == "native":
+            raise error(
+                f"{method.name} on {self.name}'s native layout: that packing ends every row that still keeps "
+                "tokens with a newline, so an image's token count is known only after selection, and vLLM sizes "
+                "the prompt before the encoder runs. Use layout='official' (every crop keeps its budget of all its "
+                "tokens, no unpadding or newlines, as the seed methods' own LLaVA-NeXT code; what "
+                "vtoken.patch(model, method, layout='official') does)"
+            )
+        if layout == "official" and method.name not in LlavaNextAdapter.official_layout_methods:
+            raise error(
+                f"layout='official' on {self.name} is implemented for "
+                f"{', '.join(LlavaNextAdapter.official_layout_methods)}; {method.name!r} has no official "
+                "LLaVA-NeXT layout"
+            )
+        n = self.side * self.side
+        grid, crops = ((1, n), 1) if placed else (self.grid, 2)  # anyres: at least a base view and one sub-image
+        counted = method.count_before_encoding(n, grid, crops)
+        if counted is None:
+            raise error(
+                f"{method.name} ({method!r}) decides its token count on {self.name} from the data; {why_counts()}"
+            )
+
+
+def _base_newline(method, crops: int) -> int:
+    """1 where the official packing ends a base-only image with a newline (VisionZip's), else 0."""
+    return int(crops == 1 and method.name in LlavaNextAdapter.newline_after_base_only)
+
+
+def checked_config(hf_config: Any) -> ServingConfig | None:
+    config = serving_config(hf_config)
+    if config is not None:
+        LlavaNextFamily(hf_config).check(config)
+    return config
+
+
+class LlavaNextProcessor(questions.QuestionProcessorMixin, LlavaNextMultiModalProcessor):
+    """LLaVA-NeXT's processor with placeholder runs of the kept count."""
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        updates = super()._get_prompt_updates(
+            mm_items, questions.without_question(hf_processor_mm_kwargs), out_mm_kwargs
+        )
+        hf_config = self.info.get_hf_config()
+        config = checked_config(hf_config)
+        if config is None:
+            return updates
+        from vllm.multimodal.parse import ImageProcessorItems
+        from vllm.multimodal.processing import PromptReplacement
+
+        family = LlavaNextFamily(hf_config)
+        images = mm_items.get_items("image", ImageProcessorItems) if "image" in mm_items else None
+        stock = updates[0]
+
+        def replacement(item: int):
+            if images is None or not isinstance(images, ImageProcessorItems):
+                return stock.replacement(item)  # image embeddings given: no encoder runs, nothing to prune
+            size = images.get_image_size(item)
+            native = self.info.get_num_image_tokens(image_width=size.width, image_height=size.height)
+            count = family.image_count(config.method, (size.height, size.width), native)
+            return [hf_config.image_token_index] * count
+
+        return [PromptReplacement(modality="image", target=stock.target, replacement=replacement)]
+
+
+def build_processor(info, dummy_inputs):
+    return LlavaNextProcessor(info, dummy_inputs)
+
+
+class LlavaNext(LlavaNextForConditionalGeneration):
+    """`LlavaNextForConditionalGeneration` that prunes visual tokens when the config carries a `vtoken` entry (and
+    is the stock model otherwise)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.vtoken = checked_config(self.config)
+        self.vtoken_model_config = vllm_config.model_config
+        self._vtoken_tokenizer = None
+
+    text_query = Llava.text_query
+
+    def embed_multimodal(self, **kwargs: object):
+        asked = kwargs.pop(questions.FIELD, None)
+        if self.vtoken is None:
+            return super().embed_multimodal(**kwargs)
+        image_input = self._parse_and_validate_image_input(**kwargs)
+        if image_input is None:
+            return []
+        if image_input["type"] != "pixel_values":
+            return self._process_image_input(image_input)
+        method, family = self.vtoken.method, LlavaNextFamily(self.config)
+        sizes = image_input["image_sizes"]
+        if method.acts_on == "placed":  # DivPrune: among vLLM's own packing of each image
+            placed = list(self._process_image_input(image_input))
+            embeds = select_placed(method, placed)
+            native = [len(p) for p in placed]
+        else:
+            embeds = self.official_images(image_input["pixel_values"], sizes, asked)
+            native = [0] * len(embeds)
+        planned = [family.image_count(method, size, n) for size, n in zip(sizes, native, strict=True)]
+        check_counts(method, [len(e) for e in embeds], planned, "image")
+        return tuple(embeds)
+
+    def official_images(self, pixel_values: torch.Tensor | list[torch.Tensor], image_sizes: torch.Tensor,
+                        asked: Any) -> list[torch.Tensor]:  # fmt: skip
+        """[k_i, D] per image: every crop's kept tokens, packed as vtoken's official LLaVA-NeXT layout."""
+        method, family = self.vtoken.method, LlavaNextFamily(self.config)
+        grids = [family.crops(size) for size in image_sizes]
+        counts = [1 + rows * cols for rows, cols in grids]
+        crops = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])  # vLLM pads crops per batch
+        features, signals = encode_crops(self, family, method, crops)  # [C, N, Dv]
+        image_index = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
+        crop_index = torch.cat([torch.arange(n) for n in counts])
+        tokens = VisualTokens(features, family.grid, signals, image_index, None, crop_index, dict(enumerate(grids)))
+        selection = select(method, tokens, self.multi_modal_projector, self.text_query(asked, family.name))
+        embeds = kept_embeddings(tokens, selection, self.multi_modal_projector)  # per crop
+        newline = self.image_newline
+        out, first = [], 0
+        for (_, cols), n in zip(grids, counts, strict=True):
+            crops_of_image = range(first, first + n)
+            first += n
+            out.append(official_sequence(family, selection, embeds, crops_of_image, cols, newline, method))
+        return out
+
+
+def official_sequence(family: LlavaNextFamily, selection: Selection, embeds: list[torch.Tensor], crops: range,
+                      cols: int, newline: torch.Tensor, method) -> torch.Tensor:  # fmt: skip
+    """One image's [k, D] as vtoken's official LLaVA-NeXT layout packs it: the base view's rows as selected, then
+    the sub-images' tokens that sit on the grid in raster order of the full stitched grid (cols sub-images wide);
+    for methods whose rows say where they come from (VisionZip): then every sub-image's [CLS] row, then every
+    sub-image's merged rows."""
+    base = embeds[crops[0]]
+    if len(crops) == 1:
+        return torch.cat([base, newline[None].to(base)]) if _base_newline(method, 1) else base
+    height, width = family.grid
+    device = base.device
+    local = torch.arange(height * width, device=device)
+    keys, grid, cls, merged = [], [], [], []
+    for position, c in enumerate(crops[1:]):
+        r, col = divmod(position, cols)
+        stitched = (r * height + local // width) * (cols * width) + col * width + local % width
+        if selection.origin is None:
+            keys.append(stitched[selection.offsets_of(c).to(device)])
+            grid.append(embeds[c])
+            continue
+        origin = selection.origin_of(c).to(device)
+        on_grid = origin >= 0
+        keys.append(stitched[origin[on_grid]])
+        grid.append(embeds[c][on_grid])
+        cls.append(embeds[c][origin == CLS])
+        merged.append(embeds[c][origin == MERGED])
+    grid = torch.cat(grid)[torch.cat(keys).argsort()]
+    return torch.cat([base, grid, *cls, *merged])
+
+
+PROCESSOR = dict(processor=build_processor, info=LlavaNextProcessingInfo)
