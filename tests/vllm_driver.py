@@ -2,7 +2,8 @@
 
     .venv-vllm/bin/python tests/vllm_driver.py JOB.json OUT.json
 
-JOB: {"engines": [{"model": DIR, "override": {...} | null, "requests": [{"prompt": str, "images": [PNG]}],
+JOB: {"engines": [{"model": DIR, "override": {...} | null, "requests": [{"prompt": str, "images": [PNG],
+"videos": [NPY of [T, H, W, 3] uint8 frames], "fps": float (with videos)}],
 "batch": bool, "max_tokens": int, "tp": int, "limit_mm": {...} | null}]}. Every engine runs in this one process
 (the engine core in process, VLLM_ENABLE_V1_MULTIPROCESSING=0): the ~30 s of imports are paid once, each engine
 then starts in a few seconds. "batch": all requests in one `generate` call, else one call per request. OUT: per
@@ -23,7 +24,15 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def video_item(frames, fps: float) -> tuple:
+    """(frames, metadata): every frame, at `fps` (tests/vllm_support.py's reference gives transformers the same)."""
+    count = len(frames)
+    metadata = {"fps": fps, "duration": count / fps, "total_num_frames": count, "frames_indices": list(range(count))}
+    return frames, dict(metadata, video_backend="opencv", do_sample_frames=False)
+
+
 def run_engine(spec: dict) -> dict:
+    import numpy
     from PIL import Image
     from vllm import LLM, SamplingParams
 
@@ -31,18 +40,18 @@ def run_engine(spec: dict) -> dict:
     start = time.perf_counter()
     try:
         llm = LLM(model=spec["model"], dtype="float32", max_model_len=4096, enforce_eager=True, seed=0,
-                  hf_overrides=overrides, limit_mm_per_prompt=spec.get("limit_mm", {"image": 2}),
+                  hf_overrides=overrides, limit_mm_per_prompt=spec.get("limit_mm", {"image": 2, "video": 1}),
                   tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
     except Exception as failure:  # noqa: BLE001 - the test reads the message
         return {"error": f"{type(failure).__name__}: {failure}"}
     started = time.perf_counter() - start
     params = SamplingParams(max_tokens=spec.get("max_tokens", 5), temperature=0.0, logprobs=5)
-    prompts = [
-        {"prompt": r["prompt"], "multi_modal_data": {"image": [Image.open(p).convert("RGB") for p in r["images"]]}}
-        if r["images"]
-        else {"prompt": r["prompt"]}
-        for r in spec["requests"]
-    ]
+    prompts = []
+    for r in spec["requests"]:
+        data = {"image": [Image.open(p).convert("RGB") for p in r["images"]]} if r["images"] else {}
+        if r.get("videos"):  # [T, H, W, 3] uint8 frames, every one sent (vLLM's Qwen video parser needs metadata)
+            data["video"] = [video_item(numpy.load(p), r["fps"]) for p in r["videos"]]
+        prompts.append({"prompt": r["prompt"], "multi_modal_data": data} if data else {"prompt": r["prompt"]})
     outputs = llm.generate(prompts, params, use_tqdm=False) if spec.get("batch") else [
         llm.generate(p, params, use_tqdm=False)[0] for p in prompts
     ]  # fmt: skip

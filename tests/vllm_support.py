@@ -15,7 +15,13 @@ DRIVER = ROOT / "tests" / "vllm_driver.py"
 PROMPTS = {
     "llava": "USER: <image>\n{q} ASSISTANT:",
     "qwen": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{q}<|im_end|>\n<|im_start|>assistant\n",
+    "qwen-video": "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>{q}<|im_end|>\n<|im_start|>assistant\n",
 }
+# Qwen2.5-VL's M-RoPE time step of a video is tokens_per_second x 2 / fps (4 x 2 / 8 = 1 on the tiny model). Text
+# after a video continues, in vLLM (and the original Qwen2.5-VL code), after the video's largest position, and in
+# transformers 5 at max(h, w) past the video's start: the same while (T - 1) x step + 1 <= max(h, w), as here
+# (T = 2 frame pairs, step 1; 4 x 4 tokens a frame, 2 x 2 after Fourier at 25 %)
+VIDEO_FPS = 8.0
 QUESTIONS = ("what is in the image?", "what colour is the object?")
 
 
@@ -32,8 +38,26 @@ def vllm_python() -> Path:
     return python
 
 
-def prompt(family: str, question: str) -> str:
+def prompt(family: str, question: str, video: bool = False) -> str:
+    if video:
+        return PROMPTS["qwen-video"].format(q=question)
     return PROMPTS["llava" if family.startswith("llava") else "qwen"].format(q=question)
+
+
+def video_metadata(frames: int, fps: float = VIDEO_FPS) -> dict:
+    """Every frame of a clip, at `fps` (what the driver tells vLLM and the reference tells transformers)."""
+    return {"fps": fps, "duration": frames / fps, "total_num_frames": frames, "frames_indices": list(range(frames))}
+
+
+def clip(folder: Path, frames: int = 4) -> Path:
+    """vtoken's example clip (a scene panned sideways) as [T, H, W, 3] uint8 frames in a .npy file."""
+    import numpy as np
+
+    from vtoken.images import example_clip
+
+    path = folder / f"clip{frames}.npy"
+    np.save(path, np.stack([np.asarray(frame) for frame in example_clip(frames, size=112)]))
+    return path
 
 
 def images(folder: Path) -> list[Path]:
@@ -64,7 +88,7 @@ def run_driver(job: dict, folder: Path, timeout: int = 900) -> list[dict]:
 def reference(model_dir: Path, family: str, method: str | None, params: dict, question: str, image: Path,
               max_tokens: int = 5) -> dict:  # fmt: skip
     """`vtoken.patch` on transformers (or the stock model for method None): prompt length, visual tokens dropped,
-    greedy ids and per-step log-softmax [V] of the logits."""
+    greedy ids and per-step log-softmax [V] of the logits. `image`: a PNG, or a .npy of video frames (`clip`)."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -75,7 +99,14 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
     processor = AutoProcessor.from_pretrained(model_dir)
     vtoken.remember_tokenizer(model, processor)
     handle = vtoken.patch(model, method, **params) if method else None
-    inputs = processor(images=Image.open(image).convert("RGB"), text=prompt(family, question), return_tensors="pt")
+    if Path(image).suffix == ".npy":  # a video's frames
+        import numpy as np
+
+        frames = [Image.fromarray(frame) for frame in np.load(image)]
+        inputs = processor(videos=[frames], video_metadata=[video_metadata(len(frames))],
+                           text=prompt(family, question, video=True), return_tensors="pt")  # fmt: skip
+    else:
+        inputs = processor(images=Image.open(image).convert("RGB"), text=prompt(family, question), return_tensors="pt")
     seen = []  # the sequence lengths the LLM ran on: prefill first (the prompt as the LLM received it)
 
     def record(module, args, kwargs):
@@ -92,7 +123,8 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
     encoder = [r for r in handle.records if r.stage == "encoder"] if handle else []
     dropped = sum(r.tokens_in - r.tokens_out for r in encoder)
     length = inputs["input_ids"].shape[1]
-    placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    ids, config = inputs["input_ids"], model.config
+    placeholders = int(((ids == config.image_token_id) | (ids == getattr(config, "video_token_id", -1))).sum())
     # placeholders the records do not count as visual tokens and the layout leaves out (NeXT's official: newlines)
     uncounted = placeholders - sum(r.tokens_in for r in encoder) if handle else 0
     return {

@@ -8,11 +8,18 @@ it: positions are the stock ones of the *unpruned* prompt (vLLM's own `get_mrope
 with every image's run restored), gathered at the kept tokens; a method that hands back a smaller grid (Fourier)
 gets the stock positions of that grid. So the kept tokens' indices must be known before the encoder: the method
 is dry-run on the grid, and a method whose picks depend on the features is refused at start on these families
-(no [CLS] here: fastervlm and hired need it anyway). Images are pruned; videos pass through unchanged.
+(no [CLS] here: fastervlm and hired need it anyway). Images are pruned, and Qwen2.5-VL's videos (every frame
+keeps its budget, as `vtoken.patch` does); Qwen3-VL's videos pass through unchanged (its prompt puts a timestamp
+before every frame, a run per frame that this plugin does not resize yet).
+
+Text after a video continues where vLLM's own positions put it: after the video's largest (t, h, w) position, as
+the original Qwen2.5-VL code does. transformers 5's `get_rope_index` continues at max(h, w) past the video's
+start instead, which differs once the video's time positions reach further (tests use a clip where both agree).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,12 +36,21 @@ from .selection import select
 SIGNALS = {"patch_features", "grid", "resized_grid", "projected"}
 
 
-def plan(method, grid: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
-    """(kept offsets, smaller grid or None) of one image's grid, decided before the encoder (a dry run)."""
-    n = grid[0] * grid[1]
-    tokens = VisualTokens(torch.zeros(1, n, 4), grid, {}, torch.zeros(1, dtype=torch.long))
-    selection = select(method, tokens)
-    return selection.offsets_of(0), selection.grid
+def frames_of(grid: tuple[int, int], frames: int = 1) -> VisualTokens:
+    """Zero features of one image (frames=1) or video (a crop per frame) of `grid`: what a dry run selects on."""
+    return VisualTokens(torch.zeros(frames, grid[0] * grid[1], 4), grid, {}, torch.zeros(frames, dtype=torch.long))
+
+
+def kept_offsets(selection, frames: int, n: int) -> torch.Tensor:
+    """[k] kept tokens' offsets in an image's or video's run of frames x n tokens (frame after frame)."""
+    return torch.cat([selection.offsets_of(f) + f * n for f in range(frames)])
+
+
+def plan(method, grid: tuple[int, int], frames: int = 1) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """(kept offsets in the run, smaller grid or None) of one image's grid or one video's frames, decided before
+    the encoder (a dry run)."""
+    selection = select(method, frames_of(grid, frames))
+    return kept_offsets(selection, frames, grid[0] * grid[1]), selection.grid
 
 
 def data_independent(method, grid: tuple[int, int] = (6, 8)) -> bool:
@@ -50,9 +66,15 @@ def data_independent(method, grid: tuple[int, int] = (6, 8)) -> bool:
 
 
 class QwenFamily:
+    """Qwen2.5-VL prunes images and videos (every frame keeps its budget, as vtoken.patch on transformers);
+    Qwen3-VL images only (its videos carry a timestamp before every frame in the prompt: passed through)."""
+
+    GRID = {"image": "image_grid_thw", "video": "video_grid_thw"}
+
     def __init__(self, hf_config: Any, name: str):
         self.hf_config, self.name = hf_config, name
         self.merge = hf_config.vision_config.spatial_merge_size
+        self.pruned = ("image", "video") if name == "qwen2.5-vl" else ("image",)
 
     def check(self, config: ServingConfig) -> None:
         method = config.method
@@ -75,8 +97,9 @@ class QwenFamily:
         return h // self.merge, w // self.merge
 
     def count(self, method, grid_thw: torch.Tensor) -> int:
+        """Placeholders of an image, or of a video (frames x each frame's count)."""
         grid = self.grid(grid_thw)
-        return method.count_before_encoding(grid[0] * grid[1], grid, 1)
+        return int(grid_thw[0]) * method.count_before_encoding(grid[0] * grid[1], grid, 1)
 
 
 def checker(name: str):
@@ -102,15 +125,16 @@ class QwenProcessorMixin(questions.QuestionProcessorMixin):
         if config is None:
             return updates
         family = QwenFamily(hf_config, self.family_name)
-        token = hf_config.image_token_id
+        tokens = {"image": hf_config.image_token_id, "video": hf_config.video_token_id}
 
-        def replacement(item: int):
-            grid_thw = out_mm_kwargs["image"][item]["image_grid_thw"].data
-            return [token] * family.count(config.method, grid_thw)
+        def replacement(item: int, modality: str):
+            grid_thw = out_mm_kwargs[modality][item][family.GRID[modality]].data
+            return [tokens[modality]] * family.count(config.method, grid_thw)
 
         return [
-            PromptReplacement(modality="image", target=u.target, replacement=replacement) if u.modality == "image"
-            else u
+            PromptReplacement(modality=u.modality, target=u.target, replacement=partial(replacement,
+                                                                                     modality=u.modality))
+            if u.modality in family.pruned else u
             for u in updates
         ]  # fmt: skip
 
@@ -133,24 +157,25 @@ class QwenModelMixin:
             offset, length = feature.mm_position.offset, feature.mm_position.length
             tokens += input_tokens[cursor:offset]
             columns += range(cursor + shift, offset + shift)
-            if feature.modality != "image":  # stock positions
+            if feature.modality not in family.pruned:  # stock positions
                 tokens += input_tokens[offset : offset + length]
                 columns += range(offset + shift, offset + length + shift)
                 features.append(_moved(feature, offset + shift, length))
             else:
-                grid_thw = feature.data["image_grid_thw"].data
-                grid = family.grid(grid_thw)
-                kept, smaller = plan(method, grid)
+                key = family.GRID[feature.modality]
+                grid_thw = feature.data[key].data
+                grid, frames = family.grid(grid_thw), int(grid_thw[0])
+                kept, smaller = plan(method, grid, frames)
                 if smaller is not None:  # the stock positions of the smaller grid
-                    n, kept = smaller[0] * smaller[1], torch.arange(smaller[0] * smaller[1])
-                    grid_thw = torch.tensor([1, smaller[0] * family.merge, smaller[1] * family.merge])
+                    n, kept = frames * smaller[0] * smaller[1], torch.arange(frames * smaller[0] * smaller[1])
+                    grid_thw = torch.tensor([frames, smaller[0] * family.merge, smaller[1] * family.merge])
                 else:
-                    n = grid[0] * grid[1]
+                    n = frames * grid[0] * grid[1]
                 token = input_tokens[offset]
                 tokens += [token] * n
                 columns += (kept + offset + shift).tolist()
-                image = SimpleNamespace(data={"image_grid_thw": SimpleNamespace(data=grid_thw)})
-                features.append(_moved(feature, offset + shift, n, image.data))
+                data = {**feature.data, key: SimpleNamespace(data=grid_thw)}  # videos: second_per_grid_ts too
+                features.append(_moved(feature, offset + shift, n, data))
                 shift += n - length
             cursor = offset + length
         tokens += input_tokens[cursor:]
@@ -168,16 +193,18 @@ class QwenModelMixin:
         method, family, index = self.vtoken.method, self.vtoken_family, 0
         width = self.config.text_config.hidden_size  # the main features; Qwen3-VL appends DeepStack levels
         for modality, inputs in parsed.items():
-            grids = inputs["image_grid_thw" if modality == "image" else "video_grid_thw"]
-            if modality != "image" or inputs["type"] != "pixel_values":
+            grids = inputs[family.GRID[modality]]
+            if modality not in family.pruned or inputs["type"] not in ("pixel_values", "pixel_values_videos"):
                 index += len(grids)
                 continue
             for grid_thw in grids:
-                full, grid = embeddings[index], family.grid(grid_thw)
-                tokens = VisualTokens(full[None, :, :width], grid, {}, torch.zeros(1, dtype=torch.long))
+                full, grid, frames = embeddings[index], family.grid(grid_thw), int(grid_thw[0])
+                per_frame = full[:, :width].reshape(frames, grid[0] * grid[1], width)
+                tokens = VisualTokens(per_frame, grid, {}, torch.zeros(frames, dtype=torch.long))
                 selection = select(method, tokens)
-                planned, smaller = plan(method, grid)
-                if smaller != selection.grid or not torch.equal(selection.offsets_of(0).cpu(), planned.cpu()):
+                planned, smaller = plan(method, grid, frames)
+                offsets = kept_offsets(selection, frames, grid[0] * grid[1])
+                if smaller != selection.grid or not torch.equal(offsets.cpu(), planned.cpu()):
                     raise RuntimeError(f"vtoken: {method.name} picked tokens other than planned before the encoder")
                 embeddings[index] = same_selection(method, selection, tokens, full)
                 index += 1
