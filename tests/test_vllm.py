@@ -53,11 +53,22 @@ PARITY = {
         ("visionzip", {"budget": 0.25, "layout": "official"}),
         ("divprune", {"budget": 0.1}),
     ],
-    "qwen2.5-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
-    "qwen3-vl": [("random", {"budget": 0.25}), ("pool", {"budget": 0.25}), ("fourier", {"budget": 0.25})],
+    # DivPrune: picks from the encoder's output, made when the request is added (positions are fixed then)
+    "qwen2.5-vl": [
+        ("random", {"budget": 0.25}),
+        ("pool", {"budget": 0.25}),
+        ("fourier", {"budget": 0.25}),
+        ("divprune", {"budget": 0.25}),
+    ],
+    "qwen3-vl": [
+        ("random", {"budget": 0.25}),
+        ("pool", {"budget": 0.25}),
+        ("fourier", {"budget": 0.25}),
+        ("divprune", {"budget": 0.25}),
+    ],
 }
 VIDEO_FAMILIES = {"qwen2.5-vl"}  # videos pruned too (Qwen3-VL's pass through: timestamps between frames)
-BATCHED = {"llava": "fastervlm", "llava-next": "visionzip", "qwen2.5-vl": "random", "qwen3-vl": "pool"}  # one each
+BATCHED = {"llava": "fastervlm", "llava-next": "visionzip", "qwen2.5-vl": "divprune", "qwen3-vl": "pool"}  # one each
 # VisPruner's duplicate removal compares near-identical patches (the cat photo's fur, the pad-to-square border) whose
 # cosines two engines round differently: both questions are asked of the astronaut
 SAME_PICTURE = {"vispruner"}
@@ -72,7 +83,7 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen2.5-vl", {"method": "mmtok"}, ["vtoken", "mmtok", "vision_features"]),
     ("qwen2.5-vl", {"method": "random", "budget": 0.25, "scope": "image"}, ["vtoken", "random", "from the data"]),
     ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
-    ("qwen2.5-vl", {"method": "divprune"}, ["vtoken", "divprune", "picks tokens from the features"]),
+    ("qwen3-vl", {"method": "visionzip"}, ["vtoken", "visionzip", "cls_attention"]),
     ("llava", {"method": "vidcom2"}, ["vtoken", "vidcom2", "video only"]),
     ("qwen2.5-vl", {"method": "vidcom2"}, ["vtoken", "vidcom2", "from the data"]),  # frame budgets follow the data
     # LLaVA-NeXT: native packing's count is known only after selection; HiRED's anyres shares follow the data

@@ -7,9 +7,13 @@ and that continues text after a pruned image at the grid width rather than max(h
 it: positions are the stock ones of the *unpruned* prompt (vLLM's own `get_mrope_input_positions` on the prompt
 with every image's run restored), gathered at the kept tokens; a method that hands back a smaller grid (Fourier)
 gets the stock positions of that grid. So the kept tokens' indices must be known before the encoder: the method
-is dry-run on the grid, and a method whose picks depend on the features is refused at start on these families
-(no [CLS] here: fastervlm and hired need it anyway). Images are pruned, and Qwen2.5-VL's videos (every frame
-keeps its budget, as `vtoken.patch` does); Qwen3-VL's videos pass through unchanged (its prompt puts a timestamp
+is dry-run on the grid. A method acting on the encoder's output as placed (DivPrune) picks when the request is
+added: the plugin runs the stock encoder on each image or video then, from the request's processed pixels, gathers
+the positions at its picks, and keeps the kept embeddings (by pixel content) for `embed_multimodal`, which returns
+them without encoding again. Other methods whose picks depend on the features are refused at start on these
+families (no [CLS] here: fastervlm, hired, visionzip, vispruner need it anyway; MMTok needs the pre-merger
+features). Images are pruned, and Qwen2.5-VL's videos (every frame keeps its budget, as `vtoken.patch` does;
+DivPrune: its budget of the whole video); Qwen3-VL's videos pass through unchanged (its prompt puts a timestamp
 before every frame, a run per frame that this plugin does not resize yet).
 
 Text after a video continues where vLLM's own positions put it: after the video's largest (t, h, w) position, as
@@ -19,6 +23,8 @@ start instead, which differs once the video's time positions reach further (test
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -31,7 +37,7 @@ from vtoken.tokens import VisualTokens
 from . import question as questions
 from .config import ServingConfig, error, serving_config
 from .llava import check_signals, why_counts
-from .selection import select
+from .selection import select, select_placed_offsets
 
 SIGNALS = {"patch_features", "grid", "resized_grid", "projected"}
 
@@ -85,11 +91,12 @@ class QwenFamily:
             raise error(
                 f"{method.name} ({method!r}) decides its token count on {self.name} from the data; {why_counts()}"
             )
-        if not data_independent(method):
+        if method.acts_on != "placed" and not data_independent(method):
             raise error(
                 f"{method.name} picks tokens from the features, but vLLM fixes {self.name}'s M-RoPE positions "
                 "before the encoder runs, and kept tokens must keep their original (t, h, w) positions; served "
-                "here: methods whose picks follow from the grid (random, pool, fourier)"
+                "here: methods whose picks follow from the grid (random, pool, fourier), and DivPrune (it picks "
+                "among the encoder's output, which the plugin computes when the request is added)"
             )
 
     def grid(self, grid_thw: torch.Tensor) -> tuple[int, int]:
@@ -97,8 +104,12 @@ class QwenFamily:
         return h // self.merge, w // self.merge
 
     def count(self, method, grid_thw: torch.Tensor) -> int:
-        """Placeholders of an image, or of a video (frames x each frame's count)."""
+        """Placeholders of an image, or of a video (frames x each frame's count; a method acting on the tokens as
+        placed, DivPrune: its count of the whole run)."""
         grid = self.grid(grid_thw)
+        if method.acts_on == "placed":
+            run = int(grid_thw[0]) * grid[0] * grid[1]
+            return method.count_before_encoding(run, (1, run), 1)
         return int(grid_thw[0]) * method.count_before_encoding(grid[0] * grid[1], grid, 1)
 
 
@@ -147,6 +158,30 @@ class QwenModelMixin:
     def _vtoken_init(self) -> None:
         self.vtoken = checker(self.family_name)(self.config)
         self.vtoken_family = QwenFamily(self.config, self.family_name)
+        self._vtoken_picks: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # pixel key -> [k, D] kept
+
+    def _vtoken_placed_picks(self, feature: Any) -> torch.Tensor:
+        """[k] offsets, in its run, of the tokens a method acting on the placed tokens (DivPrune) keeps of one image
+        or video: the stock encoder runs on it when its request is added (M-RoPE positions are fixed then), and its
+        kept embeddings wait (by pixel content) for `embed_multimodal`, which returns them without encoding again."""
+        modality, family = feature.modality, self.vtoken_family
+        pixel_key = "pixel_values" if modality == "image" else "pixel_values_videos"
+        grid_key = family.GRID[modality]
+        pixels, grid_thw = feature.data[pixel_key].data, feature.data[grid_key].data
+        device = next(self.parameters()).device
+        kwargs = {pixel_key: pixels.to(device), grid_key: grid_thw[None]}
+        if modality == "video" and "second_per_grid_ts" in feature.data:
+            kwargs["second_per_grid_ts"] = feature.data["second_per_grid_ts"].data.reshape(1)
+        with torch.inference_mode():
+            (full,) = super().embed_multimodal(**kwargs)
+        width = self.config.text_config.hidden_size
+        (placed,) = select_placed_offsets(self.vtoken.method, [full[:, :width]])
+        key = _pixel_key(modality, pixels, grid_thw)
+        self._vtoken_picks[key] = full[placed.to(full.device)]
+        self._vtoken_picks.move_to_end(key)
+        while len(self._vtoken_picks) > PICKS_KEPT:
+            self._vtoken_picks.popitem(last=False)
+        return placed.cpu()
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         if self.vtoken is None:
@@ -165,7 +200,10 @@ class QwenModelMixin:
                 key = family.GRID[feature.modality]
                 grid_thw = feature.data[key].data
                 grid, frames = family.grid(grid_thw), int(grid_thw[0])
-                kept, smaller = plan(method, grid, frames)
+                if method.acts_on == "placed":  # picks from the encoder's output: encoded now, kept for later
+                    kept, smaller = self._vtoken_placed_picks(feature), None
+                else:
+                    kept, smaller = plan(method, grid, frames)
                 if smaller is not None:  # the stock positions of the smaller grid
                     n, kept = frames * smaller[0] * smaller[1], torch.arange(frames * smaller[0] * smaller[1])
                     grid_thw = torch.tensor([frames, smaller[0] * family.merge, smaller[1] * family.merge])
@@ -189,16 +227,35 @@ class QwenModelMixin:
         if self.vtoken is None:
             return super().embed_multimodal(**kwargs)
         parsed = self._parse_and_validate_multimodal_inputs(**kwargs)
-        embeddings = list(super().embed_multimodal(**kwargs) or ())
         method, family, index = self.vtoken.method, self.vtoken_family, 0
+        pixel_types = ("pixel_values", "pixel_values_videos")
+        stock = [m for m, inputs in parsed.items() if m not in family.pruned or inputs["type"] not in pixel_types]
+        if method.acts_on == "placed" and not stock:  # every item was encoded when its request was added
+            embeddings = [None] * sum(len(inputs[family.GRID[m]]) for m, inputs in parsed.items())
+        else:
+            embeddings = list(super().embed_multimodal(**kwargs) or ())
         width = self.config.text_config.hidden_size  # the main features; Qwen3-VL appends DeepStack levels
         for modality, inputs in parsed.items():
             grids = inputs[family.GRID[modality]]
-            if modality not in family.pruned or inputs["type"] not in ("pixel_values", "pixel_values_videos"):
+            if modality in stock:
                 index += len(grids)
                 continue
-            for grid_thw in grids:
-                full, grid, frames = embeddings[index], family.grid(grid_thw), int(grid_thw[0])
+            pixels = inputs["pixel_values" if modality == "image" else "pixel_values_videos"]
+            starts = [0, *torch.cat([g.prod()[None] for g in grids]).cumsum(0).tolist()]
+            for item, grid_thw in enumerate(grids):
+                grid, frames = family.grid(grid_thw), int(grid_thw[0])
+                if method.acts_on == "placed":  # kept when its request was added, its positions fixed by them
+                    key = _pixel_key(modality, pixels[starts[item] : starts[item + 1]], grid_thw)
+                    kept = self._vtoken_picks.get(key)
+                    if kept is None:
+                        raise RuntimeError(
+                            f"vtoken: {method.name}'s picks for this {modality} were not made when its request was "
+                            "added (its positions depend on them); please report this"
+                        )
+                    embeddings[index] = kept
+                    index += 1
+                    continue
+                full = embeddings[index]
                 per_frame = full[:, :width].reshape(frames, grid[0] * grid[1], width)
                 tokens = VisualTokens(per_frame, grid, {}, torch.zeros(frames, dtype=torch.long))
                 selection = select(method, tokens)
@@ -209,6 +266,15 @@ class QwenModelMixin:
                 embeddings[index] = same_selection(method, selection, tokens, full)
                 index += 1
         return tuple(embeddings)
+
+
+def _pixel_key(modality: str, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple:
+    """An image's or video's identity for the picks made when its request was added: its grid and pixel bytes."""
+    data = pixels.detach().float().cpu().contiguous().numpy().tobytes()
+    return modality, tuple(int(x) for x in grid_thw.tolist()), hashlib.sha1(data).hexdigest()
+
+
+PICKS_KEPT = 64  # images/videos whose kept embeddings wait for the encoder step (older ones are dropped first)
 
 
 def _moved(feature: Any, offset: int, length: int, data: Any = None) -> SimpleNamespace:

@@ -32,18 +32,24 @@ def select(
     return method.select(tokens)
 
 
-def select_placed(method: EncoderMethod, placed: list[torch.Tensor]) -> list[torch.Tensor]:
+def select_placed_offsets(method: EncoderMethod, placed: list[torch.Tensor]) -> list[torch.Tensor]:
     """A method acting on the tokens as placed (DivPrune): every image's run [L_i, D], as the LLM would receive it
-    (projected, packed, newlines included) -> its kept rows [k_i, D], in order. The call vtoken's transformers
-    adapters make (`Adapter.select_placed`)."""
+    (projected, packed, newlines included) -> the offsets [k_i] of the rows it keeps, ascending. The call vtoken's
+    transformers adapters make (`Adapter.select_placed`)."""
     lengths = [len(p) for p in placed]
     if not placed or not max(lengths):
-        return placed
+        return [torch.arange(n) for n in lengths]
     width = max(lengths)
     features = torch.stack([torch.nn.functional.pad(p, (0, 0, 0, width - len(p))) for p in placed])
     valid = torch.arange(width, device=features.device)[None] < torch.tensor(lengths, device=features.device)[:, None]
     selection = method.select(VisualTokens(features, (1, width), {}, torch.arange(len(placed)), valid))
-    return [p[selection.kept_of(i).to(p.device)] for i, p in enumerate(placed)]
+    return [selection.kept_of(i) for i in range(len(placed))]
+
+
+def select_placed(method: EncoderMethod, placed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`select_placed_offsets`, the kept rows [k_i, D] of every run."""
+    offsets = select_placed_offsets(method, placed)
+    return [p[k.to(p.device)] for p, k in zip(placed, offsets, strict=True)]
 
 
 def check_counts(method: EncoderMethod, produced: list[int], planned: list[int], where: str) -> None:
