@@ -105,6 +105,9 @@ class Adapter(CallPath, FrameLayout):
     multi_axis_positions: ClassVar[bool] = False
     # videos arrive as runs of image tiles, one per frame (InternVL): video-only methods find them in the prompt
     videos_as_image_runs: ClassVar[bool] = False
+    # separator tokens closing every video's placeholder run (OneVision's newline): no frame's, so a decode-time
+    # selection (DyCoke) does not choose among them
+    video_run_trailer: ClassVar[int] = 0
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
@@ -333,6 +336,12 @@ class Adapter(CallPath, FrameLayout):
         return found[0] if found else None
 
     @property
+    def llm_method(self) -> Method | None:
+        """The method acting inside the LLM (at the prefill or decode stage), which `LanguageModelStages` runs."""
+        found = [m for m in self.methods if {"prefill", "decode"} & set(m.stages)]
+        return found[0] if found else None
+
+    @property
     def language_model(self) -> nn.Module:
         """The decoder stack (`.layers`, `.rotary_emb`) the LLM stages hook."""
         return self.inner.language_model
@@ -350,6 +359,12 @@ class Adapter(CallPath, FrameLayout):
                     f"methods {', '.join(acting)} all act at the {stage} stage; combine at most one method per stage "
                     "(e.g. an encoder-stage method such as hired with a prefill-stage one such as fastv)"
                 )
+        inside = [m.name for m in self.methods if {"prefill", "decode"} & set(m.stages)]
+        if len(inside) > 1:
+            raise VTokenError(
+                f"methods {', '.join(inside)} all act inside the LLM (prefill or decode stage); combine at most one "
+                "of them, with an encoder-stage method if you like"
+            )
         takes = {m.name for m in self.modalities} | ({"video"} if self.videos_as_image_runs else set())
         for method in self.methods:
             if not takes & set(method.modalities):
@@ -392,10 +407,13 @@ class Adapter(CallPath, FrameLayout):
                     f"{prefill.name}: positions='renumber' is not defined for {self.family}'s multi-axis (M-RoPE) "
                     f"positions; {fix}"
                 )
+        llm = self.llm_method
+        if llm is not None:
             layers = getattr(self.language_model, "layers", None)
             if layers is None or not hasattr(self.language_model, "rotary_emb"):
-                raise VTokenError(f"{prefill.name}: {type(self.language_model).__name__} has no decoder layers to hook")
-            prefill.drop_layers(len(layers))  # raises if the drop points do not fit this depth
+                raise VTokenError(f"{llm.name}: {type(self.language_model).__name__} has no decoder layers to hook")
+            llm.drop_layers(len(layers))  # raises if the drop points do not fit this depth
+            llm.select_layer(len(layers))  # (a decode-time selection's layer, likewise)
         sparse = [m for m in self.methods if "sparse" in m.stages]
         self._sparse = SparseAttention(self, sparse[0]) if sparse else None  # checks the model, installs nothing
 
@@ -444,8 +462,8 @@ class Adapter(CallPath, FrameLayout):
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         if self.stacked_features:
             self._ragged_hook = self.inner.register_forward_pre_hook(self._join_ragged, with_kwargs=True)
-        if self.prefill_method is not None:
-            self._llm_stages = LanguageModelStages(self, self.prefill_method)
+        if self.llm_method is not None:
+            self._llm_stages = LanguageModelStages(self, self.llm_method)
             self._llm_stages.install()
         self._post_hook = model.register_forward_hook(self._post_forward)
         self.installed = True

@@ -192,7 +192,7 @@ class CallPath(ConversationPath):
         ):
             got = f"cache_implementation={implementation!r}" if cache is None else type(cache).__name__
             raise InputError(
-                f"{self.prefill_method.name} drops tokens inside the LLM, so its layers' caches hold different "
+                f"{self.llm_method.name} drops tokens inside the LLM, so its layers' caches hold different "
                 f"lengths, which needs a DynamicCache (the default); got {got}. A static cache works with "
                 "encoder-stage methods only"
             )
@@ -244,6 +244,8 @@ class CallPath(ConversationPath):
         changed = False
         if continuing:
             kwargs, changed = self._continue_generate(kwargs, cache, past)
+            if self._llm_stages is not None:  # a decode-time selection starts afresh at every generate call
+                self.records = self.records + self._llm_stages.new_call(cache)
         elif prunes:
             kwargs, changed = self.prepare(kwargs)
         else:
@@ -316,6 +318,13 @@ class CallPath(ConversationPath):
         self._refuse_static_cache(implementation, hf.cache_in(kwargs))
         if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
             kwargs = dict(kwargs, use_cache=True)
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+        if beams > 1 and self._llm_stages.select_layer is not None:
+            raise InputError(
+                f"{self.llm_method.name} compares each decoding step's attention with the previous step's of the same "
+                f"sequence, which beam search (num_beams={beams}) reorders between steps; use greedy decoding or "
+                "sampling (num_return_sequences works with sampling)"
+            )
         return kwargs
 
 

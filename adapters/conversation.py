@@ -25,6 +25,7 @@ from . import hf
 
 _PROMPT = "_vtoken_prompt"
 _VIEWS = "_vtoken_views"
+_SELECTION = "_vtoken_selection"
 
 
 @dataclass
@@ -102,10 +103,20 @@ def remember_views(cache: Any, views: tuple[list, int] | None) -> None:
         setattr(cache, _VIEWS, views)
 
 
+def selection_of(cache: Any) -> Any:
+    """The decode-time selection state (`llm.DecodeSelection`) an LLM stage left on `cache`, or None."""
+    return getattr(cache, _SELECTION, None)
+
+
+def remember_selection(cache: Any, selection: Any) -> None:
+    if cache is not None:
+        setattr(cache, _SELECTION, selection)
+
+
 def forget(cache: Any) -> None:
     """A cache that starts a new sequence (empty) holds nothing of an earlier call."""
     if cache is not None:
-        for name in (_PROMPT, _VIEWS):
+        for name in (_PROMPT, _VIEWS, _SELECTION):
             if name in getattr(cache, "__dict__", {}):
                 delattr(cache, name)
 
@@ -134,7 +145,7 @@ class ConversationPath:
         if self._llm_stages is None or not present:
             return
         raise InputError(
-            f"{self.prefill_method.name} prunes visual tokens inside the LLM during a prefill from an empty cache; "
+            f"{self.llm_method.name} prunes visual tokens inside the LLM during a prefill from an empty cache; "
             f"this call brings new {present[0].name}s on top of a cache holding {past} tokens, which it cannot "
             f"prune there. Pass the whole conversation without {hf.CACHE_KWARG} (it is pruned afresh), continue with "
             "text only, or use an encoder-stage method, which prunes a later turn's images too"

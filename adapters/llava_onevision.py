@@ -39,6 +39,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         Modality("video", "pixel_values_videos", "video_token_id", FEATURE_KWARGS),
     )  # fmt: skip
     stacked_features = frozenset({"video"})
+    video_run_trailer = 1  # a video's placeholder run ends with one image_newline, not a frame token
 
     def available_signals(self) -> set[str]:
         # SigLIP has no [CLS]; video frames are plain grids, so they can be resized

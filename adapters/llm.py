@@ -8,12 +8,17 @@ layer cache each), through hooks on one model instance:
   tokens go on, and hands the next layer the shorter hidden states;
 - a forward pre-hook on every later layer swaps in the matching mask, positions and rotary embeddings;
 - after the prefill, the method's decode policy may cut layer caches to the tokens that survived every drop;
-- during decoding, each layer whose cache differs from the prompt gets its own mask and positions.
+- during decoding, each layer whose cache differs from the prompt gets its own mask and positions;
+- a decode-time selection (DyCoke): at every one-token decoding step, a forward hook after layer `L - 1` computes
+  the new token's attention row over the cache from its query (the layer itself runs SDPA/flash), asks the method
+  which visual tokens this step keeps, and hands layers `L` and later a mask without the others (the cache is
+  never shrunk). Its state (the previous step's row) travels with the cache, reset at every new prompt.
 Every layer's cache is described by a `LayerView`: which prompt columns it holds, in which positions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +35,8 @@ from vtoken.tokens import LayerTokens, Merged, TextTokens
 
 from . import hf
 from .compiled import eager
-from .conversation import remember_views, views_of
+from .conversation import remember_selection, remember_views, selection_of, views_of
+from .frames import placeholder_runs
 from .state import PerThread
 
 
@@ -297,6 +303,19 @@ class QueryKeyProbe:
             q = self._rotary(q, q, row_cos, row_sin)[0]
         return causal_rows_probs(q, self._rotated_keys(k, rotary), rows, key_valid, self.attention.scaling)
 
+    def cached_rows(self, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+        """[B, H, S', S] attention of the S' tokens of this decoding step (their captured queries, rotary applied)
+        over `keys` [B, Hkv, S, d], the layer's cache after the step (post-rotary, the new tokens last), padding
+        (`key_valid` [B, S] False) excluded."""
+        q, _, rotary = self._take(key_valid)
+        q = q.transpose(1, 2)  # [B, H, S', d]
+        if rotary is not None:
+            cos, sin = (t.expand(q.shape[0], *t.shape[1:]) for t in rotary)
+            q = self._rotary(q, q, cos, sin)[0]
+        total, steps = keys.shape[2], q.shape[2]
+        rows = torch.arange(total - steps, total, device=q.device).expand(q.shape[0], -1)
+        return causal_rows_probs(q, keys, rows, key_valid, self.attention.scaling)
+
     def keys(self, key_valid: torch.Tensor) -> torch.Tensor:
         """[B, S, H * d] post-rotary keys of every token, heads concatenated, GQA key heads repeated (as
         `repeat_kv` groups them) so that each query head has its key.
@@ -368,6 +387,41 @@ class _Prefill:
     row_columns: Any = None  # query_rows="chosen": [B, R] prompt columns of the chosen rows (-1: padding)
 
 
+class _Elapsed:
+    """Several steps' stopwatches read as one (`Record.timer`)."""
+
+    def __init__(self) -> None:
+        self.watches: list[Stopwatch] = []
+
+    @property
+    def seconds(self) -> float:
+        return sum(w.seconds for w in self.watches)
+
+
+@dataclass
+class DecodeSelection:
+    """A decode-time selection's state over one cache (left on the cache: `conversation.remember_selection`).
+
+    visual: [B, P] bool, the prompt columns it chooses among; previous: [B, V] the last step's attention over them
+    (None: the next step is a first step); records: one per row, updated every step (`timer` sums the steps)."""
+
+    visual: torch.Tensor
+    previous: torch.Tensor | None
+    records: list[Record]
+    timer: _Elapsed
+
+
+@dataclass
+class _Step:
+    """One decoding step of a decode-time selection, from the LLM's input to the hook after layer `L - 1`."""
+
+    selection: DecodeSelection
+    embeds: torch.Tensor
+    mask: torch.Tensor  # [B, S] the step's 2-D mask (prompt, every token since, the new ones)
+    positions: torch.Tensor
+    cache: Any
+
+
 def _take_columns(x: torch.Tensor, column: torch.Tensor, dim: int) -> torch.Tensor:
     """x with its sequence axis `dim` (batch axis just before it, maybe broadcast) gathered by column [B, C]."""
     x = x.expand(*x.shape[: dim - 1], column.shape[0], *x.shape[dim:])
@@ -392,8 +446,10 @@ class LanguageModelStages:
         first = min((i for i in range(len(self.layers)) if i not in self.recurrent), default=0)
         self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > first and i not in self.recurrent]
         self.renumber = method.positions == "renumber"
+        self.select_layer = method.select_layer(len(self.layers))  # decode-time selection (None: none)
         self._hooks: list = []
         self._probes: dict[int, QueryKeyProbe] = {}
+        self._row_probe: QueryKeyProbe | None = None
         # per call, in the adapter's per-thread `CallState`: `prefill` (a `_Prefill` while one runs), `decode` (per
         # layer, its overrides in a decoding step), `prompt_length`, and `final_columns` (the prompt columns the
         # last layers ran on). What each layer's cache holds (per layer a view; None: the prompt) is left on the
@@ -418,7 +474,14 @@ class LanguageModelStages:
                 QueryKeyProbe.check(getattr(layer, "self_attn", None), f"{type(layer).__name__} {scored}")
                 if scored != index and not isinstance(getattr(layer, "input_layernorm", None), nn.Module):
                     raise VTokenError(f"{self.method.name}: {type(layer).__name__} {scored} has no input_layernorm")
+        if self.select_layer is not None:
+            read = self.layers[self.select_layer - 1]
+            where = f"{type(read).__name__} {self.select_layer - 1}"
+            QueryKeyProbe.check(getattr(read, "self_attn", None), where)
         try:
+            if self.select_layer is not None:  # the new token's row, after layer L - 1 ran
+                self._row_probe = QueryKeyProbe(self.layers[self.select_layer - 1].self_attn)
+                self._hooks.append(self.layers[self.select_layer - 1].register_forward_hook(self._select_step))
             self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
             self._hooks.append(self.lm.register_forward_hook(self._after_lm))
             for index, layer in enumerate(self.layers):
@@ -444,7 +507,9 @@ class LanguageModelStages:
             hook.remove()
         for probe in self._probes.values():
             probe.remove()
-        self._hooks, self._probes = [], {}
+        if self._row_probe is not None:
+            self._row_probe.remove()
+        self._hooks, self._probes, self._row_probe = [], {}, None
 
     def prefill_columns(self) -> torch.Tensor | None:
         """[B, C] prompt column of every slot of the sequence the decoder layers run on now (-1 = padding slot),
@@ -461,7 +526,9 @@ class LanguageModelStages:
         cache = hf.cache_in(kwargs)
         past = cache.get_seq_length() if cache is not None else 0
         call = self._call
-        call.prefill, call.decode = None, {}
+        call.prefill, call.decode, call.step = None, {}, None
+        if self._row_probe is not None:
+            self._row_probe.active = False
         if embeds is None:
             return
         if past == 0:
@@ -544,6 +611,102 @@ class LanguageModelStages:
                     self.lm.rotary_emb(embeds, position_ids=view_positions) if self.renumber else None,
                 )
             call.decode[index] = done[id(view)]
+        if self.select_layer is not None:
+            self._start_step(embeds, mask, positions, cache)
+
+    # ----------------------------------------------------------------- decode-time selection (DyCoke)
+    def new_call(self, cache: Any) -> list[Record]:
+        """A `generate` call continuing from `cache`: its first step is a first step again; returns the records
+        its steps will fill (new ones: the earlier call's stay as they were)."""
+        selection = selection_of(cache)
+        if selection is None:
+            return []
+        selection.previous, selection.timer = None, _Elapsed()
+        selection.records = [
+            dataclasses.replace(r, kept=None, timer=selection.timer, extra={"steps": 0, "selections": 0})
+            for r in selection.records
+        ]
+        return selection.records
+
+    def _start_step(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> None:
+        """A decoding step on a cache a prefill of this stage filled: one new token selects (in the hook after
+        layer L - 1); several (a new turn's text) attend to everything and start the selection afresh."""
+        selection = selection_of(cache)
+        if selection is None:
+            return
+        batch, steps = embeds.shape[:2]
+        if selection.visual.shape[0] != batch:
+            raise InputError(
+                f"{self.method.name}: the cache was filled by a call with {selection.visual.shape[0]} rows; this "
+                f"step has {batch}; continue each conversation with its own cache"
+            )
+        if steps != 1:
+            selection.previous = None
+            return
+        self._call.step = _Step(selection, embeds, mask, positions, cache)
+        self._row_probe.active = True
+
+    @eager
+    def _select_step(self, module, args, output) -> None:
+        """Hook after layer L - 1 in a decoding step: the new token's attention row (head mean) over the visual
+        tokens decides what layers L and later attend to in this step."""
+        call = self._call
+        step, call.step = getattr(call, "step", None), None
+        if step is None:
+            return
+        probe = self._row_probe
+        probe.active = False
+        selection = step.selection
+        timer = Stopwatch(step.embeds.device).start()
+        keys = hf.cache_layers(step.cache)[self.select_layer - 1].keys  # [B, Hkv, S, d], the new token last
+        total = keys.shape[2]
+        key_valid = step.mask[:, -total:] != 0
+        with torch.no_grad():
+            row = probe.cached_rows(keys, key_valid).mean(dim=1)[:, -1]  # [B, S]
+            visual = torch.nn.functional.pad(selection.visual, (0, total - selection.visual.shape[1]))
+            slots = _left_packed(visual.to(row.device), right=True)  # [B, V] each row's visual columns
+            valid = slots >= 0
+            attention = row.gather(1, slots.clamp(min=0)) * valid
+            keep, reselect = self.method.decode_keep(attention, valid, selection.previous)
+            keep, reselect = keep.bool() & valid, reselect.bool()
+        selection.previous = attention
+        drop = torch.zeros_like(visual)
+        drop.scatter_(1, slots.clamp(min=0), valid & ~keep & reselect[:, None])
+        timer.stop()
+        selection.timer.watches.append(timer)
+        flags = reselect.tolist()
+        for index, record in enumerate(selection.records):
+            record.extra["steps"] += 1
+            if flags[index]:
+                record.extra["selections"] += 1
+                record.kept = keep[index][valid[index]].nonzero().squeeze(1)
+        if not any(flags):
+            return
+        mask = step.mask.masked_fill(drop.to(step.mask.device), 0)
+        overrides = _Overrides(self._mask(step.embeds, mask, step.positions, step.cache, self.select_layer),
+                               step.positions, None)  # fmt: skip
+        for index in range(self.select_layer, len(self.layers)):
+            call.decode[index] = overrides
+
+    def _start_selection(self, state: _Prefill) -> list[Record]:
+        """After a prefill with a cache: the state the decoding steps select with, left on the cache; one record
+        per row (tokens_in: the visual tokens chosen among; tokens_out: what a selecting step keeps of them)."""
+        first = state.views[0]
+        visual = first.visual.clone()
+        trailer = getattr(self.adapter, "video_run_trailer", 0)  # separators closing a run (OneVision's newline)
+        if trailer:
+            for row, _, end in placeholder_runs(visual):
+                visual[row, max(end - trailer, 0) : end] = False
+        timer = _Elapsed()
+        counts = visual.sum(1).tolist()
+        stage = f"decode.layer{self.select_layer}"
+        records = [
+            Record(stage, self.method.name, image=row, crop=0, tokens_in=n, tokens_out=self.method.decode_count(n),
+                   kept=None, grid=(1, n), timer=timer, share=1 / len(counts), extra={"steps": 0, "selections": 0})
+            for row, n in enumerate(counts)
+        ]  # fmt: skip
+        remember_selection(state.cache, DecodeSelection(visual, None, records, timer))
+        return records
 
     def _mask(self, hidden, mask, positions, cache, layer) -> Any:
         """The causal + padding mask of the layers from `layer` on, in their attention implementation's format; for
@@ -752,6 +915,8 @@ class LanguageModelStages:
         state.cache = cache if cache is not None else state.cache
         if self.cut_layers and state.cache is not None:
             records += self._cut(state, views)
+        if self.select_layer is not None and state.cache is not None:
+            records += self._start_selection(state)
         if records:
             average = (visual_per_layer.float().mean(1)).tolist()
             for record in records:

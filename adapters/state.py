@@ -44,7 +44,7 @@ class CallState:
     filled: the map of a pruned model(...) prompt, left on the cache the forward returns (`conversation.py`).
     questions: the prompt question of every image of the call (methods that read the question).
     labels: labels of a plain forward with an LLM stage, applied to the kept columns after the forward.
-    prefill / decode / prompt_length / final_columns: the LLM stages' state (see `adapters/llm.py`).
+    prefill / decode / step / prompt_length / final_columns: the LLM stages' state (see `adapters/llm.py`).
     family: per-family extras (e.g. Qwen's resized grids).
     """
 
@@ -59,6 +59,7 @@ class CallState:
         self.labels = None
         self.prefill = None
         self.decode: dict = {}
+        self.step = None  # a decode-time selection's step between the LLM's input and layer L - 1
         self.prompt_length = 0
         self.final_columns = None
         self.family: dict[str, Any] = {}

@@ -85,6 +85,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .methods import (
         DART,
         DivPrune,
+        DyCoke,
         EncoderMethod,
         FasterVLM,
         FastV,
@@ -124,6 +125,7 @@ __all__ = [
     "tokens_to_keep",
     "remember_tokenizer",
     "DART",
+    "DyCoke",
     "FasterVLM",
     "FastV",
     "FourierDCT",

@@ -34,8 +34,9 @@ def llm_depth(model: nn.Module) -> int:
 def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
     """Parameters a method needs beyond its defaults to fit `model`: LLM drop points within the LLM's depth
     (FastV's layer 2 and MustDrop's layers (2, 6, 10, 14) need an LLM of at least 4 and 16 layers; PyramidDrop's
-    (8, 16, 24) and SparseVLM's (2, 6, 15) are scaled to a shallower LLM, SparseVLM's official counts kept)."""
-    if name not in ("fastv", "mustdrop", "dart", "pyramiddrop", "sparsevlm"):
+    (8, 16, 24) and SparseVLM's (2, 6, 15) are scaled to a shallower LLM, SparseVLM's official counts kept; DyCoke's
+    layer 3 becomes the deepest that fits, reading a softmax-attention layer)."""
+    if name not in ("fastv", "mustdrop", "dart", "pyramiddrop", "sparsevlm", "dycoke"):
         return {}
     depth = llm_depth(model)
     last = depth - 2  # a drop after the last layer saves nothing
@@ -49,6 +50,8 @@ def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
         return {"layers": tuple(k for k in MUSTDROP_LAYERS if k in scored) or (scored[-1],)}
     if name == "dart":  # K reads layer K - 1
         return {"layer": max([k for k in scored if k <= 1] or scored[:1]) + 1}
+    if name == "dycoke":  # layers from `layer` on are restricted, reading layer - 1: the official 3, or the nearest
+        return {"layer": max([k for k in scored if k <= 2] or scored[:1]) + 1}
     scale = min(1.0, depth / OFFICIAL_DEPTH)  # official layers on a 32+-layer LLM, else scaled to its depth
 
     def nearest(fits: list[int], official: tuple[int, ...]) -> list[int]:

@@ -35,6 +35,7 @@ def control_specs() -> list[Control]:
         known = {
             "fastv": [("layer", "int"), ("keep", "budget")],
             "dart": [("layer", "int"), ("keep", "budget")],
+            "dycoke": [("k", "float"), ("layer", "int"), ("p", "float")],
             "pyramiddrop": [("layers", "layers"), ("ratios", "fractions")],
             "sparsevlm": [("layers", "layers"), ("keep", "counts")],
             "mustdrop": [

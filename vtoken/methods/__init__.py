@@ -3,6 +3,7 @@
 from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
 from .dart import DART
 from .divprune import DivPrune
+from .dycoke import DyCoke
 from .fastervlm import FasterVLM
 from .fastv import FastV
 from .fourier import FourierDCT
@@ -24,6 +25,7 @@ __all__ = [
     "PrefillMethod",
     "ScoreMethod",
     "DART",
+    "DyCoke",
     "FasterVLM",
     "FastV",
     "FourierDCT",

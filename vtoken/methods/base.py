@@ -184,6 +184,24 @@ class PrefillMethod(Method):
         token [B, T, D] (valid masks [B, V], [B, T])."""
         raise NotImplementedError
 
+    def select_layer(self, num_layers: int) -> int | None:
+        """Decode stage: the first layer whose attention each one-token decoding step restricts to the visual
+        tokens `decode_keep` picks from the new token's attention row at the layer before (None: no such stage;
+        raises when it does not fit `num_layers`)."""
+        return None
+
+    def decode_keep(
+        self, attention: torch.Tensor, valid: torch.Tensor, previous: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode stage (with `select_layer`): from the new token's attention [B, V] over each row's visual tokens
+        (`valid` [B, V]) and the previous step's (None on the first step), which tokens the step keeps [B, V] and
+        which rows restrict this step at all [B]."""
+        raise NotImplementedError
+
+    def decode_count(self, n: int) -> int:
+        """Decode stage (with `select_layer`): of a row's n visual tokens, how many a restricted step keeps."""
+        raise NotImplementedError
+
     def cut_layers(self, drop_layers: tuple[int, ...]) -> range:
         """Decode stage: layers whose KV cache is cut, after prefill, to the visual tokens that survived every
         drop (none by default)."""

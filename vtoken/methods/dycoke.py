@@ -1,0 +1,154 @@
+"""DyCoke: dynamic compression of tokens for video LLMs (Tao et al., "DyCoke: Dynamic Compression of Tokens for
+Fast Video Large Language Models", CVPR 2025; official code KD-TAO/DyCoke @dd74634, LLaVA-OneVision).
+
+Two stages in one method:
+
+1. Temporal token merging (encoder stage, on each video's projected, pooled frame tokens, tpf a frame). With
+   m = int((1 - k) * tpf): for every pair of frames (2i, 2i + 1), frame 2i + 1 keeps the m tokens whose cosine
+   similarity to the token at the same position of frame 2i is the lowest; then, for i in range(0, F - 4, 4),
+   frame i + 2 is re-pruned the same way against frame i. Every other frame keeps all its tokens. Kept tokens
+   stay in their spatial (ascending) order, frames in order. The counts depend on F and tpf only, so they are known
+   before the encoder runs (`frame_counts`).
+2. Decode-time KV selection (decode stage, from the first generated token): at each one-token decoding step, the
+   new token's attention row at layer `layer - 1` (head mean, softmax over its whole causal row) is read over the
+   video's tokens. If its cosine similarity with the previous step's row is below 0.9 (or there is none: the first
+   step), layers `layer` and later attend, in this step, only to [prefix, the top int(V * (1 - p)) video tokens by
+   that row, text and generated tokens]; otherwise this step attends to the whole cache (the official behaviour).
+   The previous row is kept every step. The cache is never shrunk: the selection is a per-step mask.
+
+Differences from the official code (docs/methods-llm-2.md says each): videos of <= 4 frames (the official crashes)
+and odd frame counts (the official drops the last frame; here it keeps all its tokens) work; kept tokens are in
+spatial order (the official: ascending similarity), ties go to the lower index; the state resets at every
+`generate` call and every new prompt (the official keeps it across calls); batches and padding work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import VTokenError
+from ..registry import register_method
+from ..tokens import Selection, VisualTokens
+from ..validation import integer, real
+from .base import PrefillMethod
+
+
+def frame_counts(frames: int, per_frame: int, k: float) -> list[int]:
+    """Tokens each of a video's `frames` frames keeps (tpf = `per_frame`): known before the encoder runs."""
+    pruned = int((1 - k) * per_frame)  # the official float expression, truncated
+    counts = [per_frame] * frames
+    for i in range(0, frames - 1, 2):
+        counts[i + 1] = pruned
+    for i in range(0, frames - 4, 4):
+        counts[i + 2] = pruned
+    return counts
+
+
+def least_similar(reference: torch.Tensor, frame: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` positions of `frame` [T, D] least cosine-similar to the same positions of `reference` [T, D],
+    ascending (computed in fp32; ties: the lower position first)."""
+    similarity = F.cosine_similarity(F.normalize(reference.float(), dim=-1), F.normalize(frame.float(), dim=-1), dim=-1)
+    return similarity.argsort(stable=True)[:count].sort().values
+
+
+def temporal_merge(frames: torch.Tensor, k: float) -> list[torch.Tensor]:
+    """DyCoke's stage 1 on one video's tokens [F, tpf, D]: the kept positions of every frame, ascending."""
+    count, per_frame = frames.shape[:2]
+    pruned = int((1 - k) * per_frame)
+    kept = [torch.arange(per_frame, device=frames.device) for _ in range(count)]
+    for i in range(0, count - 1, 2):  # pairs; an odd count's last frame has no partner and keeps all
+        kept[i + 1] = least_similar(frames[i], frames[i + 1], pruned)
+    for i in range(0, count - 4, 4):  # frame i + 2 once more, against frame i (none for <= 4 frames)
+        kept[i + 2] = least_similar(frames[i], frames[i + 2], pruned)
+    return kept
+
+
+@register_method
+@dataclass
+class DyCoke(PrefillMethod):
+    """`k`: the temporal merging ratio (share of a pruned frame's tokens dropped; official 0.7); `layer`: the first
+    LLM layer whose attention a decoding step restricts (the row is read from `layer - 1`; official 3); `p`: the
+    share of the video's tokens a re-selecting step drops from that attention (official 0.7)."""
+
+    k: float = 0.7
+    layer: int = 3
+    p: float = 0.7
+
+    name = "dycoke"
+    stages = ("encoder", "decode")
+    requires = ("projected",)
+    modalities = ("video",)
+    reads = ()
+    positions = "original"  # nothing moves: the cache keeps every token, a step masks some out
+    threshold: ClassVar[float] = 0.9  # the cosine similarity below which a step re-selects
+
+    def __post_init__(self) -> None:
+        self.k = real(self.name, "k", self.k, "[0, 1]", hint="the share of a pruned frame's tokens merged away")
+        self.layer = integer(self.name, "layer", self.layer, 1, hint="an LLM layer index (it reads layer - 1)")
+        self.p = real(self.name, "p", self.p, "[0, 1]", hint="the share of the video's tokens a step drops")
+
+    # ----------------------------------------------------------------- stage 1: temporal token merging
+    def planned_count(self, n: int) -> None:
+        """None: the count per frame depends on its place in the video, which `planned_count(n)` is not told; the
+        video's count is known before encoding all the same: `frame_counts(F, tpf, k)`."""
+        return None
+
+    def frame_counts(self, frames: int, per_frame: int) -> list[int]:
+        """Tokens each frame of a video of `frames` frames, `per_frame` tokens each, keeps."""
+        return frame_counts(frames, per_frame, self.k)
+
+    def select(self, tokens: VisualTokens) -> Selection:
+        """tokens: every frame of the call's videos ([C, tpf, D], `image_index` = the video); the projected tokens
+        (`signals["projected"]`) decide."""
+        if tokens.valid is not None:
+            raise VTokenError("dycoke takes whole video frames; these crops have tokens that never reach the LLM")
+        projected = tokens.signals["projected"]
+        videos = tokens.image_index if tokens.image_index is not None else torch.zeros(tokens.num_crops)
+        per_crop: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * tokens.num_crops
+        for video in videos.unique().tolist():
+            frames = (videos == video).nonzero().squeeze(1).tolist()  # in order
+            for frame, kept in zip(frames, temporal_merge(projected[frames], self.k), strict=True):
+                per_crop[frame] = kept
+        counts = [len(k) for k in per_crop]
+        kept = torch.full((tokens.num_crops, max(counts + [1])), tokens.num_tokens, dtype=torch.long)
+        for crop, k in enumerate(per_crop):
+            kept[crop, : len(k)] = k.cpu()
+        return Selection(kept=kept.to(projected.device), counts=counts)
+
+    # ----------------------------------------------------------------- stage 2: decode-time KV selection
+    def drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        return ()  # nothing is dropped in the prefill
+
+    def select_layer(self, num_layers: int) -> int:
+        """The first layer whose attention a decoding step restricts (its row comes from `layer - 1`)."""
+        if self.layer >= num_layers:
+            raise VTokenError(
+                f"dycoke: layer={self.layer} is beyond this LLM's {num_layers} layers (0..{num_layers - 1}); it "
+                f"restricts layers {self.layer} and later, reading layer {self.layer} - 1, so layer must be 1.."
+                f"{num_layers - 1}"
+            )
+        return self.layer
+
+    def decode_count(self, n: int) -> int:
+        return int(n * (1 - self.p))  # the official float expression, truncated
+
+    def decode_keep(
+        self, attention: torch.Tensor, valid: torch.Tensor, previous: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoding step: attention [B, V] of each row's new token over its V video tokens (0 where `valid`
+        [B, V] is False), previous [B, V] the last step's (None: the first step). Returns which tokens the step
+        keeps [B, V] and which rows re-select [B] (the others attend to everything)."""
+        attention = attention.float()
+        if previous is None:
+            reselect = torch.ones(attention.shape[0], dtype=torch.bool, device=attention.device)
+        else:  # zero padding changes no dot product or norm
+            reselect = F.cosine_similarity(attention, previous.float(), dim=1) < self.threshold
+        counts = torch.tensor([self.decode_count(n) for n in valid.sum(1).tolist()], device=attention.device)
+        order = attention.masked_fill(~valid, float("-inf")).argsort(dim=1, descending=True, stable=True)
+        places = torch.arange(order.shape[1], device=order.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(1, order, places)  # each token's place in that order
+        return (rank < counts[:, None]) & valid, reselect
