@@ -28,7 +28,7 @@ from vtoken.tokens import Selection, TextQuery, VisualTokens
 from . import hf
 from .calls import CallPath
 from .frames import FrameLayout
-from .llm import LanguageModelStages
+from .llm import LanguageModelStages, QueryKeyProbe
 from .prompt import run_rows
 from .sparse_prefill import SparseAttention
 from .state import CallState, PatchedGenerate, PerThread
@@ -413,7 +413,17 @@ class Adapter(CallPath, FrameLayout):
             if layers is None or not hasattr(self.language_model, "rotary_emb"):
                 raise VTokenError(f"{llm.name}: {type(self.language_model).__name__} has no decoder layers to hook")
             llm.drop_layers(len(layers))  # raises if the drop points do not fit this depth
-            llm.select_layer(len(layers))  # (a decode-time selection's layer, likewise)
+            select = llm.select_layer(len(layers))  # (a decode-time selection's layer, likewise)
+            if select is not None:  # its row comes from the layer before: softmax attention there
+                read = layers[select - 1]
+                if getattr(read, "self_attn", None) is None:
+                    fits = [i + 1 for i, x in enumerate(layers[:-1]) if getattr(x, "self_attn", None) is not None]
+                    raise VTokenError(
+                        f"{llm.name}: layer={select} reads the attention row of layer {select - 1}, a "
+                        f"{type(read).__name__} without softmax attention (linear attention in a hybrid LLM); "
+                        f"layers that read one: {fits}"
+                    )
+                QueryKeyProbe.check(read.self_attn, f"{llm.name}: {type(read).__name__} {select - 1}")
         sparse = [m for m in self.methods if "sparse" in m.stages]
         self._sparse = SparseAttention(self, sparse[0]) if sparse else None  # checks the model, installs nothing
 

@@ -269,6 +269,27 @@ def test_use_cache_false_threads_and_two_calls_give_the_same(deep_onevision):
     assert torch.equal(first, second) and all(torch.equal(r, first) for r in results)
 
 
+def test_a_manual_decoding_loop_equals_generate(deep_onevision):
+    """model(...) on the prompt, then one token at a time on the cache it returned: the selection state travels with
+    the cache, so the loop decodes what generate does."""
+    model, processor = deep_onevision
+    inputs = video_inputs(processor, 6)
+    method = vtoken.DyCoke(layer=1)
+    method.threshold = 0.9966
+    with torch.no_grad(), vtoken.patched(model, method) as handle:
+        expected = model.generate(**inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+        selections = [r.extra["selections"] for r in handle.records if r.stage == "decode.layer1"]
+        out = model(**inputs)
+        tokens, mask = [out.logits[:, -1].argmax(-1)], inputs["attention_mask"]
+        for _ in range(STEPS - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=tokens[-1][:, None], attention_mask=mask, **hf.cache_kwargs(hf.cache_out(out)))
+            tokens.append(out.logits[:, -1].argmax(-1))
+        (decode,) = [r for r in handle.records if r.stage == "decode.layer1"]
+    assert torch.equal(torch.stack(tokens, 1), expected[:, inputs["input_ids"].shape[1] :])
+    assert [decode.extra["selections"]] == selections and decode.extra["steps"] == STEPS - 1 and selections[0] > 1
+
+
 def test_a_second_generate_call_on_the_cache_starts_afresh(deep_onevision):
     """A chat's next turn continues from the cache: its first one-token step selects again."""
     model, processor = deep_onevision
@@ -359,6 +380,10 @@ def test_clear_errors(deep_onevision):
     for bad in (dict(k=1.5), dict(p=-0.1), dict(k="0.7"), dict(p=float("nan"))):
         with pytest.raises(vtoken.VTokenError):
             vtoken.DyCoke(**bad)
+    hybrid, _ = TINY_MODELS["tiny-qwen3.5"]()
+    with pytest.raises(vtoken.VTokenError, match=r"layer=1 reads the attention row of layer 0.*read one: \[2\]"):
+        vtoken.patch(hybrid, vtoken.DyCoke(layer=1))
+    assert vtoken.handle_of(hybrid) is None
     with pytest.raises(vtoken.VTokenError, match="act inside the LLM"):
         vtoken.patch(model, [vtoken.DyCoke(layer=2), vtoken.FastV(layer=1)])
     with pytest.raises(vtoken.VTokenError, match="encoder stage"):

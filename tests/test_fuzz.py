@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import vtoken
 from vtoken.images import example_clip
+from vtoken.methods.dycoke import frame_counts
 from vtoken.zoo import TINY_MODELS, build_prompt
 
 PADDING_SIDES = ("left", "right")
@@ -67,6 +68,7 @@ REFUSED = {
     "visionzip": NO_CLS,
     "vispruner": NO_CLS,
     "vidcom2": set(TINY_MODELS) - VIDEO,  # videos only
+    "dycoke": set(TINY_MODELS) - VIDEO,  # videos only
 }
 SENDS_CLS = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video", "tiny-video-llava"}  # VisionZip's [CLS]
 HIRED_BANDS_ONLY = {"tiny-internvl"}  # the processor gives the tile count, not the grid: partition="tiles" refused
@@ -101,7 +103,7 @@ budgets = st.one_of(fractions, st.integers(min_value=1, max_value=800), st.just(
 
 
 ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop", "visionzip", "vispruner",
-                   "divprune", "vidcom2")  # fmt: skip
+                   "divprune", "vidcom2", "dycoke")  # fmt: skip
 PREFILL_METHODS = ("fastv", "dart", "pyramiddrop", "sparsevlm")  # LLM stages that compose with encoder methods
 METHODS = (*ENCODER_METHODS, *PREFILL_METHODS)
 
@@ -213,8 +215,13 @@ def method_stacks(draw, name: str, family: str, full: bool = False):
     """A prefill method alone, or encoder method `name` alone or followed by a prefill method (stages compose)."""
     if name in PREFILL_METHODS:
         return [draw(prefill_methods(name, family, full))]
+    if name == "dycoke":  # its decode stage reads layer - 1: one that fits (thrice as likely) or any (refused)
+        fits = [k + 1 for k in drop_points(family)]
+        layer = (fits or [1])[0] if full else draw(st.sampled_from(fits * 3 + list(range(1, LLM_LAYERS[family] + 1))))
+        k, p = (0.0, 0.0) if full else (draw(st.floats(0, 1)), draw(st.floats(0, 1)))
+        return [vtoken.DyCoke(k=k, layer=layer, p=p)]
     stack = [draw(encoder_methods(name, full))]
-    if name != "mustdrop" and draw(st.booleans()):  # MustDrop has its own prefill stage
+    if name not in ("mustdrop", "dycoke") and draw(st.booleans()):  # their own LLM stages
         after = draw(st.sampled_from(PREFILL_METHODS if not full else ("fastv", "dart", "pyramiddrop")))
         stack.append(draw(prefill_methods(after, family, full)))
     return stack
@@ -275,6 +282,8 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
             return True
         if name in PREFILL_METHODS and not prefill_fits(method, family):
             return True
+        if name == "dycoke" and (family in REFUSED[name] or method.layer - 1 not in drop_points(family)):
+            return True  # its row comes from layer - 1, a softmax-attention layer before the last
         if "prefill" in method.stages and method.positions == "renumber" and family in MROPE:
             return True
     return False
@@ -283,7 +292,7 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
 def refused_at_call(family: str, stack: list, modality: str) -> bool:
     """Inputs a patched model refuses when the call starts: Fourier-VLM on anyres images of families whose videos
     it takes; VidCom2 on images."""
-    if modality == "image" and stack[0].name == "vidcom2":
+    if modality == "image" and stack[0].name in ("vidcom2", "dycoke"):
         return True
     return modality == "image" and family in ("tiny-onevision", "tiny-llava-next-video") and stack[0].name == "fourier"
 
@@ -395,6 +404,14 @@ def check_encoder_records(family: str, method, records: list) -> None:
             assert r.modality == "video" and 1 <= r.tokens_out <= r.tokens_in, r
             groups[r.image].append(r.crop)
         assert all(crops == list(range(len(crops))) for crops in groups.values()), groups
+    elif name == "dycoke":  # a frame's count follows from its place in the video (pairs, then every 4th)
+        groups = defaultdict(list)
+        for r in mine:
+            assert r.modality == "video", r
+            groups[r.image].append(r)
+        for group in groups.values():
+            assert [r.crop for r in group] == list(range(len(group))), group
+            assert [r.tokens_out for r in group] == frame_counts(len(group), group[0].tokens_in, method.k), group
     elif name == "hired":
         groups = defaultdict(list)
         for r in mine:
@@ -560,6 +577,8 @@ def applicable(family: str, modality: str, stack: list, fallback, layout: str = 
             stack[i] = replace(method, layers=(fits[0],), keep=method.keep[:1]) if fitting else None
         if method.name == "mustdrop":
             stack[i] = replace(method, layers=(0,))
+        if method.name == "dycoke" and fits:
+            stack[i] = replace(method, layer=fits[0] + 1)
     stack = [m for m in stack if m is not None]
     if not stack or refused_at_patch(family, stack, layout) or refused_at_call(family, stack, modality):
         stack = [fallback] + [m for m in stack if m.name in PREFILL_METHODS]
