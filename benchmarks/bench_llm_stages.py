@@ -10,6 +10,14 @@ stock model on a shorter prompt). It reports each one's TTFT, its speedup agains
 halved (PyramidDrop 4/8/12, SparseVLM 1/3/7; DART's layer 2 stays), and both tables time the process's CPU time
 with one torch thread: on a shared machine the wall clock mostly measures the wait for a core.
 
+A third table (its own results file, `llm_stages_video_*`) runs DyCoke on a LLaVA-OneVision-7B-shaped model and a
+video (`--frames`, 196 pooled tokens a frame + 1 newline): the official settings, the same with p = 0 (its stage 1
+and the decode stage's per-step row, nothing masked: what the decode stage costs), VidCom2 at DyCoke's retention and
+the oracle (the first tokens of every frame at that retention, zero selection cost); TTFT, decode tokens/s and
+selection time (the encoder and decode records' seconds). vtoken's decode stage masks the cache per step rather
+than gathering it, so it saves no attention work in decoding: its effect is on what the model attends to, and its
+cost is the row it reads each step.
+
 On a GPU: CLIP ViT-L/14-336 + Vicuna-7B at full depth, bf16. On a CPU the widths and depths are cut (the table
 says how): the LLM keeps 16 layers so that MustDrop's drop points 2, 6, 10, 14 all exist; the tower keeps 4
 (the merge after layer 0, the feature layer, the key set from the last). Random weights: the thresholds drop
@@ -17,6 +25,7 @@ what random attention maps make them drop, so the token columns matter as much a
 
     python benchmarks/bench_llm_stages.py                  # CPU, cut shapes
     python benchmarks/bench_llm_stages.py --device cuda    # GPU, real shapes
+    python benchmarks/bench_llm_stages.py --video-only     # only the DyCoke table
 """
 
 from __future__ import annotations
@@ -31,13 +40,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
-from bench_families import _build  # noqa: E402
+from bench_families import _build, first_k, qwen_7b_lm  # noqa: E402
 from vtoken.adapters import hf  # noqa: E402
 
 import vtoken  # noqa: E402
-from vtoken.images import example_image  # noqa: E402
+from vtoken.images import example_clip, example_image  # noqa: E402
 from vtoken.timing import Timing, compare  # noqa: E402
-from vtoken.zoo import build_prompt, tiny_llava  # noqa: E402
+from vtoken.zoo import build_prompt, tiny_llava, tiny_onevision  # noqa: E402
 
 QUESTION = "What is in the image? Describe every object, its colour and its position."
 CONFIGS = {
@@ -170,6 +179,94 @@ def equal_average_table(model, inputs, device, repeats: int, clock) -> tuple[dic
     return results, lines
 
 
+def video_shapes(cuda: bool) -> dict:
+    """LLaVA-OneVision-7B: SigLIP-so400m + Qwen2-7B; on a CPU the tower keeps 1 layer at 384 wide and the LLM 8
+    layers at 512 wide (8 query, 4 key/value heads: Qwen2's GQA ratio halved)."""
+    if cuda:
+        vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16)
+        return {"vision_config": vision, "text_config": qwen_7b_lm(None)}
+    vision = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=6)
+    text = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=152064)  # fmt: skip
+    return {"vision_config": vision, "text_config": text}
+
+
+def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) -> tuple[dict, list[str]]:
+    """DyCoke (official settings; and p = 0) against VidCom2 and the oracle at its retention: TTFT, decode tok/s,
+    selection time."""
+    model, processor = _build(tiny_onevision, video_shapes(device.type == "cuda"), device, dtype)
+    prompt = build_prompt(processor, "What happens in the video? Describe it step by step.", num_images=0, num_videos=1)
+    inputs = processor(videos=[example_clip(frames, size=384)], text=[prompt], return_tensors="pt").to(device)
+    inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(dtype)
+    total = int((inputs["input_ids"] == model.config.video_token_id).sum()) - 1  # the newline is no frame's
+    kept = sum(vtoken.DyCoke().frame_counts(frames, total // frames))
+    retention = kept / total
+    configs = {
+        "unpatched": None,
+        "dycoke (k 0.7, layer 3, p 0.7)": lambda: vtoken.DyCoke(),
+        "dycoke p 0 (decode stage: row only)": lambda: vtoken.DyCoke(p=0.0),
+        f"vidcom2 {retention:.3f}": lambda: vtoken.VidCom2(budget=retention),
+        "oracle (first tokens of each frame)": lambda: first_k(retention),
+    }
+    runs, contexts, selection, tokens = {}, {}, {}, {}
+
+    def generate(count: int):
+        return lambda: model.generate(**inputs, max_new_tokens=count, min_new_tokens=count, do_sample=False)
+
+    def context(make, name):
+        @contextmanager
+        def patched():
+            with vtoken.patched(model, make()) as handle:
+                yield
+                selection.setdefault(name, []).append(sum(r.seconds for r in handle.records))
+                tokens[name] = sum(r.tokens_out for r in handle.records if r.stage == "encoder")
+
+        return patched if make else nullcontext
+
+    for name, make in configs.items():
+        runs[f"{name}/ttft"], runs[f"{name}/generate"] = generate(1), generate(1 + steps)
+        contexts[f"{name}/ttft"] = context(make, f"{name}/ttft")
+        contexts[f"{name}/generate"] = context(make, f"{name}/generate")
+    with torch.no_grad():
+        timed = common.interleaved(runs, repeats, device, contexts=contexts, clock=clock)
+    layers = model.config.text_config.num_hidden_layers
+    lines = [
+        "",
+        f"DyCoke on a LLaVA-OneVision-7B shape: a {frames}-frame video, {total} frame tokens + 1 newline; tower "
+        f"{model.config.vision_config.num_hidden_layers} layer(s) x {model.config.vision_config.hidden_size}, LLM "
+        f"{layers} layers x {model.config.text_config.hidden_size}; {steps} decode tokens. Selection: the encoder "
+        "and decode records' seconds of a generate (wall clock).",
+        "",
+        "| config | visual tokens entering the LLM | TTFT ms (median, min-max) | TTFT speedup | decode tok/s | "
+        "decode speedup | selection ms (generate) | selection / generate |",
+        "|---|---:|---:|---|---:|---|---:|---:|",
+    ]
+
+    def decode_timing(name: str) -> Timing:
+        pairs = zip(timed[f"{name}/generate"]["times_s"], timed[f"{name}/ttft"]["times_s"], strict=True)
+        return Timing(tuple(max(g - t, 1e-9) for g, t in pairs))
+
+    base_decode, results = decode_timing("unpatched"), {}
+    for name in configs:
+        decode = decode_timing(name)
+        row = common.timing_row(timed["unpatched/ttft"], timed[f"{name}/ttft"])
+        spent = sorted(selection.get(f"{name}/generate", [0.0]))
+        seconds = spent[len(spent) // 2]
+        generate_s = timed[f"{name}/generate"]["timing"].median
+        row.update(visual_tokens=tokens.get(f"{name}/ttft", total), decode_tokens_per_s=steps / decode.median,
+                   decode_speedup=compare(base_decode, decode).to_dict(), selection_ms=seconds * 1e3,
+                   selection_share=seconds / generate_s)  # fmt: skip
+        results[name] = row
+        first = name == "unpatched"
+        lines.append(
+            f"| {name} | {row['visual_tokens']} | {common.ttft_cell(row)} | "
+            f"{'(baseline)' if first else row['speedup_text']} | {row['decode_tokens_per_s']:.1f} | "
+            f"{'(baseline)' if first else compare(base_decode, decode)} | "
+            + ("| |" if first else f"{row['selection_ms']:.1f} | {row['selection_share']:.1%} |")
+        )
+    return results, lines
+
+
 def cache_bytes(model, inputs) -> int:
     """Bytes of the KV cache after a prefill of `inputs`."""
     with torch.no_grad():
@@ -181,12 +278,27 @@ def main() -> None:
     parser = common.ttft_parser(__doc__, "unused: the CPU shapes are fixed (see the docstring)")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--skip-equal-average", action="store_true", help="only the MustDrop/FastV table")
+    parser.add_argument("--video-only", action="store_true", help="only the DyCoke table")
+    parser.add_argument("--skip-video", action="store_true", help="no DyCoke table")
+    parser.add_argument("--frames", type=int, default=None, help="video frames (default: 32 on a GPU, 8 on a CPU)")
     args = parser.parse_args()
     device, dtype, _, repeats = common.run_settings(args)
     clock = time.perf_counter
     if device.type == "cpu":  # a shared CPU: the work done (one thread's CPU time), not the wait for a core
         torch.set_num_threads(1)
         clock = time.thread_time
+    steps = args.decode_tokens
+    if not args.skip_video:
+        frames = args.frames or (32 if device.type == "cuda" else 8)
+        video, video_lines = dycoke_table(device, dtype, repeats, clock, frames, steps)
+        if device.type == "cpu":
+            video_lines += [
+                "",
+                "CPU times (one torch thread) on a shared, busy machine: compare ratios within one run.",
+            ]
+        common.report("llm_stages_video", device, dtype, repeats, {"dycoke": video}, video_lines, args.out)
+    if args.video_only:
+        return
     model, processor = _build(tiny_llava, shapes(device.type == "cuda"), device, dtype)
     inputs = processor(images=[example_image()], text=[build_prompt(processor, QUESTION)], return_tensors="pt")
     inputs = inputs.to(device)
