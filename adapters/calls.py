@@ -192,9 +192,9 @@ class CallPath(ConversationPath):
         ):
             got = f"cache_implementation={implementation!r}" if cache is None else type(cache).__name__
             raise InputError(
-                f"{self.llm_method.name} drops tokens inside the LLM, so its layers' caches hold different "
-                f"lengths, which needs a DynamicCache (the default); got {got}. A static cache works with "
-                "encoder-stage methods only"
+                f"{self.llm_method.name} acts inside the LLM on per-layer caches (of different lengths after a "
+                f"drop; read whole at every step by a decode-time selection), which needs a DynamicCache (the "
+                f"default); got {got}. A static cache works with encoder-stage methods only"
             )
 
     def _forward_kwargs(self, kwargs: dict) -> dict:

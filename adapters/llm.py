@@ -410,6 +410,15 @@ class DecodeSelection:
     records: list[Record]
     timer: _Elapsed
 
+    def __deepcopy__(self, memo: dict) -> DecodeSelection:
+        """A copied cache (a branched conversation) continues with the same state and records of its own; the
+        steps timed so far stay with the original (CUDA events do not copy)."""
+        timer = _Elapsed()
+        records = [dataclasses.replace(r, kept=None if r.kept is None else r.kept.clone(), extra=dict(r.extra),
+                                       timer=timer) for r in self.records]  # fmt: skip
+        previous = None if self.previous is None else self.previous.clone()
+        return DecodeSelection(self.visual.clone(), previous, records, timer)
+
 
 @dataclass
 class _Step:

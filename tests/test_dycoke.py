@@ -290,6 +290,32 @@ def test_a_manual_decoding_loop_equals_generate(deep_onevision):
     assert [decode.extra["selections"]] == selections and decode.extra["steps"] == STEPS - 1 and selections[0] > 1
 
 
+def test_a_copied_cache_continues_as_the_original(deep_onevision):
+    """Branching a conversation (a deep copy of the cache, after two steps) copies the selection state: both
+    branches decode alike (with the previous row lost, the copy's next step would select as a first step)."""
+    model, processor = deep_onevision
+    inputs = video_inputs(processor, 6)
+
+    def steps(cache, token, mask, count):
+        logits = []
+        for _ in range(count):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=token[:, None], attention_mask=mask, **hf.cache_kwargs(cache))
+            token = out.logits[:, -1].argmax(-1)
+            logits.append(out.logits[:, -1])
+        return token, mask, torch.cat(logits)
+
+    with torch.no_grad(), vtoken.patched(model, vtoken.DyCoke(layer=1)) as handle:
+        out = model(**inputs)
+        cache = hf.cache_out(out)
+        token, mask, _ = steps(cache, out.logits[:, -1].argmax(-1), inputs["attention_mask"], 2)
+        branch = copy.deepcopy(cache)
+        _, _, original = steps(cache, token, mask, 3)
+        (decode,) = [r for r in handle.records if r.stage == "decode.layer1"]
+        _, _, copied = steps(branch, token, mask, 3)
+    assert torch.equal(original, copied) and decode.extra == {"steps": 5, "selections": 1}
+
+
 def test_a_second_generate_call_on_the_cache_starts_afresh(deep_onevision):
     """A chat's next turn continues from the cache: its first one-token step selects again."""
     model, processor = deep_onevision
@@ -390,6 +416,9 @@ def test_clear_errors(deep_onevision):
         vtoken.patch(model, [vtoken.Random(), vtoken.DyCoke(layer=2)])
     assert vtoken.handle_of(model) is None
     inputs = video_inputs(processor, 4)
-    with vtoken.patched(model, vtoken.DyCoke(layer=2)), pytest.raises(vtoken.InputError, match="num_beams=2"):
-        model.generate(**inputs, max_new_tokens=2, num_beams=2)
+    with vtoken.patched(model, vtoken.DyCoke(layer=2)):
+        with pytest.raises(vtoken.InputError, match="num_beams=2"):
+            model.generate(**inputs, max_new_tokens=2, num_beams=2)
+        with pytest.raises(vtoken.InputError, match="DynamicCache.*static"):  # it reads each layer's cache whole
+            model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
     assert vtoken.handle_of(model) is None
