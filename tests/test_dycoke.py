@@ -185,7 +185,7 @@ def test_equals_the_llm_fed_and_recomputed_by_hand(deep_onevision, frames, k, la
     with torch.no_grad(), vtoken.patched(model, method) as handle:
         out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, min_new_tokens=STEPS)  # fmt: skip
-        records = handle.records
+        records, summary = handle.records, handle.summary()
     logits = torch.cat(out.logits)
     assert logits.shape == ref_logits.shape and (logits - ref_logits).abs().max() <= 1e-4
     assert torch.equal(out.sequences[0, inputs["input_ids"].shape[1] :], ref_logits.argmax(-1))
@@ -193,6 +193,7 @@ def test_equals_the_llm_fed_and_recomputed_by_hand(deep_onevision, frames, k, la
     (decode,) = [r for r in records if r.stage == f"decode.layer{layer}"]
     assert decode.tokens_in == len(span) and decode.tokens_out == int(len(span) * (1 - p))
     assert decode.extra == {"steps": STEPS - 1, "selections": selections} and decode.kept.tolist() == last
+    assert f"{selections} of {STEPS - 1} decoding steps (over all rows) selected" in summary
     assert selections == {0.9: 1, 0.99995: STEPS - 1}.get(threshold, selections)
     assert selections == 1 + sum(c < threshold for c in cosines) and (threshold != 0.9869 or 1 < selections < 5)
 
@@ -240,6 +241,19 @@ def test_a_padded_batch_equals_its_rows_alone(deep_onevision):
             expected = model(**single).logits[0]
             assert (logits[row, : expected.shape[0]] - expected).abs().max() <= 1e-4
     assert together == alone and max(alone) > 1
+
+
+def test_expanded_rows_select_on_their_own(deep_onevision):
+    """num_return_sequences expands the rows before the prefill: each copy keeps its own state (top_k=1 sampling
+    is greedy, so every copy decodes what greedy decoding does)."""
+    model, processor = deep_onevision
+    inputs = video_inputs(processor, 6)
+    with torch.no_grad(), vtoken.patched(model, vtoken.DyCoke(layer=2)) as handle:
+        greedy = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        copies = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=True, top_k=1,
+                                num_return_sequences=3)  # fmt: skip
+        decode = [r for r in handle.records if r.stage == "decode.layer2"]
+    assert all(torch.equal(row, greedy[0]) for row in copies) and [r.image for r in decode] == [0, 1, 2]
 
 
 def test_use_cache_false_threads_and_two_calls_give_the_same(deep_onevision):
@@ -386,6 +400,8 @@ def test_every_video_family(name):
     assert [r.tokens_out for r in encoder] == frame_counts(len(encoder), encoder[0].tokens_in, 0.7)
     assert decode.extra["steps"] == 2 and decode.extra["selections"] >= 1
     assert vtoken.handle_of(model) is None
+    # keeping everything, the per-step masks and positions the decode stage hands the layers are the model's own
+    assert_identity(model, vtoken.DyCoke(k=0.0, layer=layer, p=0.0), inputs, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-gemma3", "tiny-fastvlm"])

@@ -28,7 +28,9 @@ class Record:
     selected: tokens the method picked when the layout then dropped some (HiRED's official LLaVA-NeXT layout
         unpads after selecting); None when every pick reached the LLM (selected == tokens_out).
     extra: stage-specific numbers, e.g. "layer_average" (visual tokens averaged over all LLM layers, on prefill
-        records) and "cache_lengths" (tokens each LLM layer's KV cache holds, on "decode.kv" records).
+        records), "cache_lengths" (tokens each LLM layer's KV cache holds, on "decode.kv" records), "steps" and
+        "selections" (one-token decoding steps, and those that re-selected, on DyCoke's "decode.layerL" records,
+        whose tokens_out is what a selecting step attends to and kept the last selection).
     The sparse stage ("sparse.layerK") records "density" (share of causal key blocks computed), "estimation_ms"
         and "attention_ms" (whole batch), tokens_in = tokens_out = the row's tokens; a "sparse" record with
         extra["dense"] says why a prefill (or a layer) ran the model's own attention instead.
@@ -83,6 +85,11 @@ def summarize(records: list[Record]) -> str:
         share = f"{tout / max(tin, 1):.1%} kept"
         if stage == "decode.kv":  # cache entries, not tokens of the LLM's input
             lines.append(f"{stage}: the KV cache keeps {tout} of {tin} visual entries per layer ({share})")
+        elif stage.startswith("decode.layer"):  # a decode-time selection (DyCoke): per step, nothing removed
+            rows = [r for r in records if r.stage == stage]
+            steps, selected = sum(r.extra["steps"] for r in rows), sum(r.extra["selections"] for r in rows)
+            lines.append(f"{stage}: a selecting step's later layers attend to {tout} of {tin} visual tokens "
+                         f"({share}); {selected} of {steps} decoding steps (over all rows) selected")  # fmt: skip
         elif stage == "encoder.keyset":  # MustDrop marks key tokens here; nothing is removed
             lines.append(f"{stage}: {tout} of {tin} tokens marked as keys (none removed)")
         elif tin == tout:
