@@ -259,7 +259,7 @@ class CallPath(ConversationPath):
         try:
             out = self.stock_generate(**kwargs)
         finally:
-            state.in_generate = False
+            state.in_generate = state.beams = False
         filled = cache if cache is not None else hf.cache_out(out)
         if filled is not None and caller_ids is not None and kwargs.get("input_ids") is not None:
             remember_prompt(filled, self._cached_prompt(caller_ids, caller_mask, kwargs))
@@ -318,13 +318,7 @@ class CallPath(ConversationPath):
         self._refuse_static_cache(implementation, hf.cache_in(kwargs))
         if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
             kwargs = dict(kwargs, use_cache=True)
-        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-        if beams > 1 and self._llm_stages.select_layer is not None:
-            raise InputError(
-                f"{self.llm_method.name} compares each decoding step's attention with the previous step's of the same "
-                f"sequence, which beam search (num_beams={beams}) reorders between steps; use greedy decoding or "
-                "sampling (num_return_sequences works with sampling)"
-            )
+        self._state.beams = (kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1) > 1
         return kwargs
 
 

@@ -403,12 +403,17 @@ class DecodeSelection:
     """A decode-time selection's state over one cache (left on the cache: `conversation.remember_selection`).
 
     visual: [B, P] bool, the prompt columns it chooses among; previous: [B, V] the last step's attention over them
-    (None: the next step is a first step); records: one per row, updated every step (`timer` sums the steps)."""
+    (None: the next step is a first step); records: one per row, updated every step (`timer` sums the steps).
+    Under beam search (`beams`), which reorders the cache's rows between steps, `keys` [B, Hkv, S, d] is a copy of
+    layer L - 1's cache after the last step: each row's parent is the row whose keys it now starts with, and
+    `previous` follows it."""
 
     visual: torch.Tensor
     previous: torch.Tensor | None
     records: list[Record]
     timer: _Elapsed
+    beams: bool = False
+    keys: torch.Tensor | None = None
 
     def __deepcopy__(self, memo: dict) -> DecodeSelection:
         """A copied cache (a branched conversation) continues with the same state and records of its own; the
@@ -417,7 +422,19 @@ class DecodeSelection:
         records = [dataclasses.replace(r, kept=None if r.kept is None else r.kept.clone(), extra=dict(r.extra),
                                        timer=timer) for r in self.records]  # fmt: skip
         previous = None if self.previous is None else self.previous.clone()
-        return DecodeSelection(self.visual.clone(), previous, records, timer)
+        keys = None if self.keys is None else self.keys.clone()
+        return DecodeSelection(self.visual.clone(), previous, records, timer, self.beams, keys)
+
+    def follow_beams(self, keys: torch.Tensor) -> None:
+        """Beam search: `previous` reordered as the cache's rows were since the last step (`keys`: layer L - 1's
+        cache now, [B, Hkv, S, d]), then a copy of `keys` kept for the next step."""
+        if self.keys is not None and self.previous is not None:
+            now = keys[:, :, : self.keys.shape[2]]
+            if not torch.equal(now, self.keys):  # reordered: rows are exact copies of earlier rows
+                same = torch.stack([(self.keys == row).flatten(1).all(1) for row in now])  # [B now, B before]
+                parents = torch.where(same.any(1), same.long().argmax(1), torch.arange(len(now), device=now.device))
+                self.previous = self.previous[parents.to(self.previous.device)]
+        self.keys = keys.clone()
 
 
 @dataclass
@@ -630,7 +647,7 @@ class LanguageModelStages:
         selection = selection_of(cache)
         if selection is None:
             return []
-        selection.previous, selection.timer = None, _Elapsed()
+        selection.previous, selection.timer, selection.keys = None, _Elapsed(), None
         selection.records = [
             dataclasses.replace(r, kept=None, timer=selection.timer, extra={"steps": 0, "selections": 0})
             for r in selection.records
@@ -671,6 +688,8 @@ class LanguageModelStages:
         total = keys.shape[2]
         key_valid = step.mask[:, -total:] != 0
         with torch.no_grad():
+            if selection.beams:
+                selection.follow_beams(keys)
             row = probe.cached_rows(keys, key_valid).mean(dim=1)[:, -1]  # [B, S]
             visual = torch.nn.functional.pad(selection.visual, (0, total - selection.visual.shape[1]))
             slots = _left_packed(visual.to(row.device), right=True)  # [B, V] each row's visual columns
@@ -714,7 +733,8 @@ class LanguageModelStages:
                    kept=None, grid=(1, n), timer=timer, share=1 / len(counts), extra={"steps": 0, "selections": 0})
             for row, n in enumerate(counts)
         ]  # fmt: skip
-        remember_selection(state.cache, DecodeSelection(visual, None, records, timer))
+        beams = bool(getattr(self._call, "beams", False))
+        remember_selection(state.cache, DecodeSelection(visual, None, records, timer, beams))
         return records
 
     def _mask(self, hidden, mask, positions, cache, layer) -> Any:

@@ -60,6 +60,7 @@ class CallState:
         self.prefill = None
         self.decode: dict = {}
         self.step = None  # a decode-time selection's step between the LLM's input and layer L - 1
+        self.beams = False  # inside a beam-search generate (a decode-time selection follows the reordered rows)
         self.prompt_length = 0
         self.final_columns = None
         self.family: dict[str, Any] = {}

@@ -198,6 +198,79 @@ def test_equals_the_llm_fed_and_recomputed_by_hand(deep_onevision, frames, k, la
     assert selections == 1 + sum(c < threshold for c in cosines) and (threshold != 0.9869 or 1 < selections < 5)
 
 
+def reference_beam_search(model, embeds, span, layer, p, threshold, beams, steps):
+    """Beam search (no EOS, length_penalty 0: a beam's score is its summed log-probabilities) recomputed by hand:
+    every beam decodes with its own DyCoke state (the steps that selected and the previous row), inherited from
+    its parent. Returns every final beam's tokens and score, best first."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    lm, head = eager.model.language_model, eager.lm_head
+    weights = {}
+    hook = lm.layers[layer - 1].self_attn.register_forward_hook(lambda m, a, out: weights.__setitem__(0, out[1]))
+    minimum = torch.finfo(embeds.dtype).min
+
+    def run(tokens, allowed, previous):
+        """Log-probabilities after `tokens`, and the state after this step."""
+        allowed = dict(allowed)
+        sequence = torch.cat([embeds, lm.embed_tokens(torch.tensor([tokens], dtype=torch.long))], 1)
+        n = sequence.shape[1]
+        pos = torch.arange(n)[None]
+        rotary, hidden = lm.rotary_emb(sequence, pos), sequence
+        for i, block in enumerate(lm.layers):
+            if i == layer and tokens:
+                row = weights[0][0].float().mean(0)[-1]
+                scores = [float(row[c]) for c in span]
+                select = previous is None or sum(a * b for a, b in zip(scores, previous, strict=True)) / (
+                    sum(a * a for a in scores) ** 0.5 * sum(b * b for b in previous) ** 0.5) < threshold  # fmt: skip
+                previous = scores
+                if select:
+                    top = sorted(range(len(span)), key=lambda r: (-scores[r], r))[: int(len(span) * (1 - p))]
+                    allowed[n - 1] = {span[r] for r in top}
+            mask = causal(n, sequence.dtype)
+            if i >= layer:
+                for query, kept in allowed.items():
+                    mask[0, 0, query, [c for c in span if c not in kept]] = minimum
+            hidden = block(hidden, attention_mask=mask, position_ids=pos, position_embeddings=rotary)
+        return head(lm.norm(hidden[:, -1]))[0].float().log_softmax(-1), allowed, previous
+
+    with torch.no_grad():
+        live = [([], 0.0, {}, None)]  # tokens, score, allowed, previous
+        for _ in range(steps):
+            candidates = []
+            for tokens, score, allowed, previous in live:
+                logprobs, allowed, previous = run(tokens, allowed, previous)
+                best = (logprobs + score).topk(beams)
+                candidates += [(float(v), tokens + [int(t)], allowed, previous) for v, t in zip(*best, strict=True)]
+            candidates.sort(key=lambda c: -c[0])
+            live = [(tokens, score, allowed, previous) for score, tokens, allowed, previous in candidates[:beams]]
+    hook.remove()
+    return [(tokens, score) for tokens, score, _, _ in live]
+
+
+@pytest.mark.parametrize("layer, threshold", [(1, 0.9), (1, 0.95), (3, 0.96), (2, 0.9)])
+def test_beam_search_follows_each_beam(deep_onevision, layer, threshold):
+    """Beam search reorders the cache's rows between steps: each beam compares with its own parent's last row (all
+    three final beams and their scores)."""
+    model, processor = deep_onevision
+    inputs = video_inputs(processor, 5)
+    video_id = model.config.video_token_id
+    placed = _placed(model, inputs, video_id)
+    tokens = placed[:-1].view(5, -1, placed.shape[-1])
+    kept = reference_merge(tokens, 0.7)
+    visual = [tokens[f, torch.tensor(kf, dtype=torch.long)] for f, kf in enumerate(kept)]
+    ids, embeds = shortened_prompt(model, inputs["input_ids"], video_id, [torch.cat([*visual, placed[-1:]])])
+    span = (ids[0] == video_id).nonzero().squeeze(1).tolist()[:-1]
+    expected = reference_beam_search(model, embeds, span, layer, 0.7, threshold, beams=3, steps=5)
+    method = vtoken.DyCoke(layer=layer)
+    method.threshold = threshold
+    with torch.no_grad(), vtoken.patched(model, method):
+        out = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, num_beams=3, num_return_sequences=3,
+                             do_sample=False, length_penalty=0.0, output_scores=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    assert out.sequences[:, inputs["input_ids"].shape[1] :].tolist() == [tokens for tokens, _ in expected]
+    assert (out.sequences_scores - torch.tensor([score for _, score in expected])).abs().max() <= 1e-4
+
+
 def test_keeping_everything_is_the_identity(deep_onevision):
     model, processor = deep_onevision
     assert_identity(model, vtoken.DyCoke(k=0.0, layer=2, p=0.0), video_inputs(processor, 5), max_new_tokens=5)
@@ -217,8 +290,8 @@ def _pair(processor, side):
 
 
 def test_a_padded_batch_equals_its_rows_alone(deep_onevision):
-    """Invariant 5: a left-padded batch generates (greedy tokens, per-step logits, selections) what each row does
-    alone; a right-padded forward (generate pads on the left) gives each row's logits alone."""
+    """Invariant 5: a left-padded batch generates (greedy tokens, per-step logits, selections; beams) what each row
+    does alone; a right-padded forward (generate pads on the left) gives each row's logits alone."""
     model, processor = deep_onevision
     batched, singles = _pair(processor, "left")
     right, _ = _pair(processor, "right")
@@ -240,6 +313,11 @@ def test_a_padded_batch_equals_its_rows_alone(deep_onevision):
             assert diff <= 1e-4
             expected = model(**single).logits[0]
             assert (logits[row, : expected.shape[0]] - expected).abs().max() <= 1e-4
+        beams = dict(max_new_tokens=4, min_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False)
+        beam_out = model.generate(**batched, **beams)
+        for row, single in enumerate(singles):
+            beam_alone = model.generate(**single, **beams)
+            assert torch.equal(beam_out[2 * row : 2 * row + 2, width:], beam_alone[:, single["input_ids"].shape[1] :])
     assert together == alone and max(alone) > 1
 
 
@@ -433,8 +511,6 @@ def test_clear_errors(deep_onevision):
     assert vtoken.handle_of(model) is None
     inputs = video_inputs(processor, 4)
     with vtoken.patched(model, vtoken.DyCoke(layer=2)):
-        with pytest.raises(vtoken.InputError, match="num_beams=2"):
-            model.generate(**inputs, max_new_tokens=2, num_beams=2)
         with pytest.raises(vtoken.InputError, match="DynamicCache.*static"):  # it reads each layer's cache whole
             model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
     assert vtoken.handle_of(model) is None

@@ -19,7 +19,7 @@ Two stages in one method:
 Differences from the official code (docs/methods-llm-2.md says each): videos of <= 4 frames (the official crashes)
 and odd frame counts (the official drops the last frame; here it keeps all its tokens) work; kept tokens are in
 spatial order (the official: ascending similarity), ties go to the lower index; the state resets at every
-`generate` call and every new prompt (the official keeps it across calls); batches and padding work.
+`generate` call and every new prompt (the official keeps it across calls); batches, padding and beam search work.
 """
 
 from __future__ import annotations
