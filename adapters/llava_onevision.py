@@ -103,6 +103,9 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         if modality.name == "image":
             return [None] * len(run_lengths)  # rows with newlines depend on which tokens are kept
         pooled = math.ceil(self.grid[0] / 2) ** 2
+        whole = getattr(self.encoder_method, "video_count", None)  # a video's count from its frames (DyCoke)
+        if whole is not None:
+            return [whole((run - 1) // pooled, pooled) + 1 for run in run_lengths]
         kept = self.encoder_method.planned_count(pooled)
         return [None if kept is None else (run - 1) // pooled * kept + 1 for run in run_lengths]
 

@@ -79,11 +79,20 @@ def test_hand_made_frames_keep_what_changed():
 
 
 def test_the_count_is_known_before_encoding():
-    """int((1 - k) * tpf) with the official float expression: (1 - 0.7) * 196 = 58.8 -> 58."""
+    """int((1 - k) * tpf) with the official float expression: (1 - 0.7) * 196 = 58.8 -> 58. On OneVision the prompt
+    is shrunk before the frames are encoded (the count the encoder then produces is checked against it)."""
     method = vtoken.DyCoke()
     assert method.planned_count(196) is None  # per crop it is not: it depends on the frame's place
-    assert method.frame_counts(4, 196) == [196, 58, 196, 58]
+    assert method.frame_counts(4, 196) == [196, 58, 196, 58] and method.video_count(4, 196) == 508
     assert frame_counts(2, 10, 0.8) == [10, 1]  # (1 - 0.8) * 10 = 1.9999999999999996 -> 1, as the official
+    model, processor = TINY_MODELS["tiny-onevision"]()
+    inputs = video_inputs(processor, 7)
+    with torch.no_grad(), vtoken.patched(model, vtoken.DyCoke(layer=1)) as handle:
+        video = handle.adapter.modalities[1]
+        runs = handle.adapter.plan(video, inputs["pixel_values_videos"])
+        assert handle.adapter.planned_counts(video, runs) == [sum(frame_counts(7, 196, 0.7)) + 1]  # + the newline
+        model(**inputs)  # the prompt shrunk first; `prepare` checks what the encoder produced against it
+    assert sum(r.tokens_out for r in handle.records if r.stage == "encoder") == sum(frame_counts(7, 196, 0.7))
 
 
 # --------------------------------------------------------------------------- stage 2: decode-time selection

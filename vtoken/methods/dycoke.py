@@ -94,12 +94,17 @@ class DyCoke(PrefillMethod):
     # ----------------------------------------------------------------- stage 1: temporal token merging
     def planned_count(self, n: int) -> None:
         """None: the count per frame depends on its place in the video, which `planned_count(n)` is not told; the
-        video's count is known before encoding all the same: `frame_counts(F, tpf, k)`."""
+        video's count is known before encoding all the same: `video_count(F, tpf)`."""
         return None
 
     def frame_counts(self, frames: int, per_frame: int) -> list[int]:
         """Tokens each frame of a video of `frames` frames, `per_frame` tokens each, keeps."""
         return frame_counts(frames, per_frame, self.k)
+
+    def video_count(self, frames: int, per_frame: int) -> int:
+        """Tokens a whole video keeps, before its frames are encoded (an adapter that knows a video's frame count
+        from its placeholders shrinks the prompt first: LLaVA-OneVision)."""
+        return sum(self.frame_counts(frames, per_frame))
 
     def select(self, tokens: VisualTokens) -> Selection:
         """tokens: every frame of the call's videos ([C, tpf, D], `image_index` = the video); the projected tokens
