@@ -648,6 +648,7 @@ class LanguageModelStages:
         if selection is None:
             return []
         selection.previous, selection.timer, selection.keys = None, _Elapsed(), None
+        selection.beams = bool(getattr(self._call, "beams", False))  # this call's own decoding strategy
         selection.records = [
             dataclasses.replace(r, kept=None, timer=selection.timer, extra={"steps": 0, "selections": 0})
             for r in selection.records
