@@ -76,6 +76,7 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("llava", {"method": "fastv"}, ["vtoken", "fastv", "prefill"]),
     ("llava", {"method": "mustdrop"}, ["vtoken", "mustdrop", "stage"]),
     ("llava", {"method": "sparse_prefill"}, ["vtoken", "sparse_prefill", "attention"]),
+    ("qwen2.5-vl", {"method": "dycoke"}, ["vtoken", "dycoke", "decode", "masking"]),  # its per-step attention masks
     ("llava", {"method": "fastervlm", "scope": "image"}, ["vtoken", "fastervlm", "from the data"]),
     ("llava", {"method": "fastervlm", "budgt": 0.25}, ["vtoken", "budgt", "accepts"]),
     ("llava", {"method": "fastervlm", "budget": 1.5}, ["vtoken", "budget", "(0, 1]"]),

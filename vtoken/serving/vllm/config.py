@@ -26,7 +26,8 @@ KEYS = ("method", "layout")  # besides the methods' own parameters
 WHY_NOT_SERVED = {
     "prefill": "it drops tokens between LLM layers, inside vLLM's paged-attention forward, which a plugin cannot "
     "reach (vLLM schedules and caches every prompt token)",
-    "decode": "it evicts KV-cache entries, which vLLM's paged KV cache does not let a plugin do",
+    "decode": "it changes which KV-cache entries decoding attends to (evicting them, or masking them step by step), "
+    "which vLLM's paged KV cache and attention backends do not let a plugin do",
     "sparse": "it replaces the LLM's attention kernel, which vLLM's attention backends do not let a plugin do",
 }
 
