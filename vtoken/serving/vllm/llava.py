@@ -131,31 +131,45 @@ def checked_config(hf_config: Any, family_cls=LlavaFamily) -> ServingConfig | No
     return config
 
 
-class LlavaProcessor(questions.QuestionProcessorMixin, LlavaMultiModalProcessor):
-    """LLaVA-1.5's processor with placeholder runs of the kept count."""
+class PrunedImagePlaceholders(questions.QuestionProcessorMixin):
+    """A LLaVA-style vLLM processor whose image placeholder runs hold the kept count (`kept_count`); without a
+    `vtoken` entry, or for images given as embeddings (no encoder runs), the stock runs."""
+
+    def serving_entry(self, hf_config: Any) -> ServingConfig | None:
+        return checked_config(hf_config)
+
+    def kept_count(self, hf_config: Any, method: Any, images: Any, item: int, out_mm_kwargs: Any) -> int:
+        raise NotImplementedError
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
         updates = super()._get_prompt_updates(
             mm_items, questions.without_question(hf_processor_mm_kwargs), out_mm_kwargs
         )
         hf_config = self.info.get_hf_config()
-        config = checked_config(hf_config)
+        config = self.serving_entry(hf_config)
         if config is None:
             return updates
         from vllm.multimodal.parse import ImageProcessorItems
         from vllm.multimodal.processing import PromptReplacement
 
-        family = LlavaFamily(hf_config)
         images = mm_items.get_items("image", ImageProcessorItems) if "image" in mm_items else None
         stock = updates[0]
 
         def replacement(item: int):
             if images is None or not isinstance(images, ImageProcessorItems):
                 return stock.replacement(item)  # image embeddings given: no encoder runs, nothing to prune
-            pixels = out_mm_kwargs["image"][item]["pixel_values"].data
-            return [hf_config.image_token_index] * family.count(config.method, pixels)
+            return [hf_config.image_token_index] * self.kept_count(
+                hf_config, config.method, images, item, out_mm_kwargs
+            )
 
         return [PromptReplacement(modality="image", target=stock.target, replacement=replacement)]
+
+
+class LlavaProcessor(PrunedImagePlaceholders, LlavaMultiModalProcessor):
+    """LLaVA-1.5's processor with placeholder runs of the kept count."""
+
+    def kept_count(self, hf_config, method, images, item, out_mm_kwargs) -> int:
+        return LlavaFamily(hf_config).count(method, out_mm_kwargs["image"][item]["pixel_values"].data)
 
 
 def build_processor(info, dummy_inputs):

@@ -28,7 +28,16 @@ from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
 
 from . import question as questions
 from .config import ServingConfig, error, serving_config
-from .llava import Llava, LlavaFamily, check_modality, check_signals, encode_crops, kept_embeddings, why_counts
+from .llava import (
+    Llava,
+    LlavaFamily,
+    PrunedImagePlaceholders,
+    check_modality,
+    check_signals,
+    encode_crops,
+    kept_embeddings,
+    why_counts,
+)
 from .selection import check_counts, select, select_placed
 
 LAYOUTS = ("native", "official")
@@ -110,33 +119,16 @@ def checked_config(hf_config: Any) -> ServingConfig | None:
     return config
 
 
-class LlavaNextProcessor(questions.QuestionProcessorMixin, LlavaNextMultiModalProcessor):
+class LlavaNextProcessor(PrunedImagePlaceholders, LlavaNextMultiModalProcessor):
     """LLaVA-NeXT's processor with placeholder runs of the kept count."""
 
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        updates = super()._get_prompt_updates(
-            mm_items, questions.without_question(hf_processor_mm_kwargs), out_mm_kwargs
-        )
-        hf_config = self.info.get_hf_config()
-        config = checked_config(hf_config)
-        if config is None:
-            return updates
-        from vllm.multimodal.parse import ImageProcessorItems
-        from vllm.multimodal.processing import PromptReplacement
+    def serving_entry(self, hf_config: Any) -> ServingConfig | None:
+        return checked_config(hf_config)
 
-        family = LlavaNextFamily(hf_config)
-        images = mm_items.get_items("image", ImageProcessorItems) if "image" in mm_items else None
-        stock = updates[0]
-
-        def replacement(item: int):
-            if images is None or not isinstance(images, ImageProcessorItems):
-                return stock.replacement(item)  # image embeddings given: no encoder runs, nothing to prune
-            size = images.get_image_size(item)
-            native = self.info.get_num_image_tokens(image_width=size.width, image_height=size.height)
-            count = family.image_count(config.method, (size.height, size.width), native)
-            return [hf_config.image_token_index] * count
-
-        return [PromptReplacement(modality="image", target=stock.target, replacement=replacement)]
+    def kept_count(self, hf_config, method, images, item, out_mm_kwargs) -> int:
+        size = images.get_image_size(item)
+        native = self.info.get_num_image_tokens(image_width=size.width, image_height=size.height)
+        return LlavaNextFamily(hf_config).image_count(method, (size.height, size.width), native)
 
 
 def build_processor(info, dummy_inputs):
