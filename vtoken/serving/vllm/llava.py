@@ -178,15 +178,21 @@ def build_processor(info, dummy_inputs):
     return _build_llava_or_pixtral_hf_processor(info, dummy_inputs)
 
 
-class Llava(LlavaForConditionalGeneration):
-    """`LlavaForConditionalGeneration` that prunes visual tokens when the config carries a `vtoken` entry (and
-    is the stock model otherwise)."""
+class PruningModel:
+    """What the LLaVA-style vLLM models share: the parsed `vtoken` entry (`serving_entry`; None: the stock model),
+    the question's embedding (MMTok), and an `embed_multimodal` that hands pixel inputs to `pruned`."""
+
+    serving_entry = staticmethod(checked_config)
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vtoken = checked_config(self.config)
+        self.vtoken = self.serving_entry(self.config)
         self.vtoken_model_config = vllm_config.model_config
         self._vtoken_tokenizer = None
+
+    def pruned(self, image_input: dict[str, Any], asked: Any) -> tuple[torch.Tensor, ...]:
+        """[k_i, D] embeddings of the kept tokens of every image of vLLM's parsed pixel input."""
+        raise NotImplementedError
 
     def embed_multimodal(self, **kwargs: object):
         asked = kwargs.pop(questions.FIELD, None)
@@ -197,7 +203,7 @@ class Llava(LlavaForConditionalGeneration):
             return []
         if image_input["type"] != "pixel_values":
             return self._process_image_input(image_input)
-        return self.pruned_images(image_input["pixel_values"], asked)
+        return self.pruned(image_input, asked)
 
     def text_query(self, asked: Any, family: str) -> TextQuery | None:
         """The questions of a batch of images (MMTok), embedded by the LLM's own input embeddings."""
@@ -216,8 +222,13 @@ class Llava(LlavaForConditionalGeneration):
 
         return TextQuery(questions.decode(asked), family, embed)
 
-    def pruned_images(self, pixel_values: torch.Tensor | list[torch.Tensor], asked: Any) -> tuple[torch.Tensor, ...]:
-        """[k_i, D] embeddings of the kept tokens of every image of the batch."""
+
+class Llava(PruningModel, LlavaForConditionalGeneration):
+    """`LlavaForConditionalGeneration` that prunes visual tokens when the config carries a `vtoken` entry (and
+    is the stock model otherwise)."""
+
+    def pruned(self, image_input: dict[str, Any], asked: Any) -> tuple[torch.Tensor, ...]:
+        pixel_values = image_input["pixel_values"]
         if isinstance(pixel_values, list):
             pixel_values = torch.stack(pixel_values)
         method, family = self.vtoken.method, LlavaFamily(self.config)

@@ -26,12 +26,11 @@ from vllm.model_executor.models.llava_next import (
 from vtoken.adapters.llava_next import LlavaNextAdapter
 from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
 
-from . import question as questions
 from .config import ServingConfig, error, serving_config
 from .llava import (
-    Llava,
     LlavaFamily,
     PrunedImagePlaceholders,
+    PruningModel,
     check_modality,
     check_signals,
     encode_crops,
@@ -135,27 +134,13 @@ def build_processor(info, dummy_inputs):
     return LlavaNextProcessor(info, dummy_inputs)
 
 
-class LlavaNext(LlavaNextForConditionalGeneration):
+class LlavaNext(PruningModel, LlavaNextForConditionalGeneration):
     """`LlavaNextForConditionalGeneration` that prunes visual tokens when the config carries a `vtoken` entry (and
     is the stock model otherwise)."""
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vtoken = checked_config(self.config)
-        self.vtoken_model_config = vllm_config.model_config
-        self._vtoken_tokenizer = None
+    serving_entry = staticmethod(checked_config)
 
-    text_query = Llava.text_query
-
-    def embed_multimodal(self, **kwargs: object):
-        asked = kwargs.pop(questions.FIELD, None)
-        if self.vtoken is None:
-            return super().embed_multimodal(**kwargs)
-        image_input = self._parse_and_validate_image_input(**kwargs)
-        if image_input is None:
-            return []
-        if image_input["type"] != "pixel_values":
-            return self._process_image_input(image_input)
+    def pruned(self, image_input: dict[str, Any], asked: Any) -> tuple[torch.Tensor, ...]:
         method, family = self.vtoken.method, LlavaNextFamily(self.config)
         sizes = image_input["image_sizes"]
         if method.acts_on == "placed":  # DivPrune: among vLLM's own packing of each image
