@@ -20,6 +20,22 @@ def llava():
     return tiny_llava()
 
 
+def captured_llm_input(model, inputs):
+    """The LLM's inputs_embeds [B, L, D] of a forward of `model` (patched or not) on `inputs`, read by a hook."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["embeds"] = kwargs["inputs_embeds"].detach().clone()
+
+    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        hook.remove()
+    return seen["embeds"]
+
+
 DEEP_LAYERS = 6  # the LLM depth of `deep_llava`: room for several drop points
 
 

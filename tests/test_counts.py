@@ -3,7 +3,7 @@ same way unpatched and patched, checked against the LLM's input read by hand (th
 
 import pytest
 import torch
-from conftest import make_image
+from conftest import captured_llm_input, make_image
 
 import vtoken
 from vtoken.counts import VisualCounts, count, llm_input, placeholders
@@ -17,22 +17,10 @@ def _inputs(processor, size=(500, 400)):
 
 def _embeds(model, inputs, methods=None):
     """The LLM's input embeddings [L, D] of a forward (patched with `methods` if given), read by a hook."""
-    seen = {}
-
-    def grab(module, args, kwargs):
-        seen.setdefault("embeds", kwargs["inputs_embeds"][0])
-
-    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            if methods is None:
-                model(**inputs)
-            else:
-                with vtoken.patched(model, methods):
-                    model(**inputs)
-    finally:
-        hook.remove()
-    return seen["embeds"]
+    if methods is None:
+        return captured_llm_input(model, inputs)[0]
+    with vtoken.patched(model, methods):
+        return captured_llm_input(model, inputs)[0]
 
 
 def _counted(model, inputs, methods):

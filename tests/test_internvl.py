@@ -217,7 +217,8 @@ def test_fastv_matches_the_layer_by_layer_reference(text_model):
     layer-by-layer reference (the one tests/test_llm_stages.py runs on LLaVA)."""
     import copy
 
-    from test_llm_stages import captured_llm_input, fastv_rule, patched_generate, reference_generate
+    from conftest import captured_llm_input
+    from test_llm_stages import fastv_rule, patched_generate, reference_generate
 
     model, processor = tiny_internvl(text_layers=4, text_model=text_model)
     with torch.no_grad():  # non-trivial QK-norm weights where the LLM has them

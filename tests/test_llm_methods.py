@@ -19,10 +19,10 @@ from conftest import (
     OTHER_TINY_MODELS,
     assert_batch_equals_one_by_one,
     assert_identity,
+    captured_llm_input,
     inputs_for,
     video_inputs,
 )
-from test_llm_stages import captured_llm_input
 from transformers import DynamicCache
 from vtoken.adapters import hf
 

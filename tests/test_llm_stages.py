@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEEP_LAYERS, OTHER_TINY_MODELS, inputs_for
+from conftest import DEEP_LAYERS, OTHER_TINY_MODELS, captured_llm_input, inputs_for
 from transformers import DynamicCache
 from vtoken.adapters import hf
 
@@ -18,22 +18,6 @@ from vtoken.methods.mustdrop import dual_attention_filter
 from vtoken.zoo import TINY_MODELS
 
 LAYERS = DEEP_LAYERS
-
-
-def captured_llm_input(model, inputs):
-    """The LLM's inputs_embeds [1, L, D] of a (patched or not) forward, and which columns are visual."""
-    seen = {}
-
-    def grab(module, args, kwargs):
-        seen["embeds"] = kwargs["inputs_embeds"].detach().clone()
-
-    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        hook.remove()
-    return seen["embeds"]
 
 
 def fastv_rule(count):

@@ -10,6 +10,7 @@ import torch
 from conftest import (
     assert_batch_equals_one_by_one,
     assert_identity,
+    captured_llm_input,
     feed_language_model,
     make_image,
     shortened_prompt,
@@ -100,18 +101,7 @@ def test_a_count_budget_is_tokens_per_frame_on_average():
 
 def _placed(model, inputs, token_id):
     """The unpatched model's embeddings at the `token_id` placeholders (what the LLM receives): [L, D]."""
-    seen = {}
-
-    def grab(module, args, kwargs):
-        seen.setdefault("embeds", kwargs["inputs_embeds"])
-
-    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        hook.remove()
-    return seen["embeds"][0][inputs["input_ids"][0] == token_id]
+    return captured_llm_input(model, inputs)[0][inputs["input_ids"][0] == token_id]
 
 
 @pytest.mark.parametrize("frames", [4, 7])
