@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
-from vtoken.methods.base import Method, topk_per_crop
+from vtoken.methods.base import Method, topk_per_crop, unmet
 from vtoken.question import prompt_questions, tokenizer_for
 from vtoken.records import Record
 from vtoken.timing import Stopwatch
@@ -379,7 +379,7 @@ class Adapter(CallPath, FrameLayout):
                     f"not support; supported stages: {', '.join(self.stages)}"
                     + (f". {self.stages_note}" if self.stages_note else "")
                 )
-            missing = sorted(set(method.requires) - self.available_signals() - COMMON_SIGNALS)
+            missing = unmet(tuple(method.requires), self.available_signals() | COMMON_SIGNALS)
             if missing:
                 provided = self.available_signals()
                 layers = sorted(int(n.split("@")[1]) for n in provided if n.startswith("cls_attention@") and
@@ -391,9 +391,10 @@ class Adapter(CallPath, FrameLayout):
                     if out_of_range
                     else f"it provides {sorted(provided | COMMON_SIGNALS)}"
                 )
+                note = f" ({method.signals_note})" if method.signals_note else ""
                 raise MissingSignalError(
                     f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
-                    f"({self.family}) cannot provide; {why}"
+                    f"({self.family}) cannot provide{note}; {why}"
                 )
             if "question" in method.requires:
                 self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate

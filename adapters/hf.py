@@ -290,3 +290,53 @@ def vision_window_index(grid_thw: torch.Tensor, visual: nn.Module) -> torch.Tens
 
     index, _ = get_vision_window_index(grid_thw, visual.spatial_merge_size, visual.window_size, visual.patch_size)
     return index
+
+
+# ----------------------------------------------------------------- SigLIP's attention-pooling (MAP) head
+def pooling_head_of(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(post_layernorm, head) of a SigLIP vision model that has its attention-pooling head, else None.
+
+    5.x's `SiglipVisionModel` is flat (`post_layernorm`, `head` when `config.vision_use_head`); a `SiglipModel`
+    holds one as `vision_model` (unchanged 5.19-5.24). LLaVA-OneVision's towers are built with
+    `vision_use_head=False`: no head."""
+    for owner in (module, getattr(module, "vision_model", None)):
+        norm, head = getattr(owner, "post_layernorm", None), getattr(owner, "head", None)
+        if isinstance(norm, nn.Module) and head is not None and hasattr(head, "probe") and hasattr(head, "attention"):
+            return norm, head
+    return None
+
+
+def load_pooling_head(source: str, **kwargs: Any) -> tuple[nn.Module, nn.Module] | None:
+    """(post_layernorm, head) of the SigLIP checkpoint `source` (hub id or directory): `SiglipVisionModel.
+    from_pretrained` keeps the vision weights (a `SiglipModel` checkpoint's `vision_model.*` included); None if the
+    checkpoint has no head. Raises what `from_pretrained` raises (OSError when missing or offline)."""
+    from transformers import SiglipVisionModel
+
+    return pooling_head_of(SiglipVisionModel.from_pretrained(source, **kwargs))
+
+
+def pooling_head_outputs(norm: nn.Module, head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SigLIP's MAP head on tower features [C, N, Dv]: (the probe's attention over the N tokens, mean over heads,
+    [C, N]; the head's pooled output [C, Dv]), as `SiglipMultiheadAttentionPoolingHead.forward` computes the
+    latter (its `attention` is an `nn.MultiheadAttention`, asked here for its head-averaged weights too)."""
+    normed = norm(hidden)
+    probe = head.probe.expand(hidden.shape[0], -1, -1)
+    attended, weights = head.attention(probe, normed, normed, need_weights=True, average_attn_weights=True)
+    pooled = attended + head.mlp(head.layernorm(attended))
+    return weights[:, 0], pooled[:, 0]
+
+
+def vision_rotary(attention: nn.Module) -> Callable:
+    """`apply_rotary_pos_emb_vision(q, k, cos, sin)` of the modelling module defining a Qwen-VL vision attention
+    (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: q/k [S, H, d], cos/sin [S, d]; unchanged 5.19-5.24)."""
+    function = modeling_function(attention, "apply_rotary_pos_emb_vision")
+    if function is None:
+        raise TypeError(f"{type(attention).__name__}'s module has no apply_rotary_pos_emb_vision")
+    return function
+
+
+def full_attention_blocks(visual: nn.Module) -> list[int]:
+    """Indices of a Qwen-VL vision tower's blocks attending over whole frames: Qwen2.5-VL's
+    `fullatt_block_indexes` (the others attend within windows), every block elsewhere."""
+    full = getattr(visual, "fullatt_block_indexes", None)
+    return list(full) if full is not None else list(range(len(visual.blocks)))

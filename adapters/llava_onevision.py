@@ -7,16 +7,27 @@ the final stitched grid. After selection, the native packing is kept: base token
 stitched grid's kept tokens in raster order with `image_newline` after every row that still has tokens (a
 single newline after a base-only image). Videos: each frame's tokens are pooled bilinearly to 14 x 14 by the
 model, budgets apply per frame, and one newline follows the whole video.
+
+Video signals (pooled like the tokens): "siglip_head_attention" / "siglip_head_pooled", SigLIP's attention-pooling
+head on the tower features (FastVID; the head comes from the method's `head` when the checkpoint lacks it, as
+Hugging Face OneVision checkpoints do), and "tower_attention", the feature layer's attention per token, mean over
+heads and queries (HoliTom).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
+import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch import nn
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, MissingSignalError, VTokenError
+from vtoken.hub import hub_kwargs
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
@@ -24,6 +35,17 @@ from . import hf
 from .base import EncodedImages, Modality
 from .llava import LlavaAdapter
 from .llava_next import _raster_with_newlines
+from .probes import ColumnAttentionProbe
+
+SIGLIP_CHECKPOINT = "google/siglip-so400m-patch14-384"  # the tower of the LLaVA-OneVision checkpoints
+
+
+@functools.lru_cache(maxsize=2)
+def _checkpoint_head(path: str) -> tuple[nn.Module, nn.Module] | None:
+    """(post_layernorm, head) of a SigLIP checkpoint, loaded once per process (the rest of the tower is dropped)."""
+    kwargs = {} if os.path.isdir(path) else hub_kwargs(path)
+    return hf.load_pooling_head(path, **kwargs)
+
 
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
@@ -43,7 +65,73 @@ class LlavaOnevisionAdapter(LlavaAdapter):
 
     def available_signals(self) -> set[str]:
         # SigLIP has no [CLS]; video frames are plain grids, so they can be resized
-        return {"patch_features", "grid", "resized_grid"}
+        return {"patch_features", "grid", "resized_grid", "siglip_head_attention", "siglip_head_pooled",
+                "tower_attention"}  # fmt: skip
+
+    def validate(self) -> None:
+        super().validate()
+        self._pooling_head = None
+        method = self.encoder_method
+        if method is not None and method.wants("siglip_head_attention"):
+            self._pooling_head = self.pooling_head(method.name, getattr(method, "head", None))
+
+    def pooling_head(self, owner: str, source: Any) -> tuple[nn.Module, nn.Module]:
+        """(post_layernorm, head) of SigLIP's attention-pooling head for this tower: the tower's own when it has
+        one, else from `source` (a SigLIP checkpoint id or directory, or a module holding them), on the tower's
+        device and dtype; a clear error when neither gives one."""
+        how = (f"pass head={SIGLIP_CHECKPOINT!r} (the SigLIP checkpoint this tower comes from: a hub id or a local "
+               "directory) or a loaded SiglipVisionModel with its head")  # fmt: skip
+        if source is None:
+            found = hf.pooling_head_of(self.tower)
+            if found is None:
+                raise MissingSignalError(
+                    f"{owner}: {type(self.model).__name__}'s SigLIP tower has no attention-pooling head (Hugging Face "
+                    "LLaVA-OneVision checkpoints are converted with vision_use_head=False, leaving out "
+                    f"`post_layernorm` and `head`), which {owner} reads; {how}"
+                )
+            return found
+        if isinstance(source, nn.Module):
+            found = hf.pooling_head_of(source)
+            what = f"the module {type(source).__name__}"
+        else:
+            path = os.fspath(source)
+            what = f"the checkpoint {path!r}"
+            try:
+                found = _checkpoint_head(path)
+            except VTokenError as err:  # offline and not cached
+                raise MissingSignalError(f"{owner}: head={path!r} cannot be loaded: {err}") from err
+            except OSError as err:
+                raise MissingSignalError(f"{owner}: head={path!r} cannot be loaded ({err}); {how}") from err
+        if found is None:
+            raise MissingSignalError(f"{owner}: {what} has no SigLIP attention-pooling head (`post_layernorm` and "
+                                     f"`head` with a probe); {how}")  # fmt: skip
+        width = self.tower.config.hidden_size
+        if found[1].probe.shape[-1] != width:
+            raise MissingSignalError(
+                f"{owner}: the attention-pooling head of {what} is {found[1].probe.shape[-1]} wide, this tower's "
+                f"features {width}: the head must come from the SigLIP checkpoint the tower was trained from"
+            )
+        parameter = next(self.tower.parameters())
+        return tuple(copy.deepcopy(m).to(parameter.device, parameter.dtype).eval() for m in found)
+
+    def video_signals(
+        self, hidden: torch.Tensor, probe: ColumnAttentionProbe | None, drop_first: bool
+    ) -> dict[str, Any]:
+        """The video signals the method requires, as callables (computed inside the selection's timer), each
+        pooled to the frames' token grid: hidden [C, N, Dv] the tower features the projector gets."""
+        method, signals = self.encoder_method, {}
+
+        def pooled(values: torch.Tensor) -> torch.Tensor:  # [C, N] -> [C, T], as the model pools the tokens
+            return hf.pool_video_frames(self.inner, values[..., None].float())[..., 0]
+
+        if method.wants("siglip_head_attention"):
+            norm, head = self._pooling_head
+            outputs = functools.cache(lambda: hf.pooling_head_outputs(norm, head, hidden))
+            signals["siglip_head_attention"] = lambda: pooled(outputs()[0])
+            signals["siglip_head_pooled"] = lambda: outputs()[1]
+        if probe is not None:
+            signals["tower_attention"] = lambda: pooled(probe.scores[:, 1:] if drop_first else probe.scores)
+        return signals
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return features  # selection runs after the projector (and the model's own pooling/stitching)
@@ -109,12 +197,17 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         kept = self.encoder_method.planned_count(pooled)
         return [None if kept is None else (run - 1) // pooled * kept + 1 for run in run_lengths]
 
-    def _projected(self, crops: torch.Tensor, vision_feature_layer: Any, strategy: str | None) -> torch.Tensor:
+    def _tower_features(self, crops: torch.Tensor, vision_feature_layer: Any, strategy: str | None) -> torch.Tensor:
+        """[C, N, Dv] what the projector gets: the feature layer(s)' hidden states (the first token dropped for
+        the "default" strategy)."""
         layers = self._feature_layers(vision_feature_layer)
         hidden = torch.cat(hf.hidden_states(self.tower, layers, crops), dim=-1)
         if (strategy or self.model.config.vision_feature_select_strategy) == "default":
             hidden = hidden[:, 1:]
-        return self.inner.multi_modal_projector(hidden)
+        return hidden
+
+    def _projected(self, crops: torch.Tensor, vision_feature_layer: Any, strategy: str | None) -> torch.Tensor:
+        return self.inner.multi_modal_projector(self._tower_features(crops, vision_feature_layer, strategy))
 
     def encode(
         self,
@@ -129,10 +222,18 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         newline = self.inner.image_newline
         if modality.name == "video":
             videos, frames = pixel_values.shape[:2]
-            embeds = self._projected(pixel_values.flatten(0, 1), vision_feature_layer, vision_feature_select_strategy)
-            pooled = hf.pool_video_frames(self.inner, embeds)
+            probe = None
+            if self.encoder_method.wants("tower_attention"):  # the feature layer's attention (HoliTom)
+                layer = self._attention_layer(self._feature_layers(vision_feature_layer)[-1])
+                probe = ColumnAttentionProbe(self.tower.encoder.layers[layer].self_attn)
+            with probe or nullcontext():
+                hidden = self._tower_features(pixel_values.flatten(0, 1), vision_feature_layer,
+                                              vision_feature_select_strategy)  # fmt: skip
+            pooled = hf.pool_video_frames(self.inner, self.inner.multi_modal_projector(hidden))
             side = math.ceil(self.grid[0] / 2)
-            tokens = VisualTokens(pooled, (side, side), {}, torch.arange(videos).repeat_interleave(frames))
+            drop_first = hidden.shape[1] < self.grid[0] * self.grid[1]  # the "default" strategy
+            signals = self.video_signals(hidden, probe, drop_first)
+            tokens = VisualTokens(pooled, (side, side), signals, torch.arange(videos).repeat_interleave(frames))
             selection, timer = self.select(tokens)
             per_frame = selection.counts_per_crop()
             kept = selection.gather_flat(pooled).split(

@@ -10,13 +10,21 @@ There is no [CLS] token: methods that need [CLS] attention fail at `patch` time.
 `merge_features`: the last ViT block's output, mean-pooled over each 2 x 2 merge group, in the merged tokens'
 raster order. Qwen2.5-VL's encoder runs in window order, so these are un-permuted the way the model un-permutes
 its merger output.
+
+Per temporal patch of a video, from the hooked queries and keys of a ViT block (SDPA/flash kept):
+"vit_query_attention" (FastVID's Qwen form: the last block, softmax of the patch's mean query against each merge
+group's mean key, head mean) and "tower_attention" (HoliTom, an extension: the last full-attention block's
+attention each patch receives, mean over heads and queries, then over its merge group), per merged token.
+A merging method's tokens keep the positions of the tokens they stand at (sorted, as the prompt keeps them).
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import torch
+from vtoken.kernels import attention_column_mean
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.registry import register_adapter
@@ -24,6 +32,7 @@ from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
 from .base import Adapter, EncodedImages, Modality
+from .probes import VisionQueryKeyProbe
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
@@ -47,7 +56,47 @@ class QwenVLAdapter(Adapter):
     multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "grid", "merge_features", "resized_grid"}
+        return {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention"}
+
+    def attention_probes(self) -> dict[str, VisionQueryKeyProbe]:
+        """Probes on the ViT blocks whose attention the encoder method's signals read."""
+        visual, method, probes = self.inner.visual, self.encoder_method, {}
+        if method.wants("vit_query_attention"):
+            probes["vit_query_attention"] = VisionQueryKeyProbe(visual.blocks[-1].attn)
+        if method.wants("tower_attention"):
+            probes["tower_attention"] = VisionQueryKeyProbe(visual.blocks[hf.full_attention_blocks(visual)[-1]].attn)
+        return probes
+
+    def attention_signals(self, probes: dict[str, VisionQueryKeyProbe], grid_thw: torch.Tensor) -> list[dict[str, Any]]:
+        """Per item of the call, its signals [t, merged tokens] (raster order) as callables."""
+        group = self.merge**2
+        sizes = grid_thw.prod(-1).tolist()
+
+        def per_item(name: str) -> list[torch.Tensor]:
+            query, keys = probes[name].query_keys()  # [S, H, d], encoder order
+            heads, dim = query.shape[1:]
+            values = []
+            for q, k, (frames, _, _) in zip(query.split(sizes), keys.split(sizes), grid_thw.tolist(), strict=True):
+                q, k = q.reshape(frames, -1, heads, dim), k.reshape(frames, -1, heads, dim)
+                if name == "vit_query_attention":  # the mean query against each merge group's mean key
+                    mean_q, mean_k = q.float().mean(1), k.float().reshape(frames, -1, group, heads, dim).mean(2)
+                    logits = (mean_k * mean_q[:, None]).sum(-1) * dim**-0.5  # [t, groups, H]
+                    values.append(logits.softmax(dim=1).mean(-1).flatten())
+                else:  # the attention each patch receives, then its merge group's mean
+                    received = attention_column_mean(q, k, dim**-0.5)
+                    values.append(received.reshape(frames, -1, group).mean(-1).flatten())
+            ordered = self.raster_order(torch.cat(values)[:, None], grid_thw)[:, 0]
+            return list(ordered.split([n // group for n in sizes]))
+
+        cache: dict[str, list[torch.Tensor]] = {}
+
+        def signal(name: str, item: int, frames: int) -> torch.Tensor:
+            if name not in cache:
+                cache[name] = per_item(name)
+            return cache[name][item].view(frames, -1)
+
+        return [{name: (lambda name=name, i=i, t=t: signal(name, i, t)) for name in probes}
+                for i, (t, _, _) in enumerate(grid_thw.tolist())]  # fmt: skip
 
     def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
@@ -175,7 +224,12 @@ class QwenVLAdapter(Adapter):
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
         visual = self.inner.visual
-        out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
+        probes = self.attention_probes()
+        with ExitStack() as stack:
+            for probe in probes.values():
+                stack.enter_context(probe)
+            out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
+        attention = self.attention_signals(probes, grid_thw) if probes else None
         merged = out.pooler_output
         sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
         wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
@@ -189,20 +243,26 @@ class QwenVLAdapter(Adapter):
         ):
             grid = (height // self.merge, width // self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
-            signals = {}
+            signals = dict(attention[index]) if attention is not None else {}
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
-                signals = {"merge_features": pooled, "vision_features": pooled}
+                signals.update({"merge_features": pooled, "vision_features": pooled})
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
             selection, timer = self.select(crops)
             out_grid = selection.grid or grid
             self._state.family["new_grids"][modality.name].append(
                 (frames, out_grid[0] * self.merge, out_grid[1] * self.merge)
             )
-            features.append(selection.gather_flat(per_frame))
-            offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
+            kept = selection.gather_flat(per_frame)
+            places = torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)])
+            follow = [same_selection(self.encoder_method, selection, crops, c[index]) for c in companions]
+            if selection.origin is not None and selection.mix is not None:  # merged tokens: the prompt's order
+                order = places.argsort(stable=True)
+                kept, places, follow = kept[order], places[order], [c[order] for c in follow]
+            features.append(kept)
+            offsets.append(places)
             records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)
-            followers.append([same_selection(self.encoder_method, selection, crops, c[index]) for c in companions])
+            followers.append(follow)
         return EncodedImages(features, offsets, records, companions=followers if companions else None)
 
     def companion_features(self, out: Any) -> list[torch.Tensor]:
@@ -234,6 +294,8 @@ def same_selection(method, selection: Selection, tokens: VisualTokens, companion
     per_crop = companion.view(tokens.num_crops, tokens.num_tokens, -1)
     if selection.kept is not None:
         return selection.gather_flat(per_crop)
+    if selection.mix is not None:  # a merge that says how to repeat itself (FastVID, HoliTom)
+        return Selection(features=selection.mix(per_crop), counts=selection.counts_per_crop()).gather_flat(per_crop)
     again = method.select(VisualTokens(per_crop, tokens.grid, {}, tokens.image_index, tokens.valid))
     same = again.grid == selection.grid and again.counts == selection.counts
     if selection.anchors is not None:

@@ -1,5 +1,10 @@
 """Kernels, each beside a PyTorch reference with the same signature; dispatch picks Triton on CUDA."""
 
+from .attention_columns import (
+    attention_column_mean,
+    attention_column_mean_reference,
+    attention_column_mean_triton,
+)
 from .attention_rows import (
     attention_row_probs,
     attention_row_probs_reference,
@@ -14,8 +19,15 @@ from .block_sparse_attention import (
     block_sparse_attention_reference,
     block_sparse_attention_triton,
 )
+from .static_windows import static_windows, static_windows_reference, static_windows_triton
 
 __all__ = [
+    "attention_column_mean",
+    "attention_column_mean_reference",
+    "attention_column_mean_triton",
+    "static_windows",
+    "static_windows_reference",
+    "static_windows_triton",
     "block_mask_from_plan",
     "block_sparse_attention",
     "block_sparse_attention_reference",

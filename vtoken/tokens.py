@@ -84,7 +84,12 @@ class Selection:
     protected: [C, k] bool aligned with `kept`: tokens no later stage may drop (MustDrop's key set), or None.
     origin: for merging methods that also pass some tokens through unchanged (VisionZip), [C, k] aligned with
         `features`: the index of the grid token each output row is, unchanged, or `CLS` / `MERGED` for a row with
-        no place on the grid. Records report the unchanged ones as kept; layouts place them on the grid.
+        no place on the grid. Records report the unchanged ones as kept; layouts place them on the grid. Methods
+        that merge tokens into kept ones (FastVID, HoliTom) give each row the index of the token it keeps, merged
+        or not, so records report every output row at its place.
+    mix: for merging methods whose rows combine the crops' tokens linearly, the same combination applied to other
+        per-token features aligned with the tokens ([C, N, D'] -> [C, k, D'], padded like `features`): Qwen3-VL's
+        DeepStack levels follow the merge through it. None: the merge cannot be repeated on other features.
     """
 
     kept: torch.Tensor | None = None
@@ -94,6 +99,7 @@ class Selection:
     grid: tuple[int, int] | None = None
     protected: torch.Tensor | None = None
     origin: torch.Tensor | None = None
+    mix: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.kept is None) == (self.features is None):

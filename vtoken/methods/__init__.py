@@ -6,8 +6,10 @@ from .divprune import DivPrune
 from .dycoke import DyCoke
 from .fastervlm import FasterVLM
 from .fastv import FastV
+from .fastvid import FastVID
 from .fourier import FourierDCT
 from .hired import HiRED
+from .holitom import HoliTom
 from .mmtok import MMTok
 from .mustdrop import MustDrop
 from .pool import Pool
@@ -41,4 +43,6 @@ __all__ = [
     "VisPruner",
     "DivPrune",
     "VidCom2",
+    "FastVID",
+    "HoliTom",
 ]

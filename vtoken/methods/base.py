@@ -20,7 +20,8 @@ class Method:
 
     name: registered name. stages: where it acts: "encoder" (on the vision features, before the LLM), "prefill"
     (drops visual tokens between LLM layers) and/or "decode" (cuts per-layer KV caches); one method may act at
-    several. requires: score signals the adapter must provide (see `VisualTokens.signals`).
+    several. requires: score signals the adapter must provide (see `VisualTokens.signals`); an entry "a|b" is met
+    by either (a method with one form per family: FastVID).
     """
 
     name: ClassVar[str] = ""
@@ -33,6 +34,17 @@ class Method:
     # "crops": `select` gets every crop's tokens before they are packed; "placed": every image's (video's) tokens
     # as the LLM would receive them, packed and projected, newlines included (DivPrune)
     acts_on: ClassVar[str] = "crops"
+    # why a family without the required signals is refused, added to the refusal (what the signals are)
+    signals_note: ClassVar[str] = ""
+
+    def wants(self, signal: str) -> bool:
+        """Whether `signal` is among `requires` (alone or as one alternative of an "a|b" entry)."""
+        return any(signal in entry.split("|") for entry in self.requires)
+
+
+def unmet(requires: tuple[str, ...], provided: set[str]) -> list[str]:
+    """The entries of `requires` that `provided` does not meet (an "a|b" entry is met by either)."""
+    return sorted(entry for entry in requires if not set(entry.split("|")) & provided)
 
 
 @dataclass
