@@ -100,7 +100,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
                 found = _checkpoint_head(path)
             except VTokenError as err:  # offline and not cached
                 raise MissingSignalError(f"{owner}: head={path!r} cannot be loaded: {err}") from err
-            except OSError as err:
+            except (OSError, ValueError) as err:  # missing, unreadable, or not a valid hub id
                 raise MissingSignalError(f"{owner}: head={path!r} cannot be loaded ({err}); {how}") from err
         if found is None:
             raise MissingSignalError(f"{owner}: {what} has no SigLIP attention-pooling head (`post_layernorm` and "

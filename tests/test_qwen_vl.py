@@ -53,6 +53,7 @@ def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
         mm_token_type_ids=inputs["mm_token_type_ids"],
         image_grid_thw=inputs.get("image_grid_thw"),
         video_grid_thw=inputs.get("video_grid_thw"),
+        **({"second_per_grid_ts": inputs["second_per_grid_ts"]} if "second_per_grid_ts" in inputs else {}),
     )
     ids = inputs["input_ids"][0, keep_columns][None]
     positions = rope[:, :, keep_columns]

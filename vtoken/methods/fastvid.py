@@ -103,8 +103,10 @@ def assign(x: torch.Tensor, targets: torch.Tensor, target_valid: torch.Tensor, p
     videos, frames, tokens, dim = x.shape
     x = x.float()
     unit = x / x.norm(dim=-1, keepdim=True)
-    chosen = unit.gather(2, targets[..., None].expand(-1, -1, -1, dim))  # [V, F, Q, D]
     width = targets.shape[-1]
+    if width == 0:  # no context tokens (d = 0, or a budget too small for any)
+        return torch.zeros(videos, frames, 0, frames * tokens, device=x.device)
+    chosen = unit.gather(2, targets[..., None].expand(-1, -1, -1, dim))  # [V, F, Q, D]
     similarity = torch.matmul(
         unit.reshape(videos, frames * tokens, dim), chosen.reshape(videos, -1, dim).transpose(1, 2)
     )
@@ -171,7 +173,7 @@ def qwen_merge(
     seg_context = (seg_retain.double() * method.d).floor().long().clamp(min=1)
     seg_salient = (seg_retain - seg_context).clamp(min=0)
     # sub-segments: cut again inside a segment where s_f < ignore; their last frames take the budgets
-    inner = torch.cat([similarity < method.ignore, torch.zeros_like(similarity[:, :1], dtype=torch.bool)], dim=1)
+    inner = torch.cat([similarity < method.ignore, torch.zeros(videos, 1, dtype=torch.bool, device=device)], dim=1)
     sub_end = inner | (index == end)
     sub_id = sub_end.long().cumsum(1) - sub_end.long()
     first = sub_id.gather(1, start)
