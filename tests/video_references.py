@@ -185,61 +185,61 @@ def windows(sims_alike, frames, tokens, max_window=1024):
     return found[::-1], best[-1]
 
 
-def holitom(x, attention, budget=0.1, tau=0.8, beta=0.6, k=7, d=0.0, seed=0, max_window=1024):
-    """x [F, T, D], attention [F, T] -> per frame [(position, feature)] in the order they reach the LLM (a window's
-    static centres lead its first frame)."""
+def holitom(x, attention, budget=0.1, tau=0.8, beta=0.6, k=7, d=0.0, seed=0, max_window=1024, values=None):
+    """x [F, T, D], attention [F, T] -> (per frame [(position, feature)] in the order they reach the LLM (a window's
+    static centres lead its first frame), the windows). `values` [F, T, D'] (default x): what the output is made
+    of, decisions taken on x (DeepStack)."""
     frames, tokens, _ = x.shape
     x = x.double()
+    v = x if values is None else values.double()
     noise = noise_table(seed, frames, tokens)
     alike = [[float(unit(x[t, j]) @ unit(x[t + 1, j])) > tau for j in range(tokens)] for t in range(frames - 1)]
     found, removed = windows(alike, frames, tokens, max_window)
     rate = budget if isinstance(budget, float) else min(1.0, budget / tokens)
     total = frames * tokens
     rate = min(rate / ((total - removed) / total), 1)
+
+    def merged(centres, members_of, feature):
+        rows = []
+        for c in centres:
+            members = members_of[c]
+            rows.append((c, beta * feature[c] + (1 - beta) * sum(feature[m] for m in members) / len(members)
+                         if members else feature[c]))  # fmt: skip
+        return rows
+
+    def clusters(features, candidates, count, row_noise):
+        """DPC-kNN centres (ascending) among `candidates` and each centre's members (nearest, Euclidean)."""
+        score, dist = dpc_scores(features, candidates, min(k, count), row_noise)
+        centres = sorted(top(candidates, score, count))
+        members = {c: [] for c in centres}
+        for j in candidates:
+            if j not in centres:
+                near = [dist[j, c] for c in centres]
+                members[centres[near.index(min(near))]].append(j)
+        return centres, members
+
     out = []
     for s, e in found:
         static = [j for j in range(tokens) if e > s and all(alike[t][j] for t in range(s, e))]
         first = []
-        if static:
-            means = {j: x[s : e + 1, j].mean(0) for j in static}
-            count = round(len(static) * rate)
-            if count:
-                features = torch.zeros(tokens, x.shape[2], dtype=torch.float64)
-                for j in static:
-                    features[j] = means[j]
-                score, dist = dpc_scores(features, static, min(k, count), noise[s])
-                centres = sorted(top(static, score, count))
-                members = {c: [] for c in centres}
-                for j in static:
-                    if j not in centres:
-                        near = [dist[j, c] for c in centres]
-                        members[centres[near.index(min(near))]].append(j)
-                for c in centres:
-                    feature = means[c]
-                    if members[c]:
-                        feature = beta * means[c] + (1 - beta) * sum(means[m] for m in members[c]) / len(members[c])
-                    first.append((c, feature))
+        count = round(len(static) * rate)
+        if static and count:
+            means = torch.zeros(tokens, x.shape[2], dtype=torch.float64)
+            out_means = {j: v[s : e + 1, j].mean(0) for j in static}
+            for j in static:
+                means[j] = x[s : e + 1, j].mean(0)
+            centres, members = clusters(means, static, count, noise[s])
+            first = merged(centres, members, out_means)
         for f in range(s, e + 1):
             dynamic = [j for j in range(tokens) if j not in static]
             keep = math.ceil(len(dynamic) * rate)
             dominant = round(keep * (1 - d))
             a = {j: float(attention[f, j]) for j in dynamic}
             picked = sorted(top(dynamic, a, dominant))
-            rows = [(j, x[f, j]) for j in picked]
-            contextual = keep - dominant
-            if contextual:
+            rows = [(j, v[f, j]) for j in picked]
+            if keep - dominant:
                 rest = [j for j in dynamic if j not in picked]
-                score, dist = dpc_scores(x[f], rest, min(k, contextual), noise[f])
-                centres = sorted(top(rest, score, contextual))
-                members = {c: [] for c in centres}
-                for j in rest:
-                    if j not in centres:
-                        near = [dist[j, c] for c in centres]
-                        members[centres[near.index(min(near))]].append(j)
-                for c in centres:
-                    feature = x[f, c]
-                    if members[c]:
-                        feature = beta * x[f, c] + (1 - beta) * sum(x[f, m] for m in members[c]) / len(members[c])
-                    rows.append((c, feature))
+                centres, members = clusters(x[f], rest, keep - dominant, noise[f])
+                rows += merged(centres, members, {j: v[f, j] for j in rest})
             out.append((first if f == s else []) + rows)
     return out, found
