@@ -89,8 +89,8 @@ def test_windows_follow_the_static_positions():
     assert start[0].tolist() == [0, 0, 0, 3, 4, 4] and removed.item() == 2 * 12 + 16
     expected, found = holitom(x, torch.rand(6, 16, generator=g), budget=0.5)
     assert found == [(0, 2), (3, 3), (4, 5)]
-    selection = vtoken.HoliTom(budget=0.5).select(VisualTokens(x, (4, 4), {"projected": x,
-                                                                           "tower_attention": torch.zeros(6, 16)}))  # fmt: skip
+    signals = {"projected": x, "tower_attention": torch.zeros(6, 16)}
+    selection = vtoken.HoliTom(budget=0.5).select(VisualTokens(x, (4, 4), signals))
     assert selection.counts[1] == selection.counts[2]  # frames 1, 2: dynamic positions only (0-3)
     assert set(selection.anchors[0, : selection.counts[0]].tolist()) >= set(selection.anchors[1, :4].tolist())
 
@@ -121,8 +121,9 @@ def test_selection_is_batched_with_one_sync():
 
 
 def test_parameters_are_validated():
-    for bad, match in [(dict(tau=2.5), "tau=2.5"), (dict(beta=-1), "beta=-1"), (dict(k=0), "k=0"), (dict(d=1.5), "d=1.5"),
-                       (dict(max_window=0), "max_window=0"), (dict(budget=1.5), "budget"), (dict(seed=0.5), "seed=0.5"),
+    for bad, match in [(dict(tau=2.5), "tau=2.5"), (dict(beta=-1), "beta=-1"), (dict(k=0), "k=0"),
+                       (dict(d=1.5), "d=1.5"), (dict(max_window=0), "max_window=0"), (dict(budget=1.5), "budget"),
+                       (dict(seed=0.5), "seed=0.5"),
                        (dict(inner_ratio=2), "inner_ratio=2"), (dict(inner_layer=18), "not available yet"),
                        (dict(inner_layer=0), "inner_layer=0")]:  # fmt: skip
         with pytest.raises(vtoken.VTokenError, match=match):
