@@ -256,7 +256,7 @@ class QwenVLAdapter(Adapter):
             kept = selection.gather_flat(per_frame)
             places = torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)])
             follow = [same_selection(self.encoder_method, selection, crops, c[index]) for c in companions]
-            if selection.origin is not None and selection.mix is not None:  # merged tokens: the prompt's order
+            if selection.at_anchors:  # rows at their anchors, not always ascending (HoliTom): the prompt's order
                 order = places.argsort(stable=True)
                 kept, places, follow = kept[order], places[order], [c[order] for c in follow]
             features.append(kept)

@@ -69,6 +69,9 @@ REFUSED = {
     "vispruner": NO_CLS,
     "vidcom2": set(TINY_MODELS) - VIDEO,  # videos only
     "dycoke": set(TINY_MODELS) - VIDEO,  # videos only
+    # videos only, where the tower gives their signals: SigLIP's MAP head / ViT attention (OneVision, Qwen-VL)
+    "fastvid": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
+    "holitom": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
 }
 SENDS_CLS = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video", "tiny-video-llava"}  # VisionZip's [CLS]
 HIRED_BANDS_ONLY = {"tiny-internvl"}  # the processor gives the tile count, not the grid: partition="tiles" refused
@@ -103,7 +106,8 @@ budgets = st.one_of(fractions, st.integers(min_value=1, max_value=800), st.just(
 
 
 ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop", "visionzip", "vispruner",
-                   "divprune", "vidcom2", "dycoke")  # fmt: skip
+                   "divprune", "vidcom2", "dycoke", "fastvid", "holitom")  # fmt: skip
+VIDEO_MERGERS = ("fastvid", "holitom")  # counts follow segments / windows
 PREFILL_METHODS = ("fastv", "dart", "pyramiddrop", "sparsevlm")  # LLM stages that compose with encoder methods
 METHODS = (*ENCODER_METHODS, *PREFILL_METHODS)
 
@@ -133,6 +137,23 @@ def encoder_methods(draw, name: str, full: bool = False):
         return vtoken.VisPruner(budget=budget, important_ratio=draw(st.floats(0, 1)))
     if name in ("divprune", "vidcom2"):
         return vtoken.make_method(name, budget=budget)
+    if name == "fastvid":  # d = 0 at budget 1: every token salient, nothing merged (the keep-all setting)
+        if full:
+            return vtoken.FastVID(budget=1.0, d=0.0)
+        knobs = dict(c=draw(st.integers(1, 9)), tau=draw(st.floats(-1, 1)), d=draw(st.floats(0, 1)),
+                     p=draw(st.integers(1, 5)), beta=draw(st.floats(0, 1)), seed=draw(st.integers(0, 99)))  # fmt: skip
+        return vtoken.FastVID(budget=budget, **knobs)
+    if name == "holitom":  # tau = 1 at budget 1: nothing static, every dynamic token kept (the keep-all setting)
+        if full:
+            return vtoken.HoliTom(budget=1.0, tau=1.0)
+        knobs = dict(
+            tau=draw(st.floats(-1, 1)),
+            beta=draw(st.floats(0, 1)),
+            k=draw(st.integers(1, 9)),
+            d=draw(st.sampled_from([0.0, 0.0, draw(st.floats(0, 1))])),
+            max_window=draw(st.integers(1, 6)),
+        )
+        return vtoken.HoliTom(budget=budget, **knobs)
     if name == "hired":
         rate = 1.0 if full else draw(fractions)
         return vtoken.HiRED(rate=rate, alpha=draw(st.floats(0, 1)), partition=draw(st.sampled_from(["bands", "tiles"])))
@@ -269,7 +290,9 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
     """Where `patch` must refuse (the docs' "n/a" cells, layouts, drop points deeper than the LLM)."""
     for method in stack:
         name = method.name
-        if name in ("fastervlm", "hired", "fourier", "visionzip", "vispruner", "vidcom2") and family in REFUSED[name]:
+        if name in ("fastervlm", "hired", "fourier", "visionzip", "vispruner", "vidcom2", *VIDEO_MERGERS) and (
+            family in REFUSED[name]
+        ):
             return True
         if name == "hired" and method.partition == "tiles" and family in HIRED_BANDS_ONLY:
             return True
@@ -292,7 +315,7 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
 def refused_at_call(family: str, stack: list, modality: str) -> bool:
     """Inputs a patched model refuses when the call starts: Fourier-VLM on anyres images of families whose videos
     it takes; VidCom2 on images."""
-    if modality == "image" and stack[0].name in ("vidcom2", "dycoke"):
+    if modality == "image" and stack[0].name in ("vidcom2", "dycoke", *VIDEO_MERGERS):
         return True
     return modality == "image" and family in ("tiny-onevision", "tiny-llava-next-video") and stack[0].name == "fourier"
 
@@ -404,6 +427,18 @@ def check_encoder_records(family: str, method, records: list) -> None:
             assert r.modality == "video" and 1 <= r.tokens_out <= r.tokens_in, r
             groups[r.image].append(r.crop)
         assert all(crops == list(range(len(crops))) for crops in groups.values()), groups
+    elif name in VIDEO_MERGERS:  # counts follow segments / windows: frames in order, at most their tokens
+        groups = defaultdict(list)
+        for r in mine:
+            assert r.modality == "video" and 0 <= r.tokens_out <= r.tokens_in, r
+            groups[r.image].append(r)
+        for group in groups.values():
+            assert [r.crop for r in group] == list(range(len(group))), group
+            if name == "fastvid" and method.variant is None and family == "tiny-onevision":  # keep = int(T * r)
+                per_frame = int(group[0].tokens_in * method.budget) if isinstance(method.budget, float) else \
+                    min(method.budget, group[0].tokens_in)  # fmt: skip
+                salient = per_frame - int(per_frame * method.d)
+                assert all(r.tokens_out >= salient for r in group), group  # each frame keeps its salient tokens
     elif name == "dycoke":  # a frame's count follows from its place in the video (pairs, then every 4th)
         groups = defaultdict(list)
         for r in mine:
@@ -600,6 +635,8 @@ def test_keeping_every_token_is_the_unpatched_model(name, data):
         stack[0] = vtoken.Random(
             budget=1.0
         )  # no keep-all setting: at R = 1 frames less unique than average lose tokens
+    if stack[0].name == "fastvid" and family != "tiny-onevision":
+        stack[0] = vtoken.Random(budget=1.0)  # the Qwen form keeps a segment's budget on sub-segment ends only
     stack = applicable(family, modality, stack, vtoken.Pool(budget=1.0))
     inputs = make_inputs(processor, data.draw(rows(family, modality, 1), label="rows"))
     with torch.no_grad():

@@ -21,7 +21,8 @@ class Record:
         the LLM. The headline count, the visual tokens of the LLM's input, is `vtoken.counts`'.
     kept: sorted LongTensor [tokens_out] of kept indices into the crop's token sequence as the vision tower
         emits it (without [CLS]), on the model's device; None for merging methods. A merging method that passes
-        some tokens through unchanged reports those (VisionZip: its dominant patches, fewer than tokens_out). A
+        some tokens through unchanged reports those (VisionZip: its dominant patches, fewer than tokens_out); one
+        that merges into kept tokens reports every output token at the place it keeps (FastVID, HoliTom). A
         method acting on an image's placed tokens (DivPrune) records one entry per image, `kept` indexing its
         packed sequence as the LLM would receive it (newlines and pass-through [CLS] tokens included), grid (1, L).
     grid: (rows, cols) of the crop's token grid that `kept` indexes in raster order.

@@ -84,9 +84,11 @@ class Selection:
     protected: [C, k] bool aligned with `kept`: tokens no later stage may drop (MustDrop's key set), or None.
     origin: for merging methods that also pass some tokens through unchanged (VisionZip), [C, k] aligned with
         `features`: the index of the grid token each output row is, unchanged, or `CLS` / `MERGED` for a row with
-        no place on the grid. Records report the unchanged ones as kept; layouts place them on the grid. Methods
-        that merge tokens into kept ones (FastVID, HoliTom) give each row the index of the token it keeps, merged
-        or not, so records report every output row at its place.
+        no place on the grid. Records report the unchanged ones as kept; layouts place them on the grid.
+    at_anchors: for merging methods whose every output row stands at a grid token of its crop, the one `anchors`
+        names (FastVID, HoliTom: a token others were merged into keeps its place), possibly out of ascending order
+        (HoliTom puts a window's static tokens first): records report the anchors, sorted, as kept, and models
+        with original positions (M-RoPE) put the rows in their anchors' order.
     mix: for merging methods whose rows combine the crops' tokens linearly, the same combination applied to other
         per-token features aligned with the tokens ([C, N, D'] -> [C, k, D'], padded like `features`): Qwen3-VL's
         DeepStack levels follow the merge through it. None: the merge cannot be repeated on other features.
@@ -99,6 +101,7 @@ class Selection:
     grid: tuple[int, int] | None = None
     protected: torch.Tensor | None = None
     origin: torch.Tensor | None = None
+    at_anchors: bool = False
     mix: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -133,9 +136,12 @@ class Selection:
 
     def unchanged_of(self, crop: int) -> torch.Tensor | None:
         """Indices of the crop's tokens that reach the LLM unchanged, in output order (ascending for every built-in
-        method): the kept tokens, or those a merging method passes through; None for a pure merge."""
+        method): the kept tokens, or those a merging method passes through; None for a pure merge. With
+        `at_anchors`, every row's anchor, ascending."""
         if self.kept is not None:
             return self.kept_of(crop)
+        if self.at_anchors:
+            return self.offsets_of(crop).sort().values
         origin = self.origin_of(crop)
         return None if origin is None else origin[origin >= 0]
 

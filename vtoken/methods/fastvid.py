@@ -316,8 +316,8 @@ def video_selection(
     tokens: VisualTokens, projected: torch.Tensor, merge: Callable[[slice, int, int], MergedFrames]
 ) -> Selection:
     """Run `merge` on each run of equally long videos (consecutive in the crops; one run on LLaVA-OneVision, one
-    video per call on Qwen) and pack the frames' outputs as one `Selection`: features, positions as anchors and
-    origins (a merged token stands at its target's place), counts (the one host sync), and `mix`, the same merge
+    video per call on Qwen) and pack the frames' outputs as one `Selection`: features, positions as anchors (a
+    merged token stands at its target's place, `at_anchors`), counts (the one host sync), and `mix`, the same merge
     on other features aligned with the tokens."""
     videos = tokens.image_index.tolist() if tokens.image_index is not None else [0] * tokens.num_crops
     lengths = [sum(1 for _ in run) for run in _runs(videos)]
@@ -349,7 +349,7 @@ def video_selection(
     def mix(other: torch.Tensor) -> torch.Tensor:
         return build(other)[0]
 
-    return Selection(features=features, counts=counts, anchors=positions, origin=positions, mix=mix)
+    return Selection(features=features, counts=counts, anchors=positions, at_anchors=True, mix=mix)
 
 
 def _runs(values: list[int]):
