@@ -12,7 +12,8 @@ with one torch thread: on a shared machine the wall clock mostly measures the wa
 
 A third table (its own results file, `llm_stages_video_*`) runs DyCoke on a LLaVA-OneVision-7B-shaped model and a
 video (`--frames`, 196 pooled tokens a frame + 1 newline): the official settings, the same with p = 0 (its stage 1
-and the decode stage's per-step row, nothing masked: what the decode stage costs), VidCom2 at DyCoke's retention and
+and the decode stage's per-step row, nothing masked: what the decode stage costs), VidCom2, FastVID and HoliTom at
+DyCoke's retention (their other settings official; FastVID and HoliTom merge, so their counts follow the data) and
 the oracle (the first tokens of every frame at that retention, zero selection cost); TTFT, decode tokens/s and
 selection time (the encoder and decode records' seconds). vtoken's decode stage masks the cache per step rather
 than gathering it, so it saves no attention work in decoding: its effect is on what the model attends to, and its
@@ -192,8 +193,8 @@ def video_shapes(cuda: bool) -> dict:
 
 
 def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) -> tuple[dict, list[str]]:
-    """DyCoke (official settings; and p = 0) against VidCom2 and the oracle at its retention: TTFT, decode tok/s,
-    selection time."""
+    """DyCoke (official settings; and p = 0) against VidCom2, FastVID, HoliTom and the oracle at its retention:
+    TTFT, decode tok/s, selection time."""
     model, processor = _build(tiny_onevision, video_shapes(device.type == "cuda"), device, dtype)
     prompt = build_prompt(processor, "What happens in the video? Describe it step by step.", num_images=0, num_videos=1)
     inputs = processor(videos=[example_clip(frames, size=384)], text=[prompt], return_tensors="pt").to(device)
@@ -206,6 +207,8 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
         "dycoke (k 0.7, layer 3, p 0.7)": lambda: vtoken.DyCoke(),
         "dycoke p 0 (decode stage: row only)": lambda: vtoken.DyCoke(p=0.0),
         f"vidcom2 {retention:.3f}": lambda: vtoken.VidCom2(budget=retention),
+        f"fastvid {retention:.3f}": lambda: vtoken.FastVID(budget=retention),
+        f"holitom {retention:.3f}": lambda: vtoken.HoliTom(budget=retention),
         "oracle (first tokens of each frame)": lambda: first_k(retention),
     }
     runs, contexts, selection, tokens = {}, {}, {}, {}

@@ -7,10 +7,12 @@ Real widths (random weights): CLIP ViT-L/14-336 + Vicuna-7B for both LLaVAs (LLa
 on a video of `--frames` frames (196 pooled tokens each + 1 newline; default 32 on a GPU, 8 on a CPU). On a CPU
 the LLM and the towers are cut to `--cpu-layers` layers (towers to at least 2, so that [CLS] attention exists at
 the feature layer); the table says so. VisionZip's budget is D + C per crop (split 54:10); DivPrune's is of each
-image's placed tokens (newlines included); VidCom2's is the video's rate, frame budgets follow the data. The oracle
-keeps the first k tokens of every crop with zero selection cost (bench_families.py); methods whose budgets are per
-image (HiRED, DivPrune), per grid side (Fourier-VLM) or per video (VidCom2) keep slightly different counts, so the
-visual-token column is shown next to every speedup.
+image's placed tokens (newlines included); VidCom2's, FastVID's and HoliTom's are the video's rate, frame budgets
+(segments, static windows) follow the data. The oracle keeps the first k tokens of every crop with zero selection
+cost (bench_families.py); methods whose budgets are per image (HiRED, DivPrune), per grid side (Fourier-VLM) or per
+video (VidCom2, FastVID, HoliTom) keep slightly different counts, so the visual-token column is shown next to
+every speedup. (FastVID reads SigLIP's attention-pooling head: the benchmark's tower has one, random like the rest;
+Hugging Face OneVision checkpoints need `head=`.)
 
     python benchmarks/bench_methods.py                  # CPU, cut depth
     python benchmarks/bench_methods.py --device cuda    # GPU, full depth, bf16
@@ -45,12 +47,14 @@ METHODS = {
     "vispruner": lambda b: vtoken.VisPruner(budget=b),
     "divprune": lambda b: vtoken.DivPrune(budget=b),
     "vidcom2": lambda b: vtoken.VidCom2(budget=b),
+    "fastvid": lambda b: vtoken.FastVID(budget=b),
+    "holitom": lambda b: vtoken.HoliTom(budget=b),
 }
 APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the others are n/a)
     "llava-1.5-7b": ("fastervlm", "hired", "mmtok", "fourier", "visionzip", "vispruner", "divprune", "random", "pool"),
     "llava-next-7b": ("fastervlm", "hired", "mmtok", "visionzip", "vispruner", "divprune", "random", "pool"),
     "qwen2.5-vl-7b": ("mmtok", "fourier", "divprune", "random", "pool"),
-    "llava-onevision-7b video": ("vidcom2", "divprune", "mmtok", "random", "pool"),
+    "llava-onevision-7b video": ("vidcom2", "fastvid", "holitom", "divprune", "mmtok", "random", "pool"),
 }
 
 
