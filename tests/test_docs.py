@@ -24,6 +24,7 @@ HUB = {
     "llava-hf/llava-1.5-7b-hf": ("tiny_llava", {"text_layers": 4}),  # 4 layers: FastV's default layer 2 fits
     "llava-hf/llava-v1.6-vicuna-7b-hf": ("tiny_llava_next", {}),
     "Qwen/Qwen2.5-VL-7B-Instruct": ("tiny_qwen2_5_vl", {}),
+    "llava-hf/llava-onevision-qwen2-7b-ov-hf": ("tiny_onevision", {}),
 }
 
 

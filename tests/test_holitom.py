@@ -301,3 +301,19 @@ def test_images_are_refused_at_the_call_and_image_families_at_patch():
     image_only, _ = TINY_MODELS["tiny-llava-next"]()
     with pytest.raises(vtoken.VTokenError, match="video inputs only"):
         vtoken.patch(image_only, "holitom")
+
+
+APPLIES = {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5",
+           "tiny-qwen3.5-moe"}  # fmt: skip
+
+
+def test_applicable_methods_agree_with_the_docs_tables():
+    """docs/guide/methods.md and methods-encoder-3.md: both apply on LLaVA-OneVision and the Qwen-VL families, and
+    are refused with the reason elsewhere (image-only families: videos only; other video towers: their signal)."""
+    for name in TINY_MODELS:
+        model, _ = TINY_MODELS[name]()
+        verdicts = vtoken.applicable_methods(model)
+        for method in ("fastvid", "holitom"):
+            assert (verdicts[method] is None) == (name in APPLIES), (name, method, verdicts[method])
+            if verdicts[method] is not None:
+                assert "video inputs only" in verdicts[method] or "attention" in verdicts[method], verdicts[method]

@@ -87,6 +87,11 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen3-vl", {"method": "visionzip"}, ["vtoken", "visionzip", "cls_attention"]),
     ("llava", {"method": "vidcom2"}, ["vtoken", "vidcom2", "video only"]),
     ("qwen2.5-vl", {"method": "vidcom2"}, ["vtoken", "vidcom2", "from the data"]),  # frame budgets follow the data
+    # the video mergers read the tower's attention, which the plugin does not take from vLLM's towers (and their
+    # counts follow the data); on families served for images they are refused as video-only
+    ("qwen2.5-vl", {"method": "fastvid"}, ["vtoken", "fastvid", "vit_query_attention", "attention"]),
+    ("qwen2.5-vl", {"method": "holitom"}, ["vtoken", "holitom", "tower_attention", "attention"]),
+    ("llava", {"method": "holitom"}, ["vtoken", "holitom", "video"]),
     # LLaVA-NeXT: native packing's count is known only after selection; HiRED's anyres shares follow the data
     ("llava-next", {"method": "random", "budget": 0.25}, ["vtoken", "random", "newline", "layout='official'"]),
     ("llava-next", {"method": "hired", "rate": 0.2, "layout": "official"}, ["vtoken", "hired", "from the data"]),

@@ -22,6 +22,7 @@ from vllm.model_executor.models.llava import (
 )
 
 from vtoken.adapters.llava import outside_pad_border
+from vtoken.methods.base import unmet
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
@@ -116,10 +117,11 @@ def check_modality(method, family: str) -> None:
 
 
 def check_signals(method, available: set[str], family: str) -> None:
-    missing = sorted(set(method.requires) - available)
+    missing = unmet(tuple(method.requires), available)
     if missing:
+        note = f" ({method.signals_note})" if method.signals_note else ""
         raise error(
-            f"method {method.name!r} needs the signal(s) {missing}, which {family} in vLLM cannot provide; it "
+            f"method {method.name!r} needs the signal(s) {missing}, which {family} in vLLM cannot provide{note}; it "
             f"provides {sorted(available)}"
         )
 
