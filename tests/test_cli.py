@@ -390,3 +390,26 @@ def test_unsupported_model_error_is_short_and_lists_families():
     message = str(caught.value)
     assert len(message) < 400 and "llava-1.5" in message and "qwen2-vl" in message and "vtoken list" in message
     assert "ForConditionalGeneration" not in message  # families, not every class
+
+
+@pytest.mark.parametrize("method", ["fastvid", "holitom"])
+def test_the_video_mergers_run_on_a_video_and_images_are_refused(tmp_path, capsys, method):
+    """`vtoken run --method fastvid|holitom --video clip.gif` on LLaVA-OneVision: 4 frames x 49 (25 %) + the newline
+    for FastVID's onevision form; HoliTom's windows follow the clip. On an image, refused at the call."""
+    import re
+
+    from vtoken.images import example_clip
+
+    clip = example_clip(6)
+    path = tmp_path / "clip.gif"
+    clip[0].save(path, save_all=True, append_images=clip[1:], duration=100, loop=0)
+    assert quick_run("--model", "tiny-onevision", "--video", str(path), "--frames", "4", "--method", method) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"visual tokens \(the LLM's input\): (\d+) -> (\d+) \(", out)
+    assert f"method:  {method}(budget=25%)" in out and found and int(found[1]) == 785
+    if method == "fastvid":
+        assert int(found[2]) == 4 * 49 + 1
+    else:
+        assert int(found[2]) < 785 // 2
+    assert main(["run", "--model", "tiny-onevision", "--method", method, "--max-new-tokens", "1"]) == 2
+    assert f"{method} acts on video inputs only" in capsys.readouterr().err

@@ -424,3 +424,25 @@ def test_sweep_plot_keeps_equal_lines_apart():
     assert (a.get_marker(), a.get_linestyle()) != (b.get_marker(), b.get_linestyle())
     assert all(x != y for x, y in zip(a.get_xdata(), b.get_xdata(), strict=True))
     assert list(a.get_ydata()) == list(b.get_ydata()) == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("method", ["fastvid", "holitom"])
+def test_the_video_mergers_through_the_vtoken_model(method, cache):
+    """FastVID and HoliTom through lmms-eval's `vtoken` model (`method=...,budget=...`): two MP4 samples batched
+    answer and count as each alone; every frame has its record; the count follows the data (no planned count)."""
+    from vtoken.eval.lmms_model import VTokenLMM
+
+    videos = [str(data.video_path(row)) for row in data.questions("video")[:2]]
+
+    def messages(doc):
+        item = {"type": "video", "url": videos[doc["i"]]}
+        return [{"role": "user", "content": [item, {"type": "text", "text": "what happens?"}]}]
+
+    docs = [{"i": 0}, {"i": 1}]
+    lm = VTokenLMM(pretrained="tiny-onevision", method=method, budget=0.3, batch_size=2, max_frames=4)
+    batched = lm.generate_until(requests_for(lm, docs, messages))
+    lm.batch_size_per_gpu = 1
+    alone = lm.generate_until(requests_for(lm, docs, messages))
+    assert [r.text for r in batched] == [r.text for r in alone]
+    assert [r.token_counts.stages for r in batched] == [r.token_counts.stages for r in alone]
+    assert all(r.token_counts.stages["encoder"] for r in alone)
