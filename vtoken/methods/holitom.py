@@ -74,12 +74,13 @@ class MergedWindows:
 
     window_mean: [V, F, F] weights of each window's frames at its first frame (1 / L), 0 elsewhere;
     static_members / dynamic_members: [V, F, T, T] 0/1, the tokens each centre absorbs (static: window means at
-    the first frame; dynamic: the frame's own); static_centre: [V, F, T] centres at first frames; dynamic_kept:
-    [V, F, T] kept dynamic positions; key: [V, F, T] the output order (lower first); keep: [V, F, T]."""
+    the first frame; dynamic: the frame's own; None when d = 0: no dynamic merges); static_centre: [V, F, T]
+    centres at first frames; key: [V, F, T] the output order (lower first); keep: [V, F, T] what reaches the LLM;
+    beta: a centre's own weight; width: the widest frame's output."""
 
     window_mean: torch.Tensor
     static_members: torch.Tensor
-    dynamic_members: torch.Tensor
+    dynamic_members: torch.Tensor | None
     static_centre: torch.Tensor
     key: torch.Tensor
     keep: torch.Tensor
@@ -98,8 +99,8 @@ class MergedWindows:
             mean = torch.matmul(members, centres) / count.clamp(min=1)
             return torch.where(count > 0, self.beta * centres + (1 - self.beta) * mean, centres)
 
-        rows = torch.where(self.static_centre[..., None], merged(self.static_members, means),
-                           merged(self.dynamic_members, x))  # fmt: skip
+        dynamic = x if self.dynamic_members is None else merged(self.dynamic_members, x)
+        rows = torch.where(self.static_centre[..., None], merged(self.static_members, means), dynamic)
         positions = self.key.argsort(dim=-1)[..., : self.width]
         return rows.gather(2, positions[..., None].expand(-1, -1, -1, dim)), positions
 
@@ -145,9 +146,8 @@ def holitom_merge(
                                           contextual.flatten().clamp(max=method.k), flat_noise, method.k)  # fmt: skip
         centres = (descending_rank(score).view_as(rest) < contextual[..., None]) & rest
         dynamic_members = nearest_centres(dist, centres.flatten(0, 1), (rest & ~centres).flatten(0, 1))
-    else:
-        centres = torch.zeros_like(rest)
-        dynamic_members = torch.zeros(videos * frames, tokens, tokens, device=device)
+    else:  # d = 0 (official): the attention picks only, nothing merged among the dynamic tokens
+        centres, dynamic_members = torch.zeros_like(rest), None
     # static tokens: window means at the first frame, round(n_s * r') density-peak centres
     same_window = start[:, :, None] == start[:, None, :]
     window_mean = (same_window & first[..., None]).float() / length[..., None]
@@ -163,7 +163,8 @@ def holitom_merge(
                       torch.where(picked, tokens + positions,
                                   torch.where(centres, 2 * tokens + positions, 3 * tokens + positions)))  # fmt: skip
     shape = (videos, frames, tokens, tokens)
-    return MergedWindows(window_mean, static_members.view(shape), dynamic_members.view(shape), static_centre, key,
+    dynamic_members = None if dynamic_members is None else dynamic_members.view(shape)
+    return MergedWindows(window_mean, static_members.view(shape), dynamic_members, static_centre, key,
                          static_centre | picked | centres, method.beta, tokens)  # fmt: skip
 
 
