@@ -67,16 +67,19 @@ class QwenVLAdapter(Adapter):
             probes["tower_attention"] = VisionQueryKeyProbe(visual.blocks[hf.full_attention_blocks(visual)[-1]].attn)
         return probes
 
-    def attention_signals(self, probes: dict[str, VisionQueryKeyProbe], grid_thw: torch.Tensor) -> list[dict[str, Any]]:
-        """Per item of the call, its signals [t, merged tokens] (raster order) as callables."""
+    def attention_signals(
+        self, probes: dict[str, VisionQueryKeyProbe], grid_thw: torch.Tensor, thw: list[list[int]]
+    ) -> list[dict[str, Any]]:
+        """Per item of the call, its signals [t, merged tokens] (raster order) as callables (`thw`: `grid_thw` read
+        on the host once)."""
         group = self.merge**2
-        sizes = grid_thw.prod(-1).tolist()
+        sizes = [t * h * w for t, h, w in thw]
 
         def per_item(name: str) -> list[torch.Tensor]:
             query, keys = probes[name].query_keys()  # [S, H, d], encoder order
             heads, dim = query.shape[1:]
             values = []
-            for q, k, (frames, _, _) in zip(query.split(sizes), keys.split(sizes), grid_thw.tolist(), strict=True):
+            for q, k, (frames, _, _) in zip(query.split(sizes), keys.split(sizes), thw, strict=True):
                 q, k = q.reshape(frames, -1, heads, dim), k.reshape(frames, -1, heads, dim)
                 if name == "vit_query_attention":  # the mean query against each merge group's mean key
                     mean_q, mean_k = q.float().mean(1), k.float().reshape(frames, -1, group, heads, dim).mean(2)
@@ -96,7 +99,7 @@ class QwenVLAdapter(Adapter):
             return cache[name][item].view(frames, -1)
 
         return [{name: (lambda name=name, i=i, t=t: signal(name, i, t)) for name in probes}
-                for i, (t, _, _) in enumerate(grid_thw.tolist())]  # fmt: skip
+                for i, (t, _, _) in enumerate(thw)]  # fmt: skip
 
     def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
@@ -229,18 +232,17 @@ class QwenVLAdapter(Adapter):
             for probe in probes.values():
                 stack.enter_context(probe)
             out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
-        attention = self.attention_signals(probes, grid_thw) if probes else None
+        thw = grid_thw.tolist()
+        attention = self.attention_signals(probes, grid_thw, thw) if probes else None
         merged = out.pooler_output
-        sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
+        sizes = [t * h * w // self.merge**2 for t, h, w in thw]
         wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
             groups = self.raster_order(groups, grid_thw).split(sizes)
         companions = [c.split(sizes) for c in self.companion_features(out)]
         features, offsets, records, followers = [], [], [], []
-        for index, (tokens, (frames, height, width)) in enumerate(
-            zip(merged.split(sizes), grid_thw.tolist(), strict=True)
-        ):
+        for index, (tokens, (frames, height, width)) in enumerate(zip(merged.split(sizes), thw, strict=True)):
             grid = (height // self.merge, width // self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
             signals = dict(attention[index]) if attention is not None else {}
