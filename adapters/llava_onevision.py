@@ -89,7 +89,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
                     "LLaVA-OneVision checkpoints are converted with vision_use_head=False, leaving out "
                     f"`post_layernorm` and `head`), which {owner} reads; {how}"
                 )
-            return found
+            return found  # the tower's own, used in place
         if isinstance(source, nn.Module):
             found = hf.pooling_head_of(source)
             what = f"the module {type(source).__name__}"

@@ -87,8 +87,9 @@ class Selection:
         no place on the grid. Records report the unchanged ones as kept; layouts place them on the grid.
     at_anchors: for merging methods whose every output row stands at a grid token of its crop, the one `anchors`
         names (FastVID, HoliTom: a token others were merged into keeps its place), possibly out of ascending order
-        (HoliTom puts a window's static tokens first): records report the anchors, sorted, as kept, and models
-        with original positions (M-RoPE) put the rows in their anchors' order.
+        (HoliTom puts a window's static tokens first), rows past a crop's count padded with positions past the
+        grid: records report the anchors, sorted, as kept, and models with original positions (M-RoPE) put the
+        rows in their anchors' order.
     mix: for merging methods whose rows combine the crops' tokens linearly, the same combination applied to other
         per-token features aligned with the tokens ([C, N, D'] -> [C, k, D'], padded like `features`): Qwen3-VL's
         DeepStack levels follow the merge through it. None: the merge cannot be repeated on other features.
@@ -140,8 +141,10 @@ class Selection:
         `at_anchors`, every row's anchor, ascending."""
         if self.kept is not None:
             return self.kept_of(crop)
-        if self.at_anchors:
-            return self.offsets_of(crop).sort().values
+        if self.at_anchors:  # rows are padded with positions past the grid: one sort serves every crop
+            if getattr(self, "_ascending", None) is None:
+                self._ascending = self.anchors.sort(dim=-1).values
+            return self._ascending[crop] if self.counts is None else self._ascending[crop, : self.counts[crop]]
         origin = self.origin_of(crop)
         return None if origin is None else origin[origin >= 0]
 

@@ -338,6 +338,8 @@ def video_selection(
         for group, count, frames, plan in plans:
             x = features[group].reshape(count, frames, tokens.num_tokens, -1)
             out, positions = plan.apply(x)
+            past = torch.arange(positions.shape[-1], device=positions.device) >= plan.keep.sum(-1, keepdim=True)
+            positions = positions.masked_fill(past, tokens.num_tokens)  # padding rows: past the grid
             pad = width - out.shape[2]
             rows.append(torch.nn.functional.pad(out, (0, 0, 0, pad)).flatten(0, 1))
             places.append(torch.nn.functional.pad(positions, (0, pad), value=tokens.num_tokens).flatten(0, 1))
