@@ -50,6 +50,8 @@ def control_specs() -> list[Control]:
             "fourier": [("budget", "budget"), ("reserve", "optional_int"), ("ratio", "optional_float")],
             "visionzip": [("budget", "budget")],  # D + C per crop, split 54:10 as the official settings
             "vispruner": [("budget", "budget"), ("important_ratio", "float")],
+            "fastvid": [("budget", "budget"), ("c", "int"), ("d", "float"), ("p", "int")],  # segments, context, anchors
+            "holitom": [("budget", "budget"), ("tau", "float"), ("beta", "float"), ("k", "int")],
             "sparse_prefill": [
                 ("pattern", "choice"),
                 ("density", "optional_float"),
