@@ -40,7 +40,7 @@ _EXPORTS = {
     **dict.fromkeys(
         ("available_methods", "make_method", "register_method", "unregister_method", "supported_models"), "registry"
     ),
-    **dict.fromkeys(("ModelView", "model_view"), "model_view"),
+    **dict.fromkeys(("ModelView", "model_view"), "modelview"),
     **dict.fromkeys(("LayerTokens", "Merged", "Selection", "TextQuery", "TextTokens", "VisualTokens"), "tokens"),
 }
 
@@ -108,7 +108,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         VisionZip,
         VisPruner,
     )
-    from .model_view import ModelView, model_view
+    from .modelview import ModelView, model_view
     from .question import remember_tokenizer
     from .records import Record
     from .registry import available_methods, make_method, register_method, supported_models, unregister_method

@@ -12,7 +12,7 @@ from torch import nn
 
 from .api import check
 from .errors import VTokenError
-from .model_view import model_view
+from .modelview import model_view
 from .registry import available_methods, make_method, method_class
 
 

@@ -131,7 +131,7 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 def load_model(args: argparse.Namespace) -> tuple:
     """(model, processor) of --model, with load failures (offline hub, bad checkpoint) as one-line errors."""
-    from .model_view import model_view
+    from .modelview import model_view
     from .zoo import load
 
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model_view import model_view
+from .modelview import model_view
 from .records import Record
 
 

@@ -64,23 +64,19 @@ def _taken(name: str) -> str | None:
     return next((known for known in (*_methods, *_pending) if _key(known) == key), None)
 
 
-def load_methods() -> None:
+def load_methods(refresh: bool = False) -> None:
     """Find every method (once; cheap after): the built-ins, then the installed packages' entry points (listed,
-    imported when used). Raises `VTokenError` naming both sides of a name clash."""
+    imported when used). `refresh=True` looks for entry points again (a package installed since, or a folder added
+    to `sys.path`). Raises `VTokenError` naming both sides of a name clash."""
     global _loaded
-    if _loaded:
+    if _loaded and not refresh:
         return
-    import vtoken.methods as builtin
-    from vtoken.methods.base import Method
-
-    for export in builtin.__all__:
-        cls = getattr(builtin, export)
-        if isinstance(cls, type) and issubclass(cls, Method) and cls.name:
-            check_declaration(cls)
-            _methods[cls.name] = cls
-            _builtins.add(cls.name)
+    if not _loaded:
+        _load_builtins()
     found: dict[str, EntryPoint] = {}
     for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name in _pending or (point.name in _methods and _where(_methods[point.name]) == _target(point)):
+            continue  # listed (or imported) before this refresh
         clash = _taken(point.name) or next((n for n in found if _key(n) == _key(point.name)), None)
         if clash is not None:
             other = _origin(clash) if clash in _methods else f"{found[clash].value} (another entry point)"
@@ -91,6 +87,19 @@ def load_methods() -> None:
         found[point.name] = point
     _pending.update(found)
     _loaded = True
+
+
+def _load_builtins() -> None:
+    """Every method class `vtoken.methods` exports, its declaration checked."""
+    import vtoken.methods as builtin
+    from vtoken.methods.base import Method
+
+    for export in builtin.__all__:
+        cls = getattr(builtin, export)
+        if isinstance(cls, type) and issubclass(cls, Method) and cls.name:
+            check_declaration(cls)
+            _methods[cls.name] = cls
+            _builtins.add(cls.name)
 
 
 def _target(point: EntryPoint) -> str:
@@ -166,7 +175,7 @@ def check_declaration(cls: type[Method]) -> None:
     from .params import Param
 
     where = f"method class {_where(cls)}"
-    if not is_dataclass(cls):
+    if not is_dataclass(cls) or "__dataclass_fields__" not in cls.__dict__:  # not one inherited from its base
         raise VTokenError(f"{where} is not a dataclass: decorate it with @dataclass (its fields are its parameters)")
     if not isinstance(cls.name, str) or not NAME.match(cls.name):
         raise VTokenError(f"{where}: name={cls.name!r}; expected lowercase letters, digits and '_', e.g. 'mymethod'")

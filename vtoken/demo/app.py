@@ -19,7 +19,7 @@ from .. import timing
 from ..applicability import applicable_layouts
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image, load_video
-from ..model_view import model_view
+from ..modelview import model_view
 from ..records import summarize
 from ..registry import available_methods, method_class
 from ..zoo import BUILTIN_MODELS, MINI, TINY_MODELS, load

@@ -18,7 +18,7 @@ from ..counts import VisualCounts, count, llm_input, placeholders
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image
 from ..methods.base import Method
-from ..model_view import model_view
+from ..modelview import model_view
 from ..prompts import build_prompt
 from ..records import Record
 from ..registry import describe_method, make_method, method_class

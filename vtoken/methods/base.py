@@ -17,7 +17,7 @@ from ..params import Kept, Layer, Param, Scope
 from ..tokens import LayerTokens, Merged, Selection, VisualTokens
 
 if TYPE_CHECKING:
-    from ..model_view import ModelView
+    from ..modelview import ModelView
 
 
 class Method:
@@ -136,6 +136,11 @@ class EncoderMethod(Method):
     params = {"budget": Kept(), "scope": Scope()}
     budget_param = "budget"
     scopes: ClassVar[tuple[str, ...]] = ("crop", "image")
+
+    def single_crop_requires(self) -> tuple[str, ...]:
+        """The signals it needs when every image is one crop (`vtoken.select`): `requires` unless some serve only
+        to share an image's budget out over its crops (HiRED's early layer)."""
+        return tuple(self.requires)
 
     def keep_count(self, n: int) -> int:
         """Tokens kept per crop of n tokens."""

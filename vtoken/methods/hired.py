@@ -66,6 +66,10 @@ class HiRED(EncoderMethod):
         final = "cls_attention" if self.layer_final is None else f"cls_attention@{self.layer_final}"
         return (f"cls_attention@{self.layer_early}", final)
 
+    def single_crop_requires(self) -> tuple[str, ...]:
+        """The signals it needs on images of one crop each: the final layer's only (no budget split)."""
+        return self.requires[-1:]
+
     def planned_count(self, n: int) -> int | None:
         return None
 
