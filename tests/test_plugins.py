@@ -235,6 +235,8 @@ def test_demo_offers_and_runs_them(plugins, monkeypatch):
     assert labels == ["unpatched", "plugin_norm(budget=25%, power=1)", "plugin_cls(budget=25%)"], labels
     assert [c.llm_input for c in result["counts"]] == [144, 36, 36]
     assert len(result["pictures"]) == 3
+    pytest.importorskip("gradio")
+    app.build_demo(MINI)  # the page, with their controls
 
 
 def test_vtoken_eval_sweeps_them(plugins, tmp_path, monkeypatch):
