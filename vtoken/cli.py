@@ -227,9 +227,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def method_line(cls) -> str:
-    """One method as `vtoken list` shows it, from its declaration: 'fastv (prefill): layer, keep, positions; --budget
-    sets keep'."""
-    line = f"{cls.name} ({', '.join(cls.stages)}): {', '.join(cls.declared_params()) or 'no parameters'}"
+    """One method as `vtoken list` shows it, from its declaration: 'fastv (prefill): keep, layer, positions; --budget
+    sets keep', 'pool (encoder, merges): budget, scope; --budget sets budget'."""
+    what = ", ".join([*cls.stages, *["video only"] * (tuple(cls.modalities) == ("video",)), *["merges"] * cls.merges])
+    line = f"{cls.name} ({what}): {', '.join(cls.declared_params()) or 'no parameters'}"
     return line + (f"; --budget sets {cls.budget_param}" if cls.budget_param else "")
 
 

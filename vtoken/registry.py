@@ -14,6 +14,7 @@ Adapters register with the `register_adapter` decorator when `vtoken.adapters` i
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import MISSING, fields, is_dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ _methods: dict[str, type[Method]] = {}
 _pending: dict[str, EntryPoint] = {}
 _builtins: set[str] = set()
 _loaded = False
+_lock = threading.RLock()  # lookups from several threads (the demo's, a served model's) load once
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 STAGES = ("encoder", "prefill", "decode", "sparse")
@@ -71,8 +73,15 @@ def load_methods(refresh: bool = False) -> None:
     global _loaded
     if _loaded and not refresh:
         return
-    if not _loaded:
-        _load_builtins()
+    with _lock:
+        if not _loaded:
+            _load_builtins()
+        _load_entry_points()
+        _loaded = True
+
+
+def _load_entry_points() -> None:
+    """List the entry points not known yet (pending: imported when used); a name clash raises, naming both."""
     found: dict[str, EntryPoint] = {}
     for point in entry_points(group=ENTRY_POINT_GROUP):
         if point.name in _pending or (point.name in _methods and _where(_methods[point.name]) == _target(point)):
@@ -86,7 +95,6 @@ def load_methods(refresh: bool = False) -> None:
             )
         found[point.name] = point
     _pending.update(found)
-    _loaded = True
 
 
 def _load_builtins() -> None:
@@ -109,7 +117,12 @@ def _target(point: EntryPoint) -> str:
 
 
 def _load_pending(name: str) -> type[Method]:
-    """Import the class of entry point `name` and register it."""
+    """Import the class of entry point `name` and register it (once, whatever the threads)."""
+    with _lock:
+        return _methods[name] if name in _methods else _import_pending(name)
+
+
+def _import_pending(name: str) -> type[Method]:
     from vtoken.methods.base import Method
 
     point = _pending[name]
@@ -144,6 +157,12 @@ def register_method(cls: type[Method]) -> type[Method]:
         )
     load_methods()
     check_declaration(cls)
+    with _lock:
+        _add(cls)
+    return cls
+
+
+def _add(cls: type[Method]) -> None:
     clash = _taken(cls.name)
     if clash is not None:
         same = _target(_pending[clash]) if clash in _pending else _where(_methods[clash])
@@ -153,19 +172,19 @@ def register_method(cls: type[Method]) -> type[Method]:
         _methods.pop(clash, None)
         _pending.pop(clash, None)
     _methods[cls.name] = cls
-    return cls
 
 
 def unregister_method(name: str) -> None:
     """Forget a method registered at run time or by an entry point (built-ins stay)."""
     load_methods()
-    known = _taken(name) if isinstance(name, str) else None
-    if known is None:
-        raise UnknownMethodError(f"no method {name!r} is registered")
-    if known in _builtins:
-        raise VTokenError(f"{known!r} is one of vtoken's built-in methods, which cannot be unregistered")
-    _methods.pop(known, None)
-    _pending.pop(known, None)
+    with _lock:
+        known = _taken(name) if isinstance(name, str) else None
+        if known is None:
+            raise UnknownMethodError(f"no method {name!r} is registered")
+        if known in _builtins:
+            raise VTokenError(f"{known!r} is one of vtoken's built-in methods, which cannot be unregistered")
+        _methods.pop(known, None)
+        _pending.pop(known, None)
 
 
 def check_declaration(cls: type[Method]) -> None:

@@ -82,9 +82,9 @@ def _plan_row(first: list[Record], record: Record) -> int:
 def _merge_groups(method, rows: int, cols: int, k: int) -> list[np.ndarray]:
     """Cells merged into each output token, as the method says (`merged_cells`: pool's cells, Fourier-VLM's
     blocks); else the grid cut into about k square blocks."""
-    cells = getattr(method, "merged_cells", None)
-    if cells is not None:
-        return [np.asarray(group, dtype=np.int64) for group in cells(rows, cols, k)]
+    said = method.merged_cells(rows, cols, k) if hasattr(method, "merged_cells") else None
+    if said is not None:
+        return [np.asarray(group, dtype=np.int64) for group in said]
     cells = np.arange(rows * cols).reshape(rows, cols)
     h = w = max(1, math.isqrt(k))
     ys, xs = (np.arange(rows) * h) // rows, (np.arange(cols) * w) // cols

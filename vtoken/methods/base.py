@@ -142,6 +142,11 @@ class EncoderMethod(Method):
         to share an image's budget out over its crops (HiRED's early layer)."""
         return tuple(self.requires)
 
+    def merged_cells(self, height: int, width: int, k: int) -> list[list[int]] | None:
+        """A merging method (`merges`): the grid cells (raster indices) each of the k output tokens of an H x W
+        crop is made from, for pictures (the demo's); None: not said."""
+        return None
+
     def keep_count(self, n: int) -> int:
         """Tokens kept per crop of n tokens."""
         return tokens_to_keep(self.budget, n)
