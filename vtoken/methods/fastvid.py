@@ -45,11 +45,10 @@ from typing import Any
 
 import torch
 
-from ..budget import Budget, check_budget
+from ..budget import Budget
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Int, Kept, OrNone, Param, Real, Scope
 from ..tokens import Selection, VisualTokens
-from ..validation import choice, integer, real
 from .base import EncoderMethod
 from .density import density_peak_scores, descending_rank, frame_segments, seeded_noise
 
@@ -208,7 +207,23 @@ def qwen_merge(
     return MergedFrames(salient_flag | target_flag, targets, target_valid, members, weight, tokens)
 
 
-@register_method
+@dataclass(frozen=True)
+class PoolingHead(Param):
+    """SigLIP's attention-pooling head: None (the tower's own), a checkpoint id or directory, or a module."""
+
+    def check(self, method: Any, name: str, value: Any) -> Any:
+        if value is None or isinstance(value, (str, torch.nn.Module)) or hasattr(value, "__fspath__"):
+            return value
+        raise VTokenError(
+            f"{method.name}: {name}={value!r} ({type(value).__name__}); expected a SigLIP checkpoint id or path "
+            "(e.g. 'google/siglip-so400m-patch14-384') or a module with `post_layernorm` and `head` (a "
+            "SiglipVisionModel)"
+        )
+
+    def text(self) -> str:
+        return "None (the tower's own), a SigLIP checkpoint id or path, or a module with post_layernorm and head"
+
+
 @dataclass
 class FastVID(EncoderMethod):
     """`budget`: the retention ratio (None: the form's official value, 0.10 onevision / 0.27 qwen), or tokens per
@@ -234,31 +249,25 @@ class FastVID(EncoderMethod):
     name = "fastvid"
     modalities = ("video",)
     scopes = ("image",)  # budgets are shared out over each video's segments
-
-    def __post_init__(self) -> None:
-        if self.budget is not None:
-            self.budget = check_budget(self.budget, f"{self.name}: budget")
-        self.scope = choice(self.name, "scope", self.scope, self.scopes)
-        self.c = integer(self.name, "c", self.c, 1, hint="the least number of segments")
-        if self.tau is not None:
-            self.tau = real(self.name, "tau", self.tau, "[-1, 1]", hint="a cosine similarity")
-        self.d = real(self.name, "d", self.d, "[0, 1]", hint="the share of context tokens")
-        self.p = integer(self.name, "p", self.p, 1, hint="anchor frames every p frames")
-        self.beta = real(self.name, "beta", self.beta, "[0, 1]", hint="a merged token's least own weight")
-        self.seed = integer(self.name, "seed", self.seed, 0)
-        if self.variant is not None:
-            self.variant = choice(self.name, "variant", self.variant, VARIANTS)
-        self.ignore = real(self.name, "ignore", self.ignore, "[-1, 1]", hint="a cosine similarity")
-        if (
-            self.head is not None
-            and not isinstance(self.head, (str, torch.nn.Module))
-            and not hasattr(self.head, "__fspath__")
-        ):
-            raise VTokenError(
-                f"{self.name}: head={self.head!r} ({type(self.head).__name__}); expected a SigLIP checkpoint id or "
-                "path (e.g. 'google/siglip-so400m-patch14-384') or a module with `post_layernorm` and `head` (a "
-                "SiglipVisionModel)"
-            )
+    merges = True
+    params = {
+        "budget": OrNone(Kept(hint="None: the form's official value")),
+        "scope": Scope(),
+        "c": Int(1, hint="the least number of segments"),
+        "tau": OrNone(Real("[-1, 1]", hint="a cosine similarity")),
+        "d": Real("[0, 1]", hint="the share of context tokens"),
+        "p": Int(1, hint="anchor frames every p frames"),
+        "beta": Real("[0, 1]", hint="a merged token's least own weight"),
+        "seed": Int(0, hint="the densities' noise"),
+        "variant": OrNone(Choice(VARIANTS)),
+        "head": PoolingHead(),
+        "ignore": Real("[-1, 1]", hint="a cosine similarity"),
+    }
+    controls = ("budget", "c", "d", "p")
+    signals_note = (
+        "FastVID scores frames with SigLIP's attention-pooling head (LLaVA-OneVision) or the last ViT block's "
+        "attention (Qwen-VL); CLIP towers have neither"
+    )
 
     @property
     def requires(self) -> tuple[str, ...]:
@@ -268,11 +277,6 @@ class FastVID(EncoderMethod):
         if self.variant == "qwen":
             return ("projected", *QWEN_SIGNALS)
         return ("projected", "|".join((HEAD_SIGNALS[0], QWEN_SIGNALS[0])))
-
-    signals_note = (
-        "FastVID scores frames with SigLIP's attention-pooling head (LLaVA-OneVision) or the last ViT block's "
-        "attention (Qwen-VL); CLIP towers have neither"
-    )
 
     def resolved(self, name: str, variant: str | None = None) -> Any:
         """`budget` or `tau` as set, else the official value of the form that runs."""

@@ -40,9 +40,8 @@ import torch.nn.functional as F
 from ..budget import Budget
 from ..errors import VTokenError
 from ..kernels import static_windows
-from ..registry import register_method
+from ..params import Int, Kept, Layer, OrNone, Real, Scope
 from ..tokens import Selection, VisualTokens
-from ..validation import integer, real
 from .base import EncoderMethod
 from .density import density_peak_scores, descending_rank, seeded_noise, segment_bounds
 from .fastvid import video_selection
@@ -168,7 +167,6 @@ def holitom_merge(
                          static_centre | picked | centres, method.beta, tokens)  # fmt: skip
 
 
-@register_method
 @dataclass
 class HoliTom(EncoderMethod):
     """`budget`: the retention ratio of each video (official 0.10), or tokens per frame on average; `tau`: the
@@ -192,6 +190,20 @@ class HoliTom(EncoderMethod):
     requires = ("projected", "tower_attention")
     modalities = ("video",)
     scopes = ("image",)  # the budget is spread over each video's windows
+    merges = True
+    params = {
+        "budget": Kept(),
+        "scope": Scope(),
+        "tau": Real("[-1, 1]", hint="a cosine similarity"),
+        "beta": Real("[0, 1]", hint="a merged centre's own weight"),
+        "k": Int(1, hint="the density's nearest neighbours"),
+        "d": Real("[0, 1]", hint="the share of dynamic tokens merged by density"),
+        "seed": Int(0, hint="the densities' noise"),
+        "inner_layer": OrNone(Layer(1, hint="the LLM layer the inner merge runs before")),
+        "inner_ratio": Real("[0, 1]", hint="the share of the video's tokens merged inside the LLM"),
+        "max_window": Int(1, hint="frames in a window at most"),
+    }
+    controls = ("budget", "tau", "beta", "k")
     signals_note = (
         "HoliTom scores tokens by the vision tower's last-layer attention (mean over heads and queries), which "
         "vtoken reads on SigLIP (LLaVA-OneVision) and Qwen-VL towers"
@@ -199,16 +211,7 @@ class HoliTom(EncoderMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.tau = real(self.name, "tau", self.tau, "[-1, 1]", hint="a cosine similarity")
-        self.beta = real(self.name, "beta", self.beta, "[0, 1]", hint="a merged centre's own weight")
-        self.k = integer(self.name, "k", self.k, 1, hint="the density's nearest neighbours")
-        self.d = real(self.name, "d", self.d, "[0, 1]", hint="the share of dynamic tokens merged by density")
-        self.seed = integer(self.name, "seed", self.seed, 0)
-        self.max_window = integer(self.name, "max_window", self.max_window, 1, hint="frames in a window at most")
-        self.inner_ratio = real(self.name, "inner_ratio", self.inner_ratio, "[0, 1]",
-                                hint="the share of the video's tokens merged inside the LLM")  # fmt: skip
         if self.inner_layer is not None:
-            integer(self.name, "inner_layer", self.inner_layer, 1, hint="the LLM layer the inner merge runs before")
             raise VTokenError(
                 f"{self.name}: inner_layer={self.inner_layer}: the merge inside the LLM (official HOLITOM_k / "
                 "HOLITOM_r) is not available yet; use inner_layer=None, the outer stage alone (the paper's "
