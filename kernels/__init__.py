@@ -8,6 +8,7 @@ from .attention_rows import (
     causal_rows_probs_reference,
     causal_rows_probs_triton,
 )
+from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
 from .block_sparse_attention import (
     block_mask_from_plan,
     block_sparse_attention,
@@ -26,4 +27,7 @@ __all__ = [
     "causal_rows_probs",
     "causal_rows_probs_reference",
     "causal_rows_probs_triton",
+    "visual_attention",
+    "visual_attention_reference",
+    "visual_attention_triton",
 ]
