@@ -8,13 +8,13 @@ from .attention_rows import (
     causal_rows_probs_reference,
     causal_rows_probs_triton,
 )
-from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
 from .block_sparse_attention import (
     block_mask_from_plan,
     block_sparse_attention,
     block_sparse_attention_reference,
     block_sparse_attention_triton,
 )
+from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
 
 __all__ = [
     "block_mask_from_plan",

@@ -129,7 +129,7 @@ def start_step(stages, embeds, kwargs, cache, past: int, views: list, prompt_len
     for index, view in enumerate(views):
         if view is not None:
             if id(view) not in made:
-                lost = view.lost_tensor() if stages.renumber else None
+                lost = view.lost_tensor() if stages.renumber else None  # made once per view
                 made[id(view)] = DecodeGroup(view, lost)
             groups[index] = made[id(view)]
     return DecodeStep(embeds, mask, positions, cache, prompt_length, groups)
@@ -137,25 +137,42 @@ def start_step(stages, embeds, kwargs, cache, past: int, views: list, prompt_len
 
 def step_overrides(stages, step: DecodeStep, index: int, own_mask: Any) -> Overrides | None:
     """Layer `index`'s overrides in this step (None: the LLM's own); `own_mask`: the mask the LLM gives its layers
-    (None: nothing padded anywhere, so a view without padding slots needs none either)."""
+    (None: nothing padded anywhere, so a view without padding slots needs none either). Every group is built at
+    the first layer that asks, renumbered positions' rotary tables in one call."""
     group = step.groups.get(index)
     if group is None:
         return None
     if not group.built:
+        build_groups(stages, step, own_mask)
+    return group.overrides
+
+
+def build_groups(stages, step: DecodeStep, own_mask: Any) -> None:
+    groups = list({id(g): g for g in step.groups.values()}.values())
+    positions = [step.positions] * len(groups)
+    rotary = [None] * len(groups)
+    renumbered = [k for k, g in enumerate(groups) if g.lost is not None]
+    if renumbered:  # positions right after each view's own prompt: one rotary call for every group
+        for k in renumbered:
+            positions[k] = step.positions - groups[k].lost.view(*[1] * (step.positions.dim() - 2), -1, 1)
+        width = step.positions.shape[-1]
+        cos, sin = stages.lm.rotary_emb(step.embeds, position_ids=torch.cat([positions[k] for k in renumbered], -1))
+        for n, k in enumerate(renumbered):
+            rotary[k] = (cos[..., n * width : (n + 1) * width, :], sin[..., n * width : (n + 1) * width, :])
+    for k, group in enumerate(groups):
         group.built = True
         view = group.view
-        positions = step.positions
-        rotary = None
-        if group.lost is not None:
-            positions = positions - group.lost.view(*[1] * (positions.dim() - 2), -1, 1)
-            rotary = stages.lm.rotary_emb(step.embeds, position_ids=positions)
         if own_mask is None and not view.padded:
-            mask = stages.mask(step.embeds, None, positions, step.cache, index)
+            mask = stages.mask(step.embeds, None, positions[k], step.cache, first_layer(step, group))
         else:
             new_columns = step.mask[:, step.prompt_length :].to(view.mask.dtype)
-            mask = stages.mask(step.embeds, torch.cat([view.mask, new_columns], dim=1), positions, step.cache, index)
-        if mask is None and rotary is None and group.lost is None:
+            view_mask = torch.cat([view.mask, new_columns], dim=1)
+            mask = stages.mask(step.embeds, view_mask, positions[k], step.cache, first_layer(step, group))
+        if mask is None and rotary[k] is None:
             group.overrides = None
         else:
-            group.overrides = Overrides(mask, positions, rotary)
-    return group.overrides
+            group.overrides = Overrides(mask, positions[k], rotary[k])
+
+
+def first_layer(step: DecodeStep, group: DecodeGroup) -> int:
+    return min(i for i, g in step.groups.items() if g is group)

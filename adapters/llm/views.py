@@ -102,7 +102,11 @@ class LayerView:
         return packed(self.visual, max(self.visual_counts, default=0), self.visual_counts)
 
     def lost_tensor(self) -> torch.Tensor:
-        return device_ints(self.lost, self.column.device)
+        """[B] `lost` on the device, made once per view (every decoding step reads it)."""
+        made = self.__dict__.get("_lost")
+        if made is None:
+            made = self.__dict__["_lost"] = device_ints(self.lost, self.column.device)
+        return made
 
 
 def narrowed(

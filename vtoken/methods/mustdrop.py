@@ -28,9 +28,68 @@ from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import LayerTokens, Selection, VisualTokens
 from ..validation import choice, layer_indices, real
-from .base import PrefillMethod, topk_mask
+from .base import PrefillMethod, device_ints, topk_mask
 
 POSITIONS = ("renumber", "original")
+
+
+class TowerMerge:
+    """MustDrop's merge inside a vision tower, for one call's crops (`groups`: crops per image, in order), as the
+    method supplies it: the adapter calls it on the output [C, 1 + N, D] ([CLS] first) of tower layer
+    `after_layer`, runs the later layers with `attention_mask` (the key padding of images that merged less than the
+    longest; None when every crop has the same length), and reads `valid` [C, N'] (real patch tokens) and
+    `key_valid` [C, 1 + N'] afterwards. Every crop of the call runs in one tower batch: the counts per image (r, the
+    windows at or above the threshold) are the stage's one host read."""
+
+    def __init__(self, method: MustDrop, grid: tuple[int, int], groups: list[int]):
+        method.check_grid(grid)
+        self.method, self.grid, self.groups = method, grid, groups
+        self.after_layer = method.merge_after_layer
+        self.attention_mask: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.key_valid: torch.Tensor | None = None
+        self.lengths: list[int] = []
+
+    def __call__(self, output: torch.Tensor) -> torch.Tensor:
+        """[C, 1 + N, D] -> [C, 1 + N', D]: [CLS, merged windows by descending score, the others' tokens ascending],
+        right-padded with zeros to the longest crop."""
+        cls, patches = output[:, :1], output[:, 1:]
+        crops, count = patches.shape[:2]
+        window, device = self.method.window, patches.device
+        windows = window_tokens(self.grid, window, device)
+        scores = window_similarity(patches, windows)  # [C, W]
+        above = (scores >= self.method.merge_threshold).sum(1).tolist()  # the stage's one host read
+        r, first = [], 0
+        for n in self.groups:  # one r for all crops of an image: the smallest count among them
+            r += [min(above[first : first + n])] * n
+            first += n
+        most = max(r, default=0)
+        size = window * window
+        merged_windows = scores.topk(most, dim=1).indices  # [C, R] by descending score
+        real = torch.arange(most, device=device) < device_ints(r, device)[:, None]  # [C, R]
+        taken = torch.zeros(crops, scores.shape[1] + 1, dtype=torch.bool, device=device)
+        taken = taken.scatter_(1, merged_windows.masked_fill(~real, scores.shape[1]), True)[:, :-1]  # [C, W]
+        token_taken = torch.zeros(crops, count, dtype=torch.bool, device=device)
+        token_taken[:, windows.flatten()] = taken.repeat_interleave(size, dim=1, output_size=taken.shape[1] * size)
+        means = patches[:, windows].gather(1, merged_windows[:, :, None, None].expand(-1, -1, size, patches.shape[-1]))
+        flags = torch.cat([torch.ones_like(cls[:, :, 0], dtype=torch.bool), real, ~token_taken], 1)
+        self.lengths = [1 + count - (size - 1) * n for n in r]
+        width = max(self.lengths)
+        order = flags.long().cumsum(1) - 1
+        target = order.masked_fill(~flags, width)
+        sources = torch.full((crops, width + 1), -1, dtype=torch.long, device=device)
+        source_index = torch.arange(flags.shape[1], device=device).expand(crops, -1)
+        sources = sources.scatter_(1, target, source_index)[:, :width]  # [C, 1 + N'] (-1: padding)
+        candidates = torch.cat([cls, means.mean(dim=2), patches], 1)
+        merged = candidates.gather(1, sources.clamp(min=0)[:, :, None].expand(-1, -1, candidates.shape[-1]))
+        self.key_valid = sources >= 0
+        self.valid = self.key_valid[:, 1:]
+        if any(n != width for n in self.lengths):
+            merged = merged.masked_fill(~self.key_valid[:, :, None], 0.0)
+            blocked = torch.zeros(crops, 1, 1, width, dtype=output.dtype, device=device)
+            blocked = blocked.masked_fill(~self.key_valid[:, None, None, :], torch.finfo(output.dtype).min)
+            self.attention_mask = blocked.expand(-1, 1, width, width)
+        return merged
 
 
 @dataclass
@@ -138,6 +197,11 @@ class MustDrop(PrefillMethod):
         """The merge after ViT layer 0 for crops [C, N, D] on `grid`."""
         self.check_grid(grid)
         return plan_merge(patches, grid, self.window, self.merge_threshold)
+
+    def tower_merge(self, grid: tuple[int, int], groups: list[int]) -> TowerMerge:
+        """The merge inside the vision tower for one call's crops (`groups`: crops per image), for the adapter to
+        apply after tower layer `merge_after_layer` (see `TowerMerge`)."""
+        return TowerMerge(self, grid, groups)
 
     def planned_count(self, n: int) -> None:
         return None  # the merge decides from the data
