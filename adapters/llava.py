@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 
 from vtoken.errors import InputError
+from vtoken.methods.base import device_ints
 from vtoken.records import Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
 from .base import Adapter, EncodedImages, Modality
+from .llm.records import Deferred, LazyRecord
 from .probes import ClsAttentionProbe
 
 
@@ -187,10 +189,10 @@ class LlavaAdapter(Adapter):
         features, signals, valid = self.merged_vision_tokens(
             crops, vision_feature_layer, vision_feature_select_strategy, groups
         )
-        image_index = torch.arange(len(groups)).repeat_interleave(torch.tensor(groups))
+        image_index = device_ints([image for image, n in enumerate(groups) for _ in range(n)], "cpu")
         crop_index = [c for n in groups for c in range(n)]
         tokens = VisualTokens(features, (1, features.shape[1]), signals, image_index, valid,
-                              torch.tensor(crop_index))  # fmt: skip
+                              device_ints(crop_index, "cpu"))  # fmt: skip
         selection, timer = self.select(tokens)
         records = self.merge_records(self.crop_records(tokens, selection, timer, crop_index), selection)
         embeds = self.kept_embeddings(tokens, selection)
@@ -230,11 +232,18 @@ class LlavaAdapter(Adapter):
         """A merging method's crop records as two stages: "encoder.merge" (N -> N') and "encoder.keyset" (the
         tokens it protects from later stages)."""
         height, width = self.grid
-        out = []
+        counts = selection.protected.sum(1).tolist()  # one read for every crop; the indices when read
+        out, shared = [], {}
+
+        def keys() -> list[torch.Tensor]:
+            return [selection.protected[c, : r.tokens_out].nonzero().squeeze(1) for c, r in enumerate(records)]
+
         for c, record in enumerate(records):
             merged = replace(record, stage="encoder.merge", tokens_in=height * width, kept=None, grid=(height, width))
-            keys = selection.protected[c, : record.tokens_out].nonzero().squeeze(1)
-            out += [merged, replace(record, stage="encoder.keyset", tokens_out=len(keys), kept=keys, share=0.0)]
+            keyset = LazyRecord(**{f.name: getattr(record, f.name) for f in fields(record)})
+            keyset.stage, keyset.tokens_out, keyset.share = "encoder.keyset", counts[c], 0.0
+            keyset.kept = Deferred(keys, c, shared)
+            out += [merged, keyset]
         return out
 
 

@@ -142,8 +142,8 @@ def step_overrides(stages, step: DecodeStep, index: int, own_mask: Any) -> Overr
     group = step.groups.get(index)
     if group is None:
         return None
-    if not group.built:
-        build_groups(stages, step, own_mask)
+    if not group.built:  # a hybrid LLM's linear-attention layers get no mask in a one-token step: do not trust it
+        build_groups(stages, step, own_mask if not stages.recurrent else True)
     return group.overrides
 
 

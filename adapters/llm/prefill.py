@@ -143,9 +143,7 @@ def drop(stages, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     hidden = take_columns(hidden, sources, 1)
     if new_view.padded:
         hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
-    columns = view.column.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1)
-    was_merged = None if view.merged is None else view.merged.gather(1, slots.clamp(min=0))
-    compute = kept_ranks(state.views[0].visual, columns, keep_visual, was_merged)
+    compute = kept_ranks(state.views[0].visual, view.column, view.merged, slots, keep_visual)
     timer.stop()
     state.records += prefill_records(method.name, layer, counts, kept, added, compute, timer)
     state.view = new_view

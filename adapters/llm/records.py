@@ -51,16 +51,19 @@ class Elapsed:
         return sum(w.seconds for w in self.watches)
 
 
-def kept_ranks(first_visual: torch.Tensor, columns: torch.Tensor, keep: torch.Tensor, merged: torch.Tensor | None):
+def kept_ranks(first_visual: torch.Tensor, column: torch.Tensor, merged: torch.Tensor | None, slots: torch.Tensor,
+               keep: torch.Tensor):  # fmt: skip
     """A function giving, per row, the ranks among the row's visual prompt columns (`first_visual` [B, L]) of the
-    visual slots `keep` [B, V] marks, whose prompt columns are `columns` [B, V] (merged tokens: no rank)."""
+    visual slots `slots` [B, V] (-1: padding) that `keep` [B, V] marks, in a view whose slots hold prompt columns
+    `column` [B, C] (`merged` [B, C]: tokens a method added, which have no rank). Nothing runs until it is called."""
 
     def compute() -> list[torch.Tensor]:
+        columns = column.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1)
         rank = first_visual.long().cumsum(1) - 1
         ranks = rank.gather(1, columns.clamp(min=0))
         chosen = keep & (columns >= 0) & (ranks >= 0)
         if merged is not None:
-            chosen &= ~merged
+            chosen &= ~merged.gather(1, slots.clamp(min=0))
         return [ranks[row][chosen[row]] for row in range(ranks.shape[0])]
 
     return compute

@@ -221,6 +221,8 @@ def kept_rows(keep: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
 def gathered_mask(mask: Any, index: torch.Tensor) -> Any:
     """A decoding step's mask (4-D [B, 1, 1, S] or 2-D [B, S]; None: nothing masked) for the entries `index` [B, W]
     (-1: padding, masked)."""
+    if isinstance(mask, dict):  # a hybrid LLM's masks by layer type
+        return {kind: gathered_mask(value, index) for kind, value in mask.items()}
     if mask is None or not isinstance(mask, torch.Tensor):
         return mask
     blocked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min

@@ -18,6 +18,7 @@ The threshold defaults (1.0, 0.0) drop nothing in the prefill.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,7 +29,7 @@ from ..errors import VTokenError
 from ..registry import register_method
 from ..tokens import LayerTokens, Selection, VisualTokens
 from ..validation import choice, layer_indices, real
-from .base import PrefillMethod, device_ints, topk_mask
+from .base import PrefillMethod, device_ints, keep_top
 
 POSITIONS = ("renumber", "original")
 
@@ -210,13 +211,13 @@ class MustDrop(PrefillMethod):
         """Keep every (merged) token; mark the key set by the last ViT layer's [CLS] attention."""
         scores = tokens.signals["cls_attention@-1"].float()  # [C, N'] (crops of other images: padded)
         valid = tokens.valid if tokens.valid is not None else torch.ones_like(scores, dtype=torch.bool)
-        lengths = valid.sum(1)
-        counts = torch.ceil(self.key_rate * lengths.double()).long().tolist()
-        protected = topk_mask(scores.masked_fill(~valid, float("-inf")), counts)
+        lengths = valid.sum(1).tolist() if tokens.valid is not None else [tokens.num_tokens] * tokens.num_crops
+        counts = [math.ceil(self.key_rate * n) for n in lengths]  # as torch.ceil of the float64 product
+        protected = keep_top(scores.masked_fill(~valid, float("-inf")), counts)
         kept = torch.arange(tokens.num_tokens, device=scores.device).expand(tokens.num_crops, -1)
         if tokens.valid is None:
             return Selection(kept=kept, protected=protected)
-        return Selection(kept=kept, counts=lengths.tolist(), protected=protected)
+        return Selection(kept=kept, counts=lengths, protected=protected)
 
     # ----------------------------------------------------------------- prefill and decode
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
