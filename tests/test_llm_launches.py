@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (DART: its pivots' visiting order; MustDrop: its threshold counts), and the most kernels a decoding step adds
 METHODS = {
     "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, 10),
-    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 220, 1, 10),
+    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, 10),
     "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 120, 0, 20),
     "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 230, 0, 20),
     "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 130, 1, 30),

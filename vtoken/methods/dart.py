@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vtoken.kernels import greedy_least_similar
+
 from ..budget import Budget, check_budget
 from ..errors import VTokenError
 from ..registry import register_method
@@ -167,20 +169,8 @@ class DART(PrefillMethod):
             pivot_rank = torch.arange(image.shape[1], device=device)
             image = image.masked_fill(pivot_rank >= device_ints(counts, device)[:, None], length)
         kept = torch.zeros(batch, length + 1, dtype=torch.bool, device=device).scatter_(1, image, True)[:, :length]
-        pool = valid & ~kept
-        even = all(takes[row * steps : (row + 1) * steps] == takes[:steps] for row in range(batch))
-        limits = None if even else device_ints(takes, device).view(batch, steps)
-        for step in range(steps):
-            width = max(takes[row * steps + step] for row in range(batch))
-            if width == 0:
-                continue
-            picks = torch.sort(similarity[:, step].masked_fill(~pool, float("inf")), dim=1, stable=True).indices
-            picks = picks[:, :width]
-            if limits is not None:
-                picks = picks.masked_fill(torch.arange(width, device=device) >= limits[:, step, None], length)
-            chosen = torch.zeros(batch, length + 1, dtype=torch.bool, device=device).scatter_(1, picks, True)
-            kept |= chosen[:, :length]
-            pool &= ~chosen[:, :length]
+        takes = device_ints(takes, device).view(batch, steps)
+        kept |= greedy_least_similar(similarity, valid & ~kept, takes)  # one op: the pivots' greedy
         everything = [plan[1] == 0 for plan in plans]
         if any(everything):
             kept |= valid & device_ints([int(e) for e in everything], device).bool()[:, None]
