@@ -212,8 +212,8 @@ def batch_table(model, processor, device, dtype, repeats: int, clock, batches: l
         [
             "",
             f"Every LLM-stage method by batch size (the same image and prompt in every row; {layers} LLM layers): "
-            "TTFT of one token against the unpatched model (target at batch 1: >= 0.97x) and against the oracle fed the "
-            "method's layer-averaged visual tokens from layer 0 (target at batch 8 and 32: >= 0.9x).",
+            "TTFT of one token against the unpatched model (target at batch 1: >= 0.97x) and against the oracle fed "
+            "the method's layer-averaged visual tokens from layer 0 (target at batch 8 and 32: >= 0.9x).",
             "",
             "| batch | config | layer-averaged | TTFT ms (median, min-max) | vs unpatched | oracle (k) ms "
             "| vs oracle |",
