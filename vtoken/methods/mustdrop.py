@@ -55,42 +55,28 @@ class TowerMerge:
         """[C, 1 + N, D] -> [C, 1 + N', D]: [CLS, merged windows by descending score, the others' tokens ascending],
         right-padded with zeros to the longest crop."""
         cls, patches = output[:, :1], output[:, 1:]
-        crops, count = patches.shape[:2]
-        window, device = self.method.window, patches.device
-        windows = window_tokens(self.grid, window, device)
-        scores = window_similarity(patches, windows)  # [C, W]
-        above = (scores >= self.method.merge_threshold).sum(1).tolist()  # the stage's one host read
-        r, first = [], 0
-        for n in self.groups:  # one r for all crops of an image: the smallest count among them
-            r += [min(above[first : first + n])] * n
-            first += n
-        most = max(r, default=0)
-        size = window * window
-        merged_windows = scores.topk(most, dim=1).indices  # [C, R] by descending score
-        real = torch.arange(most, device=device) < device_ints(r, device)[:, None]  # [C, R]
-        taken = torch.zeros(crops, scores.shape[1] + 1, dtype=torch.bool, device=device)
-        taken = taken.scatter_(1, merged_windows.masked_fill(~real, scores.shape[1]), True)[:, :-1]  # [C, W]
-        token_taken = torch.zeros(crops, count, dtype=torch.bool, device=device)
-        token_taken[:, windows.flatten()] = taken.repeat_interleave(size, dim=1, output_size=taken.shape[1] * size)
-        means = patches[:, windows].gather(1, merged_windows[:, :, None, None].expand(-1, -1, size, patches.shape[-1]))
-        flags = torch.cat([torch.ones_like(cls[:, :, 0], dtype=torch.bool), real, ~token_taken], 1)
-        self.lengths = [1 + count - (size - 1) * n for n in r]
+        crops, device = patches.shape[0], patches.device
+        plan = self.method.plan_merge(patches, self.grid, self.groups)
+        size = plan.window_tokens.shape[1]
+        merged, unmerged = plan.merged, plan.unmerged
+        windows = patches[:, plan.window_tokens]  # [C, W, 9, D]
+        means = windows.gather(1, merged[:, :, None, None].expand(-1, -1, size, patches.shape[-1])).mean(dim=2)
+        real = torch.arange(merged.shape[1], device=device) < device_ints(plan.counts, device)[:, None]
+        flags = torch.cat([torch.ones(crops, 1, dtype=torch.bool, device=device), real, unmerged >= 0], 1)
+        self.lengths = [1 + patches.shape[1] - (size - 1) * r for r in plan.counts]
         width = max(self.lengths)
-        order = flags.long().cumsum(1) - 1
-        target = order.masked_fill(~flags, width)
-        sources = torch.full((crops, width + 1), -1, dtype=torch.long, device=device)
-        source_index = torch.arange(flags.shape[1], device=device).expand(crops, -1)
-        sources = sources.scatter_(1, target, source_index)[:, :width]  # [C, 1 + N'] (-1: padding)
-        candidates = torch.cat([cls, means.mean(dim=2), patches], 1)
-        merged = candidates.gather(1, sources.clamp(min=0)[:, :, None].expand(-1, -1, candidates.shape[-1]))
+        sources = packed_rows(flags, width, self.lengths)  # [C, 1 + N'] (-1: padding)
+        rest = patches.gather(1, unmerged.clamp(min=0)[:, :, None].expand(-1, -1, patches.shape[-1]))
+        candidates = torch.cat([cls, means, rest], 1)
+        out = candidates.gather(1, sources.clamp(min=0)[:, :, None].expand(-1, -1, candidates.shape[-1]))
         self.key_valid = sources >= 0
         self.valid = self.key_valid[:, 1:]
         if any(n != width for n in self.lengths):
-            merged = merged.masked_fill(~self.key_valid[:, :, None], 0.0)
+            out = out.masked_fill(~self.key_valid[:, :, None], 0.0)
             blocked = torch.zeros(crops, 1, 1, width, dtype=output.dtype, device=device)
             blocked = blocked.masked_fill(~self.key_valid[:, None, None, :], torch.finfo(output.dtype).min)
             self.attention_mask = blocked.expand(-1, 1, width, width)
-        return merged
+        return out
 
 
 @dataclass
@@ -98,13 +84,16 @@ class WindowMerge:
     """The encoder-stage merge of a batch of crops.
 
     merged: [C, r] merged windows, by descending score (window w covers grid rows 3*(w // cols)...);
-    unmerged: [C, N - 9r] ascending token indices of the windows left alone; scores: [C, num_windows].
+    unmerged: [C, N - 9r] ascending token indices of the windows left alone; scores: [C, num_windows]. Crops of
+    images that merge different numbers (`counts`: windows merged per crop) pad both on the right (merged: with
+    their next windows by score, unmerged: with -1); `apply` needs one count for all.
     """
 
     merged: torch.Tensor
     unmerged: torch.Tensor
     scores: torch.Tensor
     window_tokens: torch.Tensor  # [num_windows, window*window] token indices of every window
+    counts: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -134,17 +123,41 @@ def window_similarity(patches: torch.Tensor, windows: torch.Tensor) -> torch.Ten
     return off_diagonal / (n * (n - 1))
 
 
-def plan_merge(patches: torch.Tensor, grid: tuple[int, int], window: int, threshold: float) -> WindowMerge:
-    """Which windows of crops [C, N, D] merge (one r for every crop)."""
-    windows = window_tokens(grid, window, patches.device)
+def plan_merge(
+    patches: torch.Tensor, grid: tuple[int, int], window: int, threshold: float, groups: list[int] | None = None
+) -> WindowMerge:
+    """Which windows of crops [C, N, D] merge: one r for the crops of each image (`groups`: crops per image; None:
+    every crop is one image's), the smallest count of windows at or above `threshold` among them. The counts are
+    read back once (the merge's one host sync); everything else is a fixed burst."""
+    crops, count = patches.shape[:2]
+    device = patches.device
+    windows = window_tokens(grid, window, device)
     scores = window_similarity(patches, windows)
-    r = int((scores >= threshold).sum(dim=1).min())
-    merged = scores.topk(r, dim=1).indices  # descending score
-    taken = torch.zeros_like(scores, dtype=torch.bool).scatter(1, merged, True)  # [C, W]
-    token_taken = torch.zeros(patches.shape[:2], dtype=torch.bool, device=patches.device)
-    token_taken[:, windows.flatten()] = taken.repeat_interleave(windows.shape[1], dim=1)
-    unmerged = (~token_taken).nonzero()[:, 1].view(patches.shape[0], -1)
-    return WindowMerge(merged, unmerged, scores, windows)
+    above = (scores >= threshold).sum(dim=1).tolist()  # the one host read
+    counts, first = [], 0
+    for n in groups if groups is not None else [crops]:
+        counts += [min(above[first : first + n])] * n
+        first += n
+    most = max(counts, default=0)
+    merged = scores.topk(most, dim=1).indices  # descending score
+    real = torch.arange(most, device=device) < device_ints(counts, device)[:, None]
+    taken = torch.zeros(crops, scores.shape[1] + 1, dtype=torch.bool, device=device)
+    taken = taken.scatter_(1, merged.masked_fill(~real, scores.shape[1]), True)[:, :-1]  # [C, W]
+    size = windows.shape[1]
+    token_taken = torch.zeros(crops, count, dtype=torch.bool, device=device)
+    token_taken[:, windows.flatten()] = taken.repeat_interleave(size, dim=1, output_size=taken.shape[1] * size)
+    left = [count - size * r for r in counts]
+    unmerged = packed_rows(~token_taken, max(left, default=0), left)
+    return WindowMerge(merged, unmerged, scores, windows, counts)
+
+
+def packed_rows(flags: torch.Tensor, width: int, counts: list[int]) -> torch.Tensor:
+    """[C, width] ascending indices of each row's set `flags` [C, N], right-padded with -1 (`counts`: set per row)."""
+    rank = flags.long().cumsum(1) - 1
+    target = rank.masked_fill(~flags, width)
+    slots = torch.full((flags.shape[0], width + 1), -1, dtype=torch.long, device=flags.device)
+    source = torch.arange(flags.shape[1], device=flags.device).expand(flags.shape[0], -1)
+    return slots.scatter_(1, target, source)[:, :width]
 
 
 def dual_attention_filter(tokens: LayerTokens, global_thr: float, individual_thr: float) -> torch.Tensor:
@@ -194,10 +207,10 @@ class MustDrop(PrefillMethod):
                 "CLIP-L/14 at 336 px: 24x24)"
             )
 
-    def plan_merge(self, patches: torch.Tensor, grid: tuple[int, int]) -> WindowMerge:
-        """The merge after ViT layer 0 for crops [C, N, D] on `grid`."""
+    def plan_merge(self, patches: torch.Tensor, grid: tuple[int, int], groups: list[int] | None = None) -> WindowMerge:
+        """The merge after ViT layer 0 for crops [C, N, D] on `grid` (`groups`: crops per image, one r each)."""
         self.check_grid(grid)
-        return plan_merge(patches, grid, self.window, self.merge_threshold)
+        return plan_merge(patches, grid, self.window, self.merge_threshold, groups)
 
     def tower_merge(self, grid: tuple[int, int], groups: list[int]) -> TowerMerge:
         """The merge inside the vision tower for one call's crops (`groups`: crops per image), for the adapter to
