@@ -3,7 +3,6 @@ indices (a per-row boolean selection, which waits for the device) are only compu
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -80,10 +79,3 @@ def prefill_records(name: str, layer: int, counts: list[int], kept: list[int], a
                    share=1 / len(counts), extra={"merged": added[row]} if added is not None else {})
         for row, n in enumerate(counts)
     ]  # fmt: skip
-
-
-def renewed(record: Record, timer: Any, **extra: Any) -> Record:
-    """A copy of `record` with its own extra and a new timer (its kept read now if it is deferred)."""
-    kept = record.kept
-    return dataclasses.replace(record, kept=None if kept is None else kept.clone(), extra={**record.extra, **extra},
-                               timer=timer)  # fmt: skip

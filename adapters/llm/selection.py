@@ -31,8 +31,8 @@ class DecodeSelection:
 
     visual: [B, P] bool, the prompt columns it chooses among; counts / kept: host, the visual tokens of every row
     and what a selecting step keeps of them (keep_counts: the same on the device); padded: the prompt has padding
-    columns; previous: [B, V] the last step's attention over them
-    (None: the next step is a first step); records: one per row, updated every step (`timer` sums the steps).
+    columns; slots: [B, V] each row's visual columns (-1 padded), made once; previous: [B, V] the last step's
+    attention over them (None: the next step is a first step); records: one per row, updated every step (`timer` sums the steps).
     Under beam search (`beams`), which reorders the cache's rows between steps, `keys` [B, Hkv, S, d] is a copy of
     layer L - 1's cache after the last step: each row's parent is the row whose keys it now starts with, and
     `previous` follows it."""
@@ -42,6 +42,7 @@ class DecodeSelection:
     kept: list[int]
     keep_counts: torch.Tensor
     padded: bool
+    slots: torch.Tensor
     previous: torch.Tensor | None
     records: list
     timer: Elapsed
@@ -57,7 +58,7 @@ class DecodeSelection:
         previous = None if self.previous is None else self.previous.clone()
         keys = None if self.keys is None else self.keys.clone()
         return DecodeSelection(self.visual.clone(), list(self.counts), list(self.kept), self.keep_counts.clone(),
-                               self.padded, previous, records, timer, self.beams, keys)  # fmt: skip
+                               self.padded, self.slots.clone(), previous, records, timer, self.beams, keys)  # fmt: skip
 
     def follow_beams(self, keys: torch.Tensor) -> None:
         """Beam search: `previous` reordered as the cache's rows were since the last step (`keys`: layer L - 1's
@@ -126,7 +127,8 @@ class DecodeTimeSelection:
         keep_counts = device_ints(kept, visual.device)
         beams = bool(getattr(stages.call, "beams", False))
         padded = first.padded
-        selection = DecodeSelection(visual, counts, kept, keep_counts, padded, None, records, timer, beams)
+        slots = packed(visual, max(counts, default=0), counts)  # each row's visual columns, for every step
+        selection = DecodeSelection(visual, counts, kept, keep_counts, padded, slots, None, records, timer, beams)
         remember_selection(state.cache, selection)
         return records
 
@@ -176,9 +178,9 @@ class DecodeTimeSelection:
         with torch.no_grad():
             if selection.beams:
                 selection.follow_beams(keys)
-            slots = packed(selection.visual, max(counts, default=0), counts)  # [B, V] each row's visual columns
+            slots = selection.slots.to(keys.device)  # [B, V] each row's visual columns
             valid = slots >= 0
-            attention = probe.step_attention(keys, key_valid, slots.to(keys.device))  # [B, V], 0 where invalid
+            attention = probe.step_attention(keys, key_valid, slots)  # [B, V], 0 where invalid
             keep, reselect = stages.method.decode_keep(attention, valid, selection.previous, selection.keep_counts)
             keep, reselect = keep.bool() & valid, reselect.bool()
         selection.previous = attention
