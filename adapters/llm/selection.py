@@ -33,9 +33,9 @@ class DecodeSelection:
     and what a selecting step keeps of them (keep_counts: the same on the device); padded: the prompt has padding
     columns; slots: [B, V] each row's visual columns (-1 padded), made once; previous: [B, V] the last step's
     attention over them (None: the next step is a first step); records: one per row, updated every step (`timer`
-    sums the steps). Under beam search (`beams`), which reorders the cache's rows between steps, `keys` [B, Hkv, S, d] is a copy of
-    layer L - 1's cache after the last step: each row's parent is the row whose keys it now starts with, and
-    `previous` follows it."""
+    sums the steps). Under beam search (`beams`), which reorders the cache's rows between steps, `keys`
+    [B, Hkv, S, d] is a copy of layer L - 1's cache after the last step: each row's parent is the row whose keys it
+    now starts with, and `previous` follows it."""
 
     visual: torch.Tensor
     counts: list[int]
