@@ -104,8 +104,10 @@ def dpc_knn_merge_rows(
     centre_real = torch.arange(most, device=device) < device_ints(clusters, device)[:, None]
     to_centre = distance.gather(1, centres[:, :, None].expand(-1, -1, width))  # [B, K, N]
     assign = to_centre.masked_fill(~centre_real[:, :, None], float("inf")).argmin(1)  # nearest centre, first on ties
-    assign = assign.scatter(1, centres, torch.arange(most, device=device).expand(batch, -1))
-    assign = assign.masked_fill(~real, most)  # padding goes to a dump cluster
+    own = torch.cat([assign, torch.zeros_like(assign[:, :1])], 1)  # every centre is its own cluster's (a row's
+    own = own.scatter(1, centres.masked_fill(~centre_real, width), torch.arange(most, device=device).expand(batch, -1))
+    assign = own[:, :width].masked_fill(~real, most)  # centres beyond its count write a dump column; padding: cluster
+    # `most`, a dump too
     sums = x.new_zeros(batch, most + 1, x.shape[2]).scatter_add_(1, assign[:, :, None].expand_as(x), x)
     sizes = x.new_zeros(batch, most + 1).scatter_add_(1, assign, real.to(x))
     merged = (sums / (sizes[:, :, None] + 1e-6))[:, :most].float()
