@@ -7,6 +7,7 @@ the top of its class; `Method` lists them, and every vtoken tool reads them from
 
 from __future__ import annotations
 
+import array
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -201,6 +202,31 @@ def topk_mask(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return mask.scatter(1, kept, True)[:, :-1]
 
 
+def device_ints(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """[len(values)] int64 on `device` from host ints without a host sync (`torch.tensor(list, device=...)` waits
+    for the device: this goes through pinned memory, non-blocking, on CUDA)."""
+    device = torch.device(device)
+    if not values:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def keep_top(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[B, V] bool: row b keeps its top `counts[b]` entries of `scores` [B, V] (invalid entries at -inf); the same
+    set as `topk_mask`, with the counts kept on the host: a fixed burst, no host sync."""
+    batch, length = scores.shape
+    width = max(counts, default=0)
+    keep = torch.zeros(batch, length + 1, dtype=torch.bool, device=scores.device)
+    if width == 0:
+        return keep[:, :length]
+    top = scores.topk(width, dim=-1).indices
+    if any(n != width for n in counts):
+        rank = torch.arange(width, device=scores.device)
+        top = top.masked_fill(rank >= device_ints(counts, scores.device)[:, None], length)
+    return keep.scatter_(1, top, True)[:, :length]
+
+
 @dataclass
 class ScoreMethod(EncoderMethod):
     """Keep the top-k tokens of each crop by `score`, in ascending (original) order."""
@@ -275,12 +301,19 @@ class PrefillMethod(Method):
         return drops if "attention" in self.reads or "keys" in self.reads else ()
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
-        """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored)."""
+        """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored). A hot path: a fixed
+        burst of kernels, no host sync beyond what the method's definition needs (see `kept_counts`)."""
         raise NotImplementedError
+
+    def kept_counts(self, tokens: LayerTokens) -> list[int] | None:
+        """How many visual tokens each row keeps at this drop (merged tokens not counted), from the host counts in
+        `tokens` and the method's budget; `keep_mask` keeps exactly these. None: only the data says (a threshold):
+        the adapter then reads the counts back, the one host sync such a drop makes."""
+        return None
 
     def merge(self, tokens: LayerTokens, keep: torch.Tensor) -> Merged | None:
         """Tokens to add right after each row's kept visual tokens, made from what `keep` [B, V] drops (None:
-        nothing added). They count as visual tokens at later drops."""
+        nothing added). They count as visual tokens at later drops; `Merged.known` holds their count per row."""
         return None
 
     def choose_rows(
@@ -298,11 +331,16 @@ class PrefillMethod(Method):
         return None
 
     def decode_keep(
-        self, attention: torch.Tensor, valid: torch.Tensor, previous: torch.Tensor | None
+        self,
+        attention: torch.Tensor,
+        valid: torch.Tensor,
+        previous: torch.Tensor | None,
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode stage (with `select_layer`): from the new token's attention [B, V] over each row's visual tokens
         (`valid` [B, V]) and the previous step's (None on the first step), which tokens the step keeps [B, V] and
-        which rows restrict this step at all [B]."""
+        which rows restrict this step at all [B]; counts [B]: `decode_count` of each row's tokens, on the device
+        (the adapter's, so the step needs no host sync)."""
         raise NotImplementedError
 
     def decode_count(self, n: int) -> int:
