@@ -124,8 +124,8 @@ def test_parameters_are_validated():
     for bad, match in [(dict(tau=2.5), "tau=2.5"), (dict(beta=-1), "beta=-1"), (dict(k=0), "k=0"),
                        (dict(d=1.5), "d=1.5"), (dict(max_window=0), "max_window=0"), (dict(budget=1.5), "budget"),
                        (dict(seed=0.5), "seed=0.5"),
-                       (dict(inner_ratio=2), "inner_ratio=2"), (dict(inner_layer=18), "not available yet"),
-                       (dict(inner_layer=0), "inner_layer=0")]:  # fmt: skip
+                       (dict(inner_ratio=2), "inner_ratio=2"), (dict(inner_layer=0), "inner_layer=0"),
+                       (dict(inner_layer=1.5), "inner_layer=1.5")]:  # fmt: skip
         with pytest.raises(vtoken.VTokenError, match=match):
             vtoken.HoliTom(**bad)
 
@@ -317,3 +317,133 @@ def test_applicable_methods_agree_with_the_docs_tables():
             assert (verdicts[method] is None) == (name in APPLIES), (name, method, verdicts[method])
             if verdicts[method] is not None:
                 assert "video inputs only" in verdicts[method] or "attention" in verdicts[method], verdicts[method]
+
+
+# --------------------------------------------------------------------------- the merge inside the LLM
+def loop_running_average(hidden, valid, keep, order):
+    """The official loop: each dropped token, ascending, into its most cosine-similar kept token (similarities of
+    the un-merged states; the first in `order` on ties), h_t <- (h_t + h_n) / 2."""
+    out = hidden.clone().double()
+    for b in range(hidden.shape[0]):
+        kept = [t for t in order[b].tolist() if keep[b, t]]
+        states = hidden[b].double()
+        for n in range(hidden.shape[1]):
+            if not valid[b, n] or keep[b, n]:
+                continue
+            sims = [float(states[n] @ states[t] / (states[n].norm() * states[t].norm())) for t in kept]
+            t = kept[sims.index(max(sims))]
+            out[b, t] = (out[b, t] + states[n]) / 2
+    return out
+
+
+def test_the_running_average_equals_the_official_loop():
+    from vtoken.methods.holitom import running_average
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 13, 6, generator=g)
+    hidden[0, 7] = hidden[0, 2] * 3  # a tie in cosine: the first kept token in `order` takes it
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1, 10:] = False
+    keep = torch.rand(2, 13, generator=g) < 0.4
+    keep[0, 2] = keep[0, 11] = True
+    order = torch.rand(2, 13, generator=g).argsort(-1)
+    got = running_average(hidden, valid, keep & valid, order)
+    want = loop_running_average(hidden, valid, keep & valid, order)
+    torch.testing.assert_close(got.double()[keep & valid], want[keep & valid], rtol=1e-6, atol=1e-6)
+
+
+INNER = 2  # the inner merge before LLM layer 2 of a 4-layer LLM, reading layer 1
+
+
+@pytest.fixture(scope="module")
+def deep_onevision():
+    """The sharpened tiny OneVision with a 4-layer LLM (the merge needs layers before and after it), and an eager
+    copy of its language model and head (attention maps for the reference)."""
+    model, processor = sharpened_onevision()
+    config = copy.deepcopy(model.config)
+    config.text_config.num_hidden_layers = 4
+    torch.manual_seed(1)
+    deep = type(model)(config).eval()
+    deep.load_state_dict(model.state_dict(), strict=False)  # the sharpened tower; LLM layers 2-3 new
+    deep.generation_config.pad_token_id = model.generation_config.pad_token_id
+    eager = copy.deepcopy(deep)
+    eager.set_attn_implementation("eager")
+    return deep, processor, eager.model.language_model, eager.lm_head
+
+
+def inner_rule(ratio):
+    """The reference's rule at the merge point: the last token's attention (head mean) over the visual tokens,
+    the top round(V * (1 - ratio)) kept, the official running average written into the hidden states in place."""
+
+    def rule(ctx):
+        hidden, labels, visual = ctx["hidden"], ctx["labels"], ctx["visual"]
+        slots = [s for s, c in enumerate(labels) if c in visual]
+        attention = ctx["weights"].mean(0)[-1]
+        kept = sorted(slots, key=lambda s: (-float(attention[s]), s))[: round(len(slots) * (1 - ratio))]
+        states = hidden.clone()
+        for n in slots:
+            if n in kept:
+                continue
+            sims = [float(states[n] @ states[t] / (states[n].norm() * states[t].norm())) for t in kept]
+            t = kept[sims.index(max(sims))]
+            hidden[t] = (hidden[t] + states[n]) / 2
+        return {labels[s] for s in kept}, []
+
+    return rule
+
+
+def test_inner_merge_equals_the_llm_run_layer_by_layer(deep_onevision):
+    """Outer stage, then the merge before layer 2: per-step logits of 6 greedy tokens equal the eager LLM run by
+    hand on the outer stage's output (kept tokens at their original positions, decoding at the unpruned length)."""
+    from test_llm_methods import patched_generate, reference_generate
+
+    model, processor, lm, head = deep_onevision
+    inputs = video_inputs(processor, 4)
+    method = vtoken.HoliTom(budget=0.3, tau=0.3, inner_layer=INNER, inner_ratio=0.5)
+    logits, records = patched_generate(model, inputs, method)
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["embeds"], seen["ids"] = kwargs["inputs_embeds"].clone(), seen.get("ids")
+
+    def grab_ids(module, args, kwargs):
+        seen["ids"] = kwargs["input_ids"].clone()
+
+    with torch.no_grad(), vtoken.patched(model, vtoken.HoliTom(budget=0.3, tau=0.3)):
+        hooks = [model.model.register_forward_pre_hook(grab_ids, with_kwargs=True),
+                 model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)]  # fmt: skip
+        try:
+            model(**inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    ids = seen["ids"][0]
+    visual = set((ids == model.config.video_token_id).nonzero().squeeze(1).tolist())
+    ref_logits, kept_after, _ = reference_generate(lm, head, seen["embeds"], visual, inner_rule(0.5), (INNER - 1,),
+                                                   False)  # fmt: skip
+    prefill = [r for r in records if r.stage.startswith("prefill")]
+    assert [r.stage for r in prefill] == [f"prefill.layer{INNER - 1}"]
+    assert prefill[0].tokens_in == len(visual) and prefill[0].tokens_out == round(len(visual) * 0.5)
+    assert (prefill[0].kept + min(visual)).tolist() == sorted(kept_after[0])
+    assert (logits - ref_logits).abs().max() <= 1e-4
+
+
+def test_inner_merge_padded_batch_and_qwen_positions(deep_onevision):
+    model, processor, *_ = deep_onevision
+    prompts = [build_prompt(processor, q, num_images=0, num_videos=1) for q in ("what happens?", "describe it.")]
+    clips = [_clip(4, 1), _clip(4, 2)]
+    batched = processor(videos=clips, text=prompts, return_tensors="pt", padding=True)
+    singles = [processor(videos=[c], text=[p], return_tensors="pt") for c, p in zip(clips, prompts, strict=True)]
+    with torch.no_grad(), vtoken.patched(model, vtoken.HoliTom(budget=0.3, inner_layer=INNER)):
+        assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=4)
+    qwen, qwen_processor = TINY_MODELS["tiny-qwen2.5-vl"]()
+    with pytest.raises(vtoken.VTokenError, match="inner_layer=2 is beyond this LLM's 2 layers"):
+        vtoken.patch(qwen, vtoken.HoliTom(inner_layer=2))
+    inputs = video_inputs(qwen_processor, 8)
+    with torch.no_grad(), vtoken.patched(qwen, vtoken.HoliTom(budget=0.5, inner_layer=1)) as handle:
+        qwen.generate(**inputs, max_new_tokens=2, do_sample=False)
+        stages = [r.stage for r in handle.records]
+    assert "prefill.layer0" in stages and "encoder" in stages
+    assert vtoken.HoliTom().stages == ("encoder",) and vtoken.HoliTom(inner_layer=3).stages == ("encoder", "prefill")
+    with vtoken.patched(model, [vtoken.HoliTom(), vtoken.FastV(layer=1)]):  # without the inner merge: composes
+        pass

@@ -112,7 +112,7 @@ def drop(stages, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     timer = Stopwatch(hidden.device).start()
     slots = view.visual_slots()  # [B, V] each row's visual slots, -1 padded
     counts = view.visual_counts
-    merged = None
+    merged = updated = None
     with torch.no_grad():  # a selection: nothing to differentiate
         tokens = layer_tokens(stages, state, layer, hidden, slots)
         if max(counts, default=0) == 0:  # no row has visual tokens left
@@ -124,6 +124,7 @@ def drop(stages, layer: int, hidden: torch.Tensor) -> torch.Tensor:
                 keep_visual |= tokens.protected
                 kept = None
             merged = method.merge(tokens, keep_visual)
+            updated = method.update(tokens, keep_visual)
         if kept is None:  # a threshold decided: the drop's one host read
             kept = keep_visual.sum(1).tolist()
         added = merged.counts if merged is not None else None
@@ -133,6 +134,8 @@ def drop(stages, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     keep = keep[:, :width] | ((view.mask != 0) & ~view.visual)
     now = [k + (added[row] if added else 0) for row, k in enumerate(kept)]
     lengths = [n - v + k for n, v, k in zip(view.lengths, counts, now, strict=True)]
+    if updated is not None:  # kept tokens that others were merged into take their new states
+        hidden = replace_columns(hidden, slots, updated, keep_visual)
     merged_columns = None
     if merged is not None:
         anchors = slots.gather(1, merged.anchors.clamp(min=0)).clamp(min=0)
@@ -149,6 +152,15 @@ def drop(stages, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     state.view = new_view
     state.overrides = overrides_for(stages, hidden, new_view, state, layer + 1)
     return hidden
+
+
+def replace_columns(hidden: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """hidden [B, C, D] with rows [B, V, D] written at the visual slots [B, V] (-1: none) where `where` [B, V]; the
+    rest unchanged (padding and unchosen entries write into a spare column, dropped)."""
+    batch, width, dim = hidden.shape
+    target = torch.where(where & (slots >= 0), slots, width)
+    spare = torch.cat([hidden, hidden.new_zeros(batch, 1, dim)], 1)
+    return spare.scatter(1, target[..., None].expand(-1, -1, dim), rows.to(hidden.dtype))[:, :width]
 
 
 def overrides_for(stages, hidden: torch.Tensor, view: LayerView, state: PrefillState, layer: int) -> Overrides:

@@ -316,6 +316,11 @@ class PrefillMethod(Method):
         nothing added). They count as visual tokens at later drops; `Merged.known` holds their count per row."""
         return None
 
+    def update(self, tokens: LayerTokens, keep: torch.Tensor) -> torch.Tensor | None:
+        """New hidden states [B, V, D] for the visual tokens that go on (where `keep` [B, V]), taking the place of
+        theirs before the next layer: a merge into the kept tokens (HoliTom's inner merge). None: unchanged."""
+        return None
+
     def choose_rows(
         self, visual: torch.Tensor, visual_valid: torch.Tensor, text: torch.Tensor, text_valid: torch.Tensor
     ) -> torch.Tensor:

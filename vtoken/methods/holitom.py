@@ -21,8 +21,13 @@ last-layer attention a [F, T] (mean over heads, then over queries, pooled like t
 
 Families: LLaVA-OneVision (official; contiguous positions); Qwen2-VL / Qwen2.5-VL / Qwen3-VL (an extension: the
 last full-attention ViT block's attention per temporal patch, pooled over each 2 x 2 merge group; kept tokens keep
-their (t, h, w) positions, a static token its window's first frame's). The optional merge inside the LLM
-(`inner_layer`, official env HOLITOM_k / HOLITOM_r) is not available yet: `inner_layer` must be None.
+their (t, h, w) positions, a static token its window's first frame's).
+
+Inside the LLM (optional, `inner_layer` = K, official env HOLITOM_k / HOLITOM_r; off by default): after layer K - 1,
+from its attention of the last prompt token (head mean) over the row's visual tokens (the outer output with its
+newline), the round(V * (1 - inner_ratio)) top tokens go on; every other token, in ascending order, is averaged into
+its most cosine-similar kept token (h_t <- (h_t + h_n) / 2, the closed form in fp32); kept tokens keep their
+positions (gaps), layers before K their whole cache.
 
 Differences from the official code (docs/methods-encoder-3.md): every video of every row; merges in fp32 (the
 official: the model's dtype); seeded noise; ties to the lower index; the search is one device kernel (the
@@ -41,8 +46,8 @@ from ..budget import Budget
 from ..errors import VTokenError
 from ..kernels import static_windows
 from ..params import Int, Kept, Layer, OrNone, Real, Scope
-from ..tokens import Selection, VisualTokens
-from .base import EncoderMethod
+from ..tokens import LayerTokens, Selection, VisualTokens
+from .base import EncoderMethod, PrefillMethod, keep_top
 from .density import density_peak_scores, descending_rank, seeded_noise, segment_bounds
 from .fastvid import video_selection
 
@@ -167,13 +172,53 @@ def holitom_merge(
                          static_centre | picked | centres, method.beta, tokens)  # fmt: skip
 
 
+class ActiveStages:
+    """HoliTom's stages: the class declares both it can act at (the registry's view); an instance acts inside the
+    LLM only with an `inner_layer`, so that without one it composes with LLM-stage methods (FastV) and installs no
+    LLM hooks."""
+
+    def __get__(self, method: HoliTom | None, owner: type) -> tuple[str, ...]:
+        if method is None or method.inner_layer is not None:
+            return ("encoder", "prefill")
+        return ("encoder",)
+
+
+def running_average(hidden: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """HoliTom's inner merge of one drop point: every visual token not kept goes, in ascending order, into its most
+    cosine-similar kept token (similarities of the un-merged states; the first in `order` on ties), h_t <- (h_t +
+    h_n) / 2 each time, i.e. h_t / 2^m + sum_i h_(n_i) / 2^(m - i + 1) for members n_1 < ... < n_m.
+
+    hidden: [B, V, D]; valid, keep: [B, V] bool; order: [B, V] the kept tokens' preference order (descending
+    attention: the official top-k's). Returns [B, V, D] fp32: the kept tokens' new states (others unchanged)."""
+    batch, length, dim = hidden.shape
+    x = hidden.float()
+    unit = x / x.norm(dim=-1, keepdim=True)
+    members = valid & ~keep
+    similarity = torch.matmul(unit, unit.transpose(1, 2))  # [B, member, target]
+    ranked = similarity.gather(2, order[:, None, :].expand(-1, length, -1))
+    ranked = ranked.masked_fill(~keep.gather(1, order)[:, None, :], float("-inf"))
+    target = order.gather(1, ranked.argmax(dim=-1))  # [B, V] each member's target
+    target = torch.where(members, target, length)  # non-members to a spare slot
+    count = torch.zeros(batch, length + 1, device=x.device).scatter_add_(1, target, members.float())
+    # a member's place among its target's members, ascending: sort by (target, index)
+    index = torch.arange(length, device=x.device)
+    by_target = (target * length + index).argsort(dim=1)
+    starts = count.cumsum(1) - count  # [B, V + 1] where each target's members start in that order
+    place = torch.empty_like(by_target).scatter_(1, by_target, index.expand(batch, -1))  # position in the order
+    rank = place - starts.gather(1, target).long() + 1  # 1-based among its target's members
+    weight = torch.pow(2.0, -(count.gather(1, target) - rank + 1)).masked_fill(~members, 0.0)
+    spare = torch.cat([x * torch.pow(2.0, -count[:, :length])[..., None], x.new_zeros(batch, 1, dim)], 1)
+    merged = spare.scatter_add(1, target[..., None].expand(-1, -1, dim), weight[..., None] * x)[:, :length]
+    return torch.where(keep[..., None], merged, x)
+
+
 @dataclass
-class HoliTom(EncoderMethod):
+class HoliTom(EncoderMethod, PrefillMethod):
     """`budget`: the retention ratio of each video (official 0.10), or tokens per frame on average; `tau`: the
     similarity above which a position stays static; `beta`: a merged centre's own weight; `k`: the density's
     neighbours; `d`: the share of a frame's dynamic budget given to density-peak centres (official 0, unverified
     above); `seed`: the densities' noise; `max_window`: the longest window; `inner_layer` / `inner_ratio`: the merge
-    inside the LLM (not available yet: None)."""
+    inside the LLM before layer `inner_layer` (None: off, the paper's "HoliTom w/o M"; README 18 and 0.5)."""
 
     budget: Budget = 0.10
     tau: float = 0.8
@@ -187,6 +232,7 @@ class HoliTom(EncoderMethod):
     scope: str = "image"
 
     name = "holitom"
+    stages = ActiveStages()
     requires = ("projected", "tower_attention")
     modalities = ("video",)
     scopes = ("image",)  # the budget is spread over each video's windows
@@ -199,7 +245,7 @@ class HoliTom(EncoderMethod):
         "k": Int(1, hint="the density's nearest neighbours"),
         "d": Real("[0, 1]", hint="the share of dynamic tokens merged by density"),
         "seed": Int(0, hint="the densities' noise"),
-        "inner_layer": OrNone(Layer(1, hint="the LLM layer the inner merge runs before")),
+        "inner_layer": OrNone(Layer(1, reads=1, hint="the LLM layer the inner merge runs before")),
         "inner_ratio": Real("[0, 1]", hint="the share of the video's tokens merged inside the LLM"),
         "max_window": Int(1, hint="frames in a window at most"),
     }
@@ -209,17 +255,37 @@ class HoliTom(EncoderMethod):
         "vtoken reads on SigLIP (LLaVA-OneVision) and Qwen-VL towers"
     )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.inner_layer is not None:
-            raise VTokenError(
-                f"{self.name}: inner_layer={self.inner_layer}: the merge inside the LLM (official HOLITOM_k / "
-                "HOLITOM_r) is not available yet; use inner_layer=None, the outer stage alone (the paper's "
-                "'HoliTom w/o M')"
-            )
+    # the inner merge: before layer `inner_layer`, from layer inner_layer - 1's attention of the last prompt token
+    query_rows = "last"
+    reads = ("attention", "hidden")
+    positions = "original"  # kept tokens keep their positions (official: position_ids = the kept indices)
 
     def planned_count(self, n: int) -> int | None:
         return None  # windows and clusters follow the data
+
+    # ----------------------------------------------------------------- inside the LLM (inner_layer)
+    def drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        if self.inner_layer is None:
+            return ()
+        if self.inner_layer >= num_layers:
+            raise VTokenError(
+                f"holitom: inner_layer={self.inner_layer} is beyond this LLM's {num_layers} layers; the merge runs "
+                f"before layer inner_layer, reading layer inner_layer - 1: 1..{num_layers - 1}"
+            )
+        return (self.inner_layer - 1,)
+
+    def kept_counts(self, tokens: LayerTokens) -> list[int]:
+        """round(V * (1 - inner_ratio)) of each row's V visual tokens (Python's round, as the official)."""
+        return [round(n * (1 - self.inner_ratio)) for n in tokens.counts]
+
+    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+        scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last prompt token
+        return keep_top(scores, self.kept_counts(tokens))
+
+    def update(self, tokens: LayerTokens, keep: torch.Tensor) -> torch.Tensor:
+        scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))
+        order = scores.argsort(dim=-1, descending=True, stable=True)
+        return running_average(tokens.hidden, tokens.valid, keep, order)
 
     def rate(self, per_frame: int) -> float:
         return self.budget if isinstance(self.budget, float) else min(1.0, self.budget / per_frame)
