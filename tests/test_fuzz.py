@@ -241,6 +241,11 @@ def method_stacks(draw, name: str, family: str, full: bool = False):
         layer = (fits or [1])[0] if full else draw(st.sampled_from(fits * 3 + list(range(1, LLM_LAYERS[family] + 1))))
         k, p = (0.0, 0.0) if full else (draw(st.floats(0, 1)), draw(st.floats(0, 1)))
         return [vtoken.DyCoke(k=k, layer=layer, p=p)]
+    if name == "holitom" and not full and draw(st.booleans()):  # its own merge inside the LLM, at a layer that fits
+        fits = [k + 1 for k in drop_points(family)]  # (thrice as likely) or any (refused)
+        inner = draw(st.sampled_from(fits * 3 + list(range(1, LLM_LAYERS[family] + 1))))
+        outer = draw(encoder_methods(name))
+        return [replace(outer, inner_layer=inner, inner_ratio=draw(st.floats(0, 1)))]
     stack = [draw(encoder_methods(name, full))]
     if name not in ("mustdrop", "dycoke") and draw(st.booleans()):  # their own LLM stages
         after = draw(st.sampled_from(PREFILL_METHODS if not full else ("fastv", "dart", "pyramiddrop")))
@@ -305,6 +310,8 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
             return True
         if name in PREFILL_METHODS and not prefill_fits(method, family):
             return True
+        if name == "holitom" and method.inner_layer is not None and method.inner_layer - 1 not in drop_points(family):
+            return True  # the inner merge reads layer inner_layer - 1, a softmax-attention layer before the last
         if name == "dycoke" and (family in REFUSED[name] or method.layer - 1 not in drop_points(family)):
             return True  # its row comes from layer - 1, a softmax-attention layer before the last
         if "prefill" in method.stages and method.positions == "renumber" and family in MROPE:
@@ -487,6 +494,8 @@ def check_prefill_records(method, records: list, batch: int) -> None:
             kept = min(method.counts[method.layers.index(int(r.stage.removeprefix("prefill.layer")))], n - 1)
             merged = (int((n - kept) * 0.3) + 1) // 10 + 1 if n else 0
             assert (out, r.extra["merged"]) == (max(kept, 0) + merged, merged), r
+        elif method.name == "holitom":  # the inner merge keeps round(V (1 - r)), the rest merged into them
+            assert out == round(n * (1 - method.inner_ratio)), r
 
 
 # --------------------------------------------------------------------------- properties
