@@ -391,9 +391,10 @@ class Adapter(CallPath, FrameLayout):
                     if out_of_range
                     else f"it provides {sorted(provided | COMMON_SIGNALS)}"
                 )
+                hint = method.missing_signal_hint(missing)
                 raise MissingSignalError(
                     f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
-                    f"({self.family}) cannot provide; {why}"
+                    f"({self.family}) cannot provide; {why}" + (f". {hint}" if hint else "")
                 )
             if "question" in method.requires:
                 self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate

@@ -23,6 +23,7 @@ from .llava import LlavaAdapter
 @register_adapter
 class FastVlmAdapter(LlavaAdapter):
     family = "fastvlm"
+    clip_tower = False  # FastViTHD, not a CLIP checkpoint's tower
     model_types = ("fast_vlm",)
     model_classes = ("FastVlmForConditionalGeneration", "FastVlmModel")
     modalities = (

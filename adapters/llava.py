@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -24,6 +24,8 @@ class LlavaAdapter(Adapter):
     """Visual tokens = the patch tokens of `vision_feature_layer` (no [CLS]), selected before the projector."""
 
     family = "llava-1.5"
+    # the tower is a CLIP checkpoint's vision tower whose text tower methods may use (CDPruner's "clip_features")
+    clip_tower: ClassVar[bool] = True
     model_types = ("llava",)
     model_classes = ("LlavaForConditionalGeneration", "LlavaModel")
     modalities = (
@@ -55,6 +57,8 @@ class LlavaAdapter(Adapter):
         super().validate()
         if "tower_merge" in getattr(self.encoder_method, "requires", ()):
             self.encoder_method.check_grid(self.grid)  # a merge by windows needs a grid they tile (MustDrop)
+        if "clip_features" in getattr(self.encoder_method, "requires", ()):
+            self.encoder_method.check_clip_width(self.tower.config.hidden_size)  # CDPruner's CLIP checkpoint
 
     def available_signals(self) -> set[str]:
         # "resized_grid": positions are renumbered, so a method may hand back a smaller grid of any size
@@ -67,6 +71,8 @@ class LlavaAdapter(Adapter):
             signals |= {"cls_attention", "cls_attention@-1", "keys"}  # keys: the feature layer's
             signals |= {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
             signals.add("tower_merge")  # a merge inside the tower (MustDrop), with [CLS] kept apart
+        if self.clip_tower and hasattr(self.tower, "post_layernorm") and len(self._feature_layers()) == 1:
+            signals.add("clip_features")  # the tower's own final norm on the feature layer's patches
         return signals
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
@@ -133,6 +139,8 @@ class LlavaAdapter(Adapter):
                    for name, (layer, read) in wanted.items()}  # fmt: skip
         if "cls_token" in self.encoder_method.uses:
             signals["cls_token"] = hidden[:, 0]
+        if "clip_features" in self.encoder_method.requires:  # CDPruner: as CLIP's image embedding is made
+            signals["clip_features"] = lambda patches=hidden[:, 1:], norm=tower.post_layernorm: norm(patches)
         return features, signals
 
     def merged_vision_tokens(
@@ -221,7 +229,8 @@ class LlavaAdapter(Adapter):
         valid = None
         if getattr(self.encoder_method, "excludes_pad_border", False):
             valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(features.device)
-        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid)
+        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid,
+                              image_of_crop=list(range(num_images)))  # fmt: skip
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
         keep_offsets = [selection.offsets_of(i) for i in range(num_images)]

@@ -63,8 +63,10 @@ class LlavaNextAdapter(LlavaAdapter):
     layouts = ("native", "official")
     # official layouts: FasterVLM's (also MMTok's and the baselines'), HiRED's, which unpads after selecting, and
     # MustDrop's (every crop merged on its own, crops concatenated flat)
-    official_layout_methods = ("fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip")
+    official_layout_methods = ("fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip",
+                               "cdpruner", "holov")  # fmt: skip
     unpads_after_selection = ("hired",)
+    unpads_before_selection = ("holov",)  # its official code selects among the base view + the unpadded grid
     newline_after_base_only = ("visionzip",)  # its official packing ends a base-only image with a newline
 
     def validate(self) -> None:
@@ -175,11 +177,18 @@ class LlavaNextAdapter(LlavaAdapter):
                 stitched_index.append(positions)
                 image_index.append(i)
                 crop_index.append(c)
-        unpadded = torch.stack(valid).to(device)
+        unpadded_host = torch.stack(valid)
+        unpadded = unpadded_host.to(device)
         official = self.layout == "official"
+        unpads = not official or self.encoder_method.name in self.unpads_before_selection
         crop_grid = {i: (layout.rows, layout.cols) for i, layout in enumerate(layouts)}
+        if "sequence_index" in self.encoder_method.uses:  # the image's tokens as packed: base view, stitched grid
+            signals["sequence_index"] = torch.where(torch.stack(stitched_index) < 0, local, height * width +
+                                                    torch.stack(stitched_index)).to(device)  # fmt: skip
         tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index),
-                              None if official else unpadded, torch.tensor(crop_index), crop_grid)  # fmt: skip
+                              unpadded if unpads else None, torch.tensor(crop_index), crop_grid,
+                              image_of_crop=image_index,
+                              valid_counts=unpadded_host.sum(1).tolist() if unpads else None)  # fmt: skip
         selection, timer = self.select(tokens)
         records = self.crop_records(tokens, selection, timer, crop_index)
 

@@ -31,6 +31,7 @@ FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 @register_adapter
 class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava-onevision"
+    clip_tower = False  # SigLIP: no CLIP text tower of its own
     model_types = ("llava_onevision",)
     model_classes = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel")
     modalities = (

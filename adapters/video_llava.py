@@ -24,6 +24,7 @@ IMAGE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 @register_adapter
 class VideoLlavaAdapter(LlavaAdapter):
     family = "video-llava"
+    clip_tower = False  # LanguageBind's towers: not an OpenAI CLIP checkpoint
     model_types = ("video_llava",)
     model_classes = ("VideoLlavaForConditionalGeneration", "VideoLlavaModel")
     modalities = (

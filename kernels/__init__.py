@@ -14,6 +14,7 @@ from .block_sparse_attention import (
     block_sparse_attention_reference,
     block_sparse_attention_triton,
 )
+from .dpp import dpp_greedy, dpp_greedy_reference, dpp_greedy_triton
 
 __all__ = [
     "block_mask_from_plan",
@@ -26,4 +27,7 @@ __all__ = [
     "causal_rows_probs",
     "causal_rows_probs_reference",
     "causal_rows_probs_triton",
+    "dpp_greedy",
+    "dpp_greedy_reference",
+    "dpp_greedy_triton",
 ]

@@ -84,6 +84,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .functional import encode, select
     from .methods import (
         DART,
+        CDPruner,
         DivPrune,
         DyCoke,
         EncoderMethod,
@@ -91,6 +92,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         FastV,
         FourierDCT,
         HiRED,
+        HoloV,
         Method,
         MMTok,
         MustDrop,
@@ -141,6 +143,8 @@ __all__ = [
     "VisPruner",
     "DivPrune",
     "VidCom2",
+    "CDPruner",
+    "HoloV",
     "Method",
     "EncoderMethod",
     "PrefillMethod",

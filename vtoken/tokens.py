@@ -49,6 +49,9 @@ class VisualTokens:
     crop_index: [C] index of each crop within its image (anyres: 0 = base view, then sub-images in raster order).
     crop_grid: anyres only: image index -> (rows, cols) of its sub-image grid.
     question: the prompt's text, for methods that require "question".
+    image_of_crop, valid_counts: host-side copies of `image_index` and of every crop's valid token count, set by
+        adapters that know them without reading the device, so that a selection can size its output with no
+        host-device sync (None: `host_image_index` / `host_valid_counts` read the tensors back).
     """
 
     features: torch.Tensor
@@ -59,10 +62,28 @@ class VisualTokens:
     crop_index: torch.Tensor | None = None
     crop_grid: dict[int, tuple[int, int]] | None = None
     question: TextQuery | None = None
+    image_of_crop: list[int] | None = None
+    valid_counts: list[int] | None = None
 
     @property
     def num_crops(self) -> int:
         return self.features.shape[0]
+
+    def host_image_index(self) -> list[int]:
+        """The image of every crop, on the host (one read of `image_index` where no adapter gave it)."""
+        if self.image_of_crop is not None:
+            return list(self.image_of_crop)
+        if self.image_index is None:
+            return list(range(self.num_crops))
+        return self.image_index.tolist()
+
+    def host_valid_counts(self) -> list[int]:
+        """Every crop's valid tokens, on the host (one read of `valid` where no adapter gave them)."""
+        if self.valid_counts is not None:
+            return list(self.valid_counts)
+        if self.valid is None:
+            return [self.num_tokens] * self.num_crops
+        return self.valid.sum(1).tolist()
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """Methods, one file each; importing this package registers them."""
 
 from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
+from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
 from .dycoke import DyCoke
@@ -8,6 +9,7 @@ from .fastervlm import FasterVLM
 from .fastv import FastV
 from .fourier import FourierDCT
 from .hired import HiRED
+from .holov import HoloV
 from .mmtok import MMTok
 from .mustdrop import MustDrop
 from .pool import Pool
@@ -41,4 +43,6 @@ __all__ = [
     "VisPruner",
     "DivPrune",
     "VidCom2",
+    "CDPruner",
+    "HoloV",
 ]

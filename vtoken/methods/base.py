@@ -34,6 +34,10 @@ class Method:
     # as the LLM would receive them, packed and projected, newlines included (DivPrune)
     acts_on: ClassVar[str] = "crops"
 
+    def missing_signal_hint(self, missing: list[str]) -> str:
+        """A sentence `patch` adds when a model lacks the signals `missing` (e.g. the variant that needs none)."""
+        return ""
+
 
 @dataclass
 class EncoderMethod(Method):
