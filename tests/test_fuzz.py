@@ -49,7 +49,8 @@ VIDEO = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-
          "tiny-perception-lm"}  # fmt: skip
 QWEN3 = {"tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}
 OFFICIAL_LAYOUT = {"tiny-llava-next", "tiny-llava-next-video"}
-OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip"}
+OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip",
+                           "cdpruner", "holov"}  # fmt: skip
 # no [CLS] attention to score by
 NO_CLS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-gemma3", "tiny-fastvlm"} | QWEN3
 MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl"} | QWEN3  # (t, h, w) positions: an LLM stage keeps the original ones
@@ -69,7 +70,11 @@ REFUSED = {
     "vispruner": NO_CLS,
     "vidcom2": set(TINY_MODELS) - VIDEO,  # videos only
     "dycoke": set(TINY_MODELS) - VIDEO,  # videos only
+    "holov": NO_CLS,  # score="cls"; score="received" is served nowhere among the tiny models' towers yet
 }
+# CDPruner's official relevance: a CLIP vision tower whose checkpoint has a text tower (a tiny CLIP is built to fit)
+CLIP_FAMILIES = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video"}
+IMAGE_ONLY = {"cdpruner", "holov"}
 SENDS_CLS = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video", "tiny-video-llava"}  # VisionZip's [CLS]
 HIRED_BANDS_ONLY = {"tiny-internvl"}  # the processor gives the tile count, not the grid: partition="tiles" refused
 QUESTIONS = (
@@ -103,15 +108,33 @@ budgets = st.one_of(fractions, st.integers(min_value=1, max_value=800), st.just(
 
 
 ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop", "visionzip", "vispruner",
-                   "divprune", "vidcom2", "dycoke")  # fmt: skip
+                   "divprune", "vidcom2", "dycoke", "cdpruner", "holov")  # fmt: skip
 PREFILL_METHODS = ("fastv", "dart", "pyramiddrop", "sparsevlm")  # LLM stages that compose with encoder methods
 METHODS = (*ENCODER_METHODS, *PREFILL_METHODS)
 
 
+@functools.cache
+def clip_for(family: str):
+    """A tiny CLIP whose vision width fits `family`'s tower, with its tokenizer (built once)."""
+    return vtoken.zoo.tiny_clip(*tiny(family))
+
+
 @st.composite
-def encoder_methods(draw, name: str, full: bool = False):
-    """Encoder-stage method `name` with drawn parameters (`full`: set to keep every token)."""
+def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-llava"):
+    """Encoder-stage method `name` with drawn parameters (`full`: set to keep every token); CDPruner's CLIP
+    relevance with a tiny CLIP fitting `family`'s tower where it has one."""
     budget = 1.0 if full else draw(budgets)
+    if name == "cdpruner":
+        if not full:  # its greedy loop (the PyTorch reference on CPU) takes k steps: small budgets keep it fast
+            budget = draw(st.one_of(st.floats(0.01, 0.3), st.integers(1, 100)))
+        relevance = draw(st.sampled_from(["clip", "llm"] if family in CLIP_FAMILIES else ["llm", "llm", "clip"]))
+        clip = dict(zip(("clip", "clip_tokenizer"), clip_for(family), strict=True)) if family in CLIP_FAMILIES else {}
+        theta = draw(st.one_of(st.none(), st.floats(0.05, 0.95)))
+        question = draw(st.one_of(st.none(), st.sampled_from(QUESTIONS)))  # None: read from the prompt
+        return vtoken.CDPruner(budget=budget, theta=theta, relevance=relevance, question=question, **clip)
+    if name == "holov":
+        chunks = draw(st.one_of(st.integers(1, 40), st.just("auto"), st.just(16)))
+        return vtoken.HoloV(budget=budget, chunks=chunks, alpha=draw(st.floats(0, 1)))
     if name in ("fastervlm", "random"):
         scope = draw(st.sampled_from(["crop", "image"]))
         seed = {"seed": draw(st.integers(0, 2**31))} if name == "random" else {}
@@ -220,7 +243,7 @@ def method_stacks(draw, name: str, family: str, full: bool = False):
         layer = (fits or [1])[0] if full else draw(st.sampled_from(fits * 3 + list(range(1, LLM_LAYERS[family] + 1))))
         k, p = (0.0, 0.0) if full else (draw(st.floats(0, 1)), draw(st.floats(0, 1)))
         return [vtoken.DyCoke(k=k, layer=layer, p=p)]
-    stack = [draw(encoder_methods(name, full))]
+    stack = [draw(encoder_methods(name, full, family))]
     if name not in ("mustdrop", "dycoke") and draw(st.booleans()):  # their own LLM stages
         after = draw(st.sampled_from(PREFILL_METHODS if not full else ("fastv", "dart", "pyramiddrop")))
         stack.append(draw(prefill_methods(after, family, full)))
@@ -269,7 +292,10 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
     """Where `patch` must refuse (the docs' "n/a" cells, layouts, drop points deeper than the LLM)."""
     for method in stack:
         name = method.name
-        if name in ("fastervlm", "hired", "fourier", "visionzip", "vispruner", "vidcom2") and family in REFUSED[name]:
+        if name in ("fastervlm", "hired", "fourier", "visionzip", "vispruner", "vidcom2", "holov") and \
+                family in REFUSED[name]:  # fmt: skip
+            return True
+        if name == "cdpruner" and method.relevance == "clip" and family not in CLIP_FAMILIES:
             return True
         if name == "hired" and method.partition == "tiles" and family in HIRED_BANDS_ONLY:
             return True
@@ -293,6 +319,8 @@ def refused_at_call(family: str, stack: list, modality: str) -> bool:
     """Inputs a patched model refuses when the call starts: Fourier-VLM on anyres images of families whose videos
     it takes; VidCom2 on images."""
     if modality == "image" and stack[0].name in ("vidcom2", "dycoke"):
+        return True
+    if modality == "video" and stack[0].name in IMAGE_ONLY:
         return True
     return modality == "image" and family in ("tiny-onevision", "tiny-llava-next-video") and stack[0].name == "fourier"
 
@@ -389,7 +417,13 @@ def check_encoder_records(family: str, method, records: list) -> None:
     elif name == "fourier":
         for r in mine:
             assert r.tokens_out == expected_fourier(method, r.grid), r
-    elif name in ("vispruner", "divprune"):  # per crop; DivPrune: per image (video), its placed tokens
+    elif name == "holov":  # one budget per image, over all its crops
+        groups = defaultdict(list)
+        for r in mine:
+            groups[r.image].append(r)
+        for group in groups.values():
+            assert sum(r.tokens_out for r in group) == keep(method.budget, sum(r.tokens_in for r in group)), group
+    elif name in ("vispruner", "divprune", "cdpruner"):  # per crop; DivPrune: per image (video), its placed tokens
         for r in mine:
             assert r.tokens_out == keep(method.budget, r.tokens_in), r
     elif name == "visionzip":

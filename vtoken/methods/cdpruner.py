@@ -323,9 +323,10 @@ class CDPruner(EncoderMethod):
         raw = -(F.normalize(embeds, dim=-1) * text[:, None, :]).sum(-1)  # the mean over rows of -cos
         low = (raw if excluded is None else raw.masked_fill(excluded, math.inf)).amin(-1)
         high = (raw if excluded is None else raw.masked_fill(excluded, -math.inf)).amax(-1)
-        if image is not None:  # one min-max over every crop of an image
-            low = torch.full_like(low, math.inf).scatter_reduce(0, image, low, "amin")[image]
-            high = torch.full_like(high, -math.inf).scatter_reduce(0, image, high, "amax")[image]
+        if image is not None:  # one min-max over every crop of an image (indices: the call's images)
+            images = len(tokens.question.questions)
+            low = low.new_full((images,), math.inf).scatter_reduce(0, image, low, "amin")[image]
+            high = high.new_full((images,), -math.inf).scatter_reduce(0, image, high, "amax")[image]
         span = (high - low)[:, None]
         flat = span <= 0  # max = min: every token equally relevant
         r = ((raw - low[:, None] + 1e-6) / span.masked_fill(flat, 1.0)).masked_fill(flat, 1.0)
