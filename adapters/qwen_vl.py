@@ -14,6 +14,7 @@ its merger output.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
 from .base import Adapter, EncodedImages, Modality
+from .probes import ReceivedAttentionProbe
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
@@ -47,7 +49,21 @@ class QwenVLAdapter(Adapter):
     multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "grid", "merge_features", "resized_grid"}
+        signals = {"patch_features", "grid", "merge_features", "resized_grid"}
+        attention = self.received_block().attn
+        if isinstance(getattr(attention, "qkv", None), torch.nn.Module) and self._vision_rotary() is not None:
+            signals.add("received_attention")  # HoloV's proxy: attention received in the last full-attention block
+        return signals
+
+    def received_block(self) -> torch.nn.Module:
+        """The tower's last block whose attention spans a whole frame (Qwen2.5-VL: its last full-attention block;
+        Qwen2-VL and Qwen3-VL attend over whole frames in every block)."""
+        visual = self.inner.visual
+        full = getattr(visual, "fullatt_block_indexes", None)
+        return visual.blocks[max(full) if full else len(visual.blocks) - 1]
+
+    def _vision_rotary(self):
+        return hf.modeling_function(self.received_block().attn, "apply_rotary_pos_emb_vision")
 
     def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
@@ -175,9 +191,17 @@ class QwenVLAdapter(Adapter):
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
         visual = self.inner.visual
-        out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
+        probe = None
+        if "received_attention" in self.encoder_method.requires:  # one segment per frame, h * w patches each
+            segments = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+            probe = ReceivedAttentionProbe(self.received_block().attn, segments, self._vision_rotary())
+        with probe if probe is not None else contextlib.nullcontext():
+            out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
         merged = out.pooler_output
         sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
+        if probe is not None:  # per merged token: the mean over its merge group's patches, in raster order
+            received = probe.received().view(merged.shape[0], self.merge**2).mean(dim=1)
+            received = self.raster_order(received[:, None], grid_thw)[:, 0].split(sizes)
         wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
@@ -193,6 +217,8 @@ class QwenVLAdapter(Adapter):
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals = {"merge_features": pooled, "vision_features": pooled}
+            if probe is not None:
+                signals["received_attention"] = received[index].view(frames, grid[0] * grid[1])
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
             selection, timer = self.select(crops)
             out_grid = selection.grid or grid

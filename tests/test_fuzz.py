@@ -70,7 +70,7 @@ REFUSED = {
     "vispruner": NO_CLS,
     "vidcom2": set(TINY_MODELS) - VIDEO,  # videos only
     "dycoke": set(TINY_MODELS) - VIDEO,  # videos only
-    "holov": NO_CLS,  # score="cls"; score="received" is served nowhere among the tiny models' towers yet
+    "holov": NO_CLS,  # score="cls"; score="received": the Qwen towers only (MROPE below)
 }
 # CDPruner's official relevance: a CLIP vision tower whose checkpoint has a text tower (a tiny CLIP is built to fit)
 CLIP_FAMILIES = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video"}
@@ -132,9 +132,12 @@ def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-lla
         theta = draw(st.one_of(st.none(), st.floats(0.05, 0.95)))
         question = draw(st.one_of(st.none(), st.sampled_from(QUESTIONS)))  # None: read from the prompt
         return vtoken.CDPruner(budget=budget, theta=theta, relevance=relevance, question=question, **clip)
-    if name == "holov":
+    if name == "holov":  # the [CLS] score, or where there is none mostly the attention received (Qwen towers)
+        score = draw(
+            st.sampled_from(["received", "received", "cls"] if family in NO_CLS else ["cls", "cls", "received"])
+        )
         chunks = draw(st.one_of(st.integers(1, 40), st.just("auto"), st.just(16)))
-        return vtoken.HoloV(budget=budget, chunks=chunks, alpha=draw(st.floats(0, 1)))
+        return vtoken.HoloV(budget=budget, chunks=chunks, alpha=draw(st.floats(0, 1)), score=score)
     if name in ("fastervlm", "random"):
         scope = draw(st.sampled_from(["crop", "image"]))
         seed = {"seed": draw(st.integers(0, 2**31))} if name == "random" else {}
@@ -292,8 +295,9 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
     """Where `patch` must refuse (the docs' "n/a" cells, layouts, drop points deeper than the LLM)."""
     for method in stack:
         name = method.name
-        if name in ("fastervlm", "hired", "fourier", "visionzip", "vispruner", "vidcom2", "holov") and \
-                family in REFUSED[name]:  # fmt: skip
+        if name in ("fastervlm", "hired", "fourier", "visionzip", "vispruner", "vidcom2") and family in REFUSED[name]:
+            return True
+        if name == "holov" and (family in REFUSED[name] if method.score == "cls" else family not in MROPE):
             return True
         if name == "cdpruner" and method.relevance == "clip" and family not in CLIP_FAMILIES:
             return True

@@ -269,6 +269,69 @@ def test_models_without_cls_refuse_it_naming_the_opt_in(name):
     assert vtoken.handle_of(model) is None
 
 
+@pytest.mark.parametrize("name", ["tiny-onevision", "tiny-gemma3", "tiny-llava"])
+def test_received_attention_is_served_by_the_qwen_towers_only(name):
+    model, _ = TINY_MODELS[name]()
+    with pytest.raises(vtoken.MissingSignalError, match="received_attention.*Qwen"):
+        vtoken.patch(model, vtoken.HoloV(score="received"))
+
+
+def _eager_received(model, inputs, module_name):
+    """Independent scores: the vision tower run with eager attention, the attention maps of its last full-attention
+    block recorded from the modelling module's own eager function; per patch the mean over its frame's queries of
+    the head-mean attention it receives; per merged token the mean over its 2 x 2 patches, un-permuted from the
+    window order with the model's own window index (Qwen2.5-VL)."""
+    import copy
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    visual = copy.deepcopy(model.model.visual)
+    visual.config._attn_implementation = "eager"
+    full = getattr(visual, "fullatt_block_indexes", None)
+    target = visual.blocks[max(full) if full else len(visual.blocks) - 1].attn
+    maps, original = [], modeling.eager_attention_forward
+
+    def recording(module, *args, **kwargs):
+        output, weights = original(module, *args, **kwargs)
+        if module is target:
+            maps.append(weights[0])  # [H, n, n], one frame
+        return output, weights
+
+    grid = inputs["image_grid_thw"]
+    modeling.eager_attention_forward = recording
+    try:
+        with torch.no_grad():
+            merged = visual(inputs["pixel_values"], grid_thw=grid).pooler_output
+    finally:
+        modeling.eager_attention_forward = original
+    per_patch = torch.cat([m.mean(0).mean(0) for m in maps])
+    per_group = per_patch.view(-1, 4).mean(1)
+    if full:  # window order -> raster order
+        from transformers.vision_utils import get_vision_window_index
+
+        index, _ = get_vision_window_index(grid, visual.spatial_merge_size, visual.window_size, visual.patch_size)
+        per_group = per_group[index.argsort()]
+    sizes = (grid.prod(-1) // 4).tolist()
+    return per_group.split(sizes), merged.split(sizes)
+
+
+@pytest.mark.parametrize("name, module", [("tiny-qwen2.5-vl", "qwen2_5_vl"), ("tiny-qwen3-vl", "qwen3_vl")])
+def test_received_attention_on_qwen_equals_the_eager_reference(name, module):
+    """`score="received"` (vtoken's proxy where there is no [CLS]): per image, its merged tokens in raster order
+    scored by the attention they receive; budget per image, `chunks="auto"`."""
+    model, processor = TINY_MODELS[name]()
+    images = [make_image(300, 200, 1), make_image(220, 330, 2)]
+    inputs = processor(images=images, text=[build_prompt(processor, "what?", 2)], return_tensors="pt")
+    method = vtoken.HoloV(budget=0.3, score="received", chunks="auto")
+    with torch.no_grad(), vtoken.patched(model, method) as handle:
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    scores, merged = _eager_received(model, inputs, module)
+    for record, a, x in zip(handle.records, scores, merged, strict=True):
+        keep = vtoken.tokens_to_keep(0.3, len(a))
+        assert record.kept.tolist() == reference(a, x, keep, "auto") and record.tokens_out == keep
+    assert_identity(model, vtoken.HoloV(budget=1.0, score="received"), inputs)
+
+
 def test_composes_with_an_llm_stage(llava, photos):
     model, processor = llava
     inputs = inputs_for(processor, [photos["astronaut"]], ["what is in the image?"])

@@ -19,9 +19,10 @@ attention at the feature layer), projected tokens x and a budget of k:
    "tokens"; here the missing ones are the most attended tokens not yet kept (the first on ties): exactly k real
    tokens. Kept: ascending in the sequence (the official orders them by chunk, then by attention).
 
-`score="received"` is vtoken's proxy for families without [CLS] (Qwen2.5-VL, Qwen3-VL): the attention each token
-receives in the vision tower's last full-attention block, head-mean and query-mean (the official Qwen path means
-that, but its scores are all ones).
+`score="received"` is vtoken's proxy for the Qwen towers, which have no [CLS] (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen3.5): the attention each merged token receives in the tower's last full-attention block, head-mean, averaged
+over its frame's queries and its 2 x 2 patches, in raster order (what the official Qwen path means; its branch on
+the weights' shape scores every token 1, and it pools in the window order).
 
 No host sync on single-crop images: counts come from the budget and the adapter's host-side token counts, every
 image of a run of images of the same geometry is scored in one batch. On images of several crops (LLaVA-NeXT) one
@@ -171,7 +172,10 @@ class HoloV(EncoderMethod):
                 "full-attention block) is the explicit opt-in"
             )
         if "received_attention" in missing:
-            return "score='received' is implemented for the Qwen2.5-VL and Qwen3-VL towers; elsewhere use score='cls'"
+            return (
+                "score='received' reads the Qwen towers' attention (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5); "
+                "elsewhere use score='cls'"
+            )
         return ""
 
     def chunk_count(self, length: int, keep: int) -> int:
