@@ -31,7 +31,8 @@ from bench_families import _build, image_encoder, measure, onevision_7b, qwen25_
 import vtoken  # noqa: E402
 from vtoken.images import example_image  # noqa: E402
 from vtoken.methods.mmtok import coverage_matrix, greedy_max_coverage  # noqa: E402
-from vtoken.zoo import build_prompt, tiny_llava, tiny_llava_next  # noqa: E402
+from vtoken.question import tokenizer_for  # noqa: E402
+from vtoken.zoo import build_prompt, tiny_clip, tiny_llava, tiny_llava_next  # noqa: E402
 
 QUESTION = "What is in the image? Describe every object, its colour and its position."
 METHODS = {
@@ -45,13 +46,49 @@ METHODS = {
     "vispruner": lambda b: vtoken.VisPruner(budget=b),
     "divprune": lambda b: vtoken.DivPrune(budget=b),
     "vidcom2": lambda b: vtoken.VidCom2(budget=b),
+    "holov": lambda b: vtoken.HoloV(budget=b),
+    "holov-received": lambda b: vtoken.HoloV(budget=b, score="received", chunks="auto"),  # the Qwen proxy
+    "cdpruner-llm": lambda b: vtoken.CDPruner(budget=b, relevance="llm"),  # vtoken's variant (no CLIP text tower)
 }
 APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the others are n/a)
-    "llava-1.5-7b": ("fastervlm", "hired", "mmtok", "fourier", "visionzip", "vispruner", "divprune", "random", "pool"),
-    "llava-next-7b": ("fastervlm", "hired", "mmtok", "visionzip", "vispruner", "divprune", "random", "pool"),
-    "qwen2.5-vl-7b": ("mmtok", "fourier", "divprune", "random", "pool"),
+    "llava-1.5-7b": (
+        "fastervlm",
+        "hired",
+        "mmtok",
+        "fourier",
+        "visionzip",
+        "vispruner",
+        "divprune",
+        "cdpruner",
+        "holov",
+        "random",
+        "pool",
+    ),  # fmt: skip
+    "llava-next-7b": (
+        "fastervlm",
+        "hired",
+        "mmtok",
+        "visionzip",
+        "vispruner",
+        "divprune",
+        "cdpruner",
+        "holov",
+        "random",
+        "pool",
+    ),  # fmt: skip
+    "qwen2.5-vl-7b": ("mmtok", "fourier", "divprune", "cdpruner-llm", "holov-received", "random", "pool"),
     "llava-onevision-7b video": ("vidcom2", "divprune", "mmtok", "random", "pool"),
 }
+# CLIP ViT-L/14's text tower (random weights like the rest), for CDPruner's official relevance on the LLaVAs
+CLIP_L_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                   projection_dim=768)  # fmt: skip
+
+
+def cdpruner_factory(model):
+    """CDPruner with a CLIP-L-shaped checkpoint fitting `model`'s tower: the text tower runs once per distinct
+    question (cached), so the timed runs, which repeat one question, leave it out."""
+    clip, tokenizer = tiny_clip(model, tokenizer_for(model, "cdpruner"), text=CLIP_L_TEXT)
+    return lambda b: vtoken.CDPruner(budget=b, clip=clip, clip_tokenizer=tokenizer)
 
 
 def _llava_shapes(layers: int | None) -> dict:
@@ -153,7 +190,7 @@ def main() -> None:
         if args.only and args.only != title:
             continue
         model, inputs = build(layers, device, dtype)
-        methods = {name: METHODS[name] for name in APPLIES[title]}
+        methods = {name: cdpruner_factory(model) if name == "cdpruner" else METHODS[name] for name in APPLIES[title]}
         started = time.perf_counter()
         rows = measure(title, model, inputs, args.budgets, repeats, device, dtype, encoder, methods)
         results[title] = rows
