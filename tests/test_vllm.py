@@ -30,6 +30,7 @@ from vllm_support import (
     vllm_python,
 )
 
+TINY_CLIP = "<tiny CLIP>"  # a tiny CLIP checkpoint fitting the LLaVA tower, saved beside the checkpoints
 PARITY = {
     "llava": [
         ("random", {"budget": 0.25}),
@@ -40,6 +41,8 @@ PARITY = {
         ("fourier", {"budget": 0.25}),
         ("visionzip", {"budget": 0.25}),
         ("divprune", {"budget": 0.1}),
+        ("holov", {"budget": 0.25}),  # one crop per image: the image's budget is known before encoding
+        ("cdpruner", {"budget": 0.25, "clip": TINY_CLIP}),  # the CLIP relevance, a CLIP checkpoint directory
     ],
     # VisPruner uses the whole [CLS]-score order: on a tower whose queries are sharpened (scores well apart), and on
     # the first photo only (see SAME_PICTURE)
@@ -52,6 +55,7 @@ PARITY = {
         ("mmtok", {"budget": 0.25, "layout": "official"}),
         ("visionzip", {"budget": 0.25, "layout": "official"}),
         ("divprune", {"budget": 0.1}),
+        ("cdpruner", {"budget": 0.25, "relevance": "llm", "layout": "official"}),  # one min-max per image
     ],
     # DivPrune: picks from the encoder's output, made when the request is added (positions are fixed then)
     "qwen2.5-vl": [
@@ -92,6 +96,11 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("llava-next", {"method": "hired", "rate": 0.2, "layout": "official"}, ["vtoken", "hired", "from the data"]),
     ("llava-next", {"method": "divprune", "layout": "official"}, ["vtoken", "divprune", "layout='native'"]),
     ("llava-next", {"method": "fourier", "layout": "official"}, ["vtoken", "fourier", "resized_grid"]),
+    # HoloV shares an image's budget out over its crops by the data; CDPruner's CLIP relevance needs a CLIP text
+    # tower for the model's tower (Qwen has none), and a CLIP of the tower's width
+    ("llava-next", {"method": "holov", "layout": "official"}, ["vtoken", "holov", "from the data"]),
+    ("qwen2.5-vl", {"method": "cdpruner"}, ["vtoken", "cdpruner", "clip_features"]),
+    ("llava", {"method": "cdpruner"}, ["vtoken", "cdpruner", "vision width 1024", "relevance='llm'"]),
     # architectures not served: named, with the served ones (never silently run unpruned)
     ("llama", {"method": "random", "budget": 0.25},
      ["vtoken", "LlamaForCausalLM", "not served", "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
@@ -99,6 +108,23 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
 ]  # fmt: skip
 TEXT_PROMPT = "the quick brown fox"
 TP_METHOD, TP_PARAMS = "fastervlm", {"budget": 0.25}  # [CLS] scores: the head mean spans both ranks' heads
+
+
+def _with_clip(params: dict, models: dict) -> dict:
+    """`params` with the tiny CLIP's directory where PARITY names it."""
+    return {k: str(models["llava"] / "tiny-clip") if v == TINY_CLIP else v for k, v in params.items()}
+
+
+def _save_tiny_clip(models: dict) -> None:
+    """A tiny CLIP whose vision width is the LLaVA tower's, saved with its tokenizer inside the LLaVA checkpoint."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    import vtoken
+
+    model = AutoModelForImageTextToText.from_pretrained(models["llava"])
+    clip, tokenizer = vtoken.zoo.tiny_clip(model, AutoTokenizer.from_pretrained(models["llava"]))
+    clip.save_pretrained(models["llava"] / "tiny-clip")
+    tokenizer.save_pretrained(models["llava"] / "tiny-clip")
 
 
 def _cases(family, pictures, method) -> list[tuple[str, Path]]:
@@ -128,6 +154,7 @@ def served(tmp_path_factory):
     vllm_python()  # skip (or fail in CI) before building anything
     folder = tmp_path_factory.mktemp("vllm")
     models = save_checkpoints(folder, (*PARITY, "llama"))
+    _save_tiny_clip(models)
     pictures = images(folder)
     engines, keys = [], []
     # first, before in-process engines ran: tensor parallelism forks its worker processes
@@ -141,7 +168,7 @@ def served(tmp_path_factory):
     keys.append(("stock", "llama", None))
     for family, methods in PARITY.items():
         for method, params in methods:
-            override = {"method": method, **params}
+            override = {"method": method, **_with_clip(params, models)}
             requests = _requests(family, pictures, method)
             engines.append({"model": str(models[family]), "override": override, "requests": requests})
             keys.append(("alone", family, method))
@@ -163,7 +190,7 @@ def test_parity_with_transformers(served, family, method, params):
     got = results[("alone", family, method)]
     assert "error" not in got, got.get("error")
     for request, (question, image) in zip(got["results"], _cases(family, pictures, method), strict=True):
-        ref = reference(models[family], family, method, params, question, image)
+        ref = reference(models[family], family, method, _with_clip(params, models), question, image)
         assert ref["dropped"] > 0  # pruning happened on transformers, so the shorter prompt is a real check
         assert_same(request, ref)
 

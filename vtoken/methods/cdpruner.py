@@ -69,21 +69,28 @@ def clean_question(question: str) -> str:
 @dataclass
 class ClipText:
     """What CDPruner uses of a CLIP checkpoint: the text tower with its projection, the image projection and the
-    tokenizer. segment: the text tower's positions (77): longer questions are cut into rows of this length."""
+    tokenizer. segment: the text tower's positions (77): longer questions are cut into rows of this length.
+    vision_norm: the checkpoint's vision `post_layernorm` (fp32), for engines whose LLaVA tower is built without its
+    own (vLLM builds it up to the feature layer): LLaVA-1.5/NeXT's towers are CLIP-L/336's, frozen, so it is theirs."""
 
     text_model: torch.nn.Module
     text_projection: torch.nn.Module
     visual_projection: torch.Tensor  # [E, Dv] fp32
     tokenizer: Any
     segment: int
+    vision_norm: torch.nn.Module | None = None
 
     @classmethod
-    def of(cls, model: Any, tokenizer: Any, device: torch.device) -> ClipText:
+    def of(cls, model: Any, tokenizer: Any, device: torch.device, vision_norm: Any = None) -> ClipText:
         text_model, text_projection = model.text_model, model.text_projection
         if next(text_model.parameters()).device != device:
             text_model, text_projection = _copy_to(text_model, device), _copy_to(text_projection, device)
         visual = model.visual_projection.weight.detach().to(device=device, dtype=torch.float32)
-        return cls(text_model, text_projection, visual, tokenizer, model.config.text_config.max_position_embeddings)
+        if vision_norm is None and getattr(model, "vision_model", None) is not None:
+            vision_norm = model.vision_model.post_layernorm
+        norm = None if vision_norm is None else _copy_to(vision_norm, device).float()
+        positions = model.config.text_config.max_position_embeddings
+        return cls(text_model, text_projection, visual, tokenizer, positions, norm)
 
     def embed(self, questions: list[str]) -> list[torch.Tensor]:
         """Per question, [M, E] fp32 text embeddings of its rows of `segment` tokens (zero-padded, mask 0)."""
@@ -166,8 +173,9 @@ def clip_config(source: str) -> Any:
         return _CONFIGS[source]
 
 
-def load_clip(source: str, tokenizer: Any = None) -> tuple[Any, Any]:
-    """(CLIPModel in fp32 on the CPU, its tokenizer or `tokenizer`) of a checkpoint id or path, loaded once."""
+def load_clip(source: str, tokenizer: Any = None) -> tuple[Any, Any, Any]:
+    """(CLIPModel in fp32 on the CPU without its vision tower, its tokenizer or `tokenizer`, the vision tower's
+    `post_layernorm`) of a checkpoint id or path, loaded once."""
     with _LOCK:
         if source not in _LOADED:
             from transformers import AutoTokenizer, CLIPModel
@@ -181,10 +189,11 @@ def load_clip(source: str, tokenizer: Any = None) -> tuple[Any, Any]:
                 loaded = AutoTokenizer.from_pretrained(source, **kwargs) if tokenizer is None else None
             except Exception as error:  # noqa: BLE001
                 raise _load_failure(source, "tokenizer", error) from error
-            model.vision_model = None  # only its projection is used: free the vision tower
-            _LOADED[source] = (model, loaded)
-        model, loaded = _LOADED[source]
-        return model, tokenizer if tokenizer is not None else loaded
+            norm = model.vision_model.post_layernorm
+            model.vision_model = None  # only its projection and final norm are used: free the vision tower
+            _LOADED[source] = (model, loaded, norm)
+        model, loaded, norm = _LOADED[source]
+        return model, tokenizer if tokenizer is not None else loaded, norm
 
 
 @register_method
@@ -271,15 +280,23 @@ class CDPruner(EncoderMethod):
         if isinstance(self.clip, str) and known is not None:
             clip_config(self.clip)  # offline and absent: the error now, at patch
 
+    def clip_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The "clip_features" signal from a LLaVA tower's feature-layer patches [C, N, Dv] for an engine that built
+        the tower without its final norm (vLLM): the CLIP checkpoint's own vision `post_layernorm`, fp32."""
+        norm = self._clip_parts(features.device).vision_norm
+        if norm is None:
+            raise VTokenError(f"{self.name}: the CLIP checkpoint has no vision post_layernorm to make clip_features")
+        return norm(features.float())
+
     # ----------------------------------------------------------------- the text side
     def _clip_parts(self, device: torch.device) -> ClipText:
         key = str(device)
         if key not in self._clip_on:
             if isinstance(self.clip, str):
-                model, tokenizer = load_clip(self.clip, self.clip_tokenizer)
+                model, tokenizer, norm = load_clip(self.clip, self.clip_tokenizer)
             else:
-                model, tokenizer = self.clip, self.clip_tokenizer
-            self._clip_on[key] = ClipText.of(model, tokenizer, device)
+                model, tokenizer, norm = self.clip, self.clip_tokenizer, None
+            self._clip_on[key] = ClipText.of(model, tokenizer, device, norm)
         return self._clip_on[key]
 
     def text_means(self, tokens: VisualTokens, device: torch.device) -> torch.Tensor:

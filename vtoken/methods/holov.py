@@ -178,6 +178,11 @@ class HoloV(EncoderMethod):
             )
         return ""
 
+    def count_before_encoding(self, n: int, grid: tuple[int, int], crops: int = 1) -> int | None:
+        """An image of one crop keeps the budget of its n tokens; an image of several crops shares its budget
+        out over them by the data (vLLM sizes LLaVA-NeXT's placeholders crop by crop: None there)."""
+        return self.keep_count(n) if crops == 1 else None
+
     def chunk_count(self, length: int, keep: int) -> int:
         if self.chunks == "auto":
             return max(1, int((1024 / 576) * length / keep)) if keep else 1

@@ -62,6 +62,9 @@ class LlavaFamily:
         if self.has_cls:
             signals |= {"cls_attention", "keys"} | {f"cls_attention@{i}" for i in range(self.feature_layer + 1)}
             signals |= {f"cls_attention@{i - self.num_layers}" for i in range(self.feature_layer + 1)}
+            # CDPruner's image embeds: the tower is CLIP-L/336's, its final norm the CLIP checkpoint's (vLLM builds
+            # the tower up to the feature layer, without it)
+            signals.add("clip_features")
         return signals
 
     def attention_layer(self, signal: str) -> int:
@@ -90,6 +93,7 @@ class LlavaFamily:
         method = config.method
         check_signals(method, self.signals(), self.name)
         check_modality(method, self.name)
+        check_clip(method, self.hf_config)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
         n = self.side * self.side
@@ -104,6 +108,15 @@ def why_counts() -> str:
         "vLLM sizes a prompt's image placeholders before the encoder runs, so only methods whose count is known "
         "then are served (a fraction or count budget with scope='crop'); use vtoken.patch on transformers for this"
     )
+
+
+def check_clip(method, hf_config: Any) -> None:
+    """CDPruner's CLIP checkpoint must read the tower's width (refused at start otherwise, as `vtoken.patch` does)."""
+    if "clip_features" in method.requires:
+        try:
+            method.check_clip_width(hf_config.vision_config.hidden_size)
+        except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
+            raise error(str(err)) from None
 
 
 def check_modality(method, family: str) -> None:
@@ -268,6 +281,8 @@ def encode_crops(model, family: LlavaFamily, method, crops: torch.Tensor) -> tup
     if with_cls:
         signals["cls_token"] = hidden[:, 0]
         hidden = hidden[:, 1:]
+    if "clip_features" in method.requires:
+        signals["clip_features"] = lambda features=hidden: method.clip_features(features)
     return hidden, signals
 
 

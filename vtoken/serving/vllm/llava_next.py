@@ -31,6 +31,7 @@ from .llava import (
     LlavaFamily,
     PrunedImagePlaceholders,
     PruningModel,
+    check_clip,
     check_modality,
     check_signals,
     encode_crops,
@@ -75,6 +76,7 @@ class LlavaNextFamily(LlavaFamily):
         method, layout = config.method, config.layout
         check_signals(method, self.signals(), self.name)
         check_modality(method, self.name)
+        check_clip(method, self.hf_config)
         if layout not in LAYOUTS:
             raise error(f"layout={layout!r} is not available for {self.name}; it has: {', '.join(LAYOUTS)}")
         placed = method.acts_on == "placed"
