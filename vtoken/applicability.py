@@ -19,6 +19,9 @@ from .registry import available_methods, make_method
 MUSTDROP_LAYERS = (2, 6, 10, 14)
 # PyramidDrop's and SparseVLM's official layers on a 32-layer LLaMA; a shallower LLM gets them scaled to its depth
 OFFICIAL_DEPTH = 32
+# the documented opt-in variants of methods whose official signal a model may lack: CDPruner's CLIP relevance (a
+# CLIP text tower for the model's tower), HoloV's [CLS] attention
+VARIANTS = {"cdpruner": {"relevance": "llm"}, "holov": {"score": "received"}}
 
 
 def _language_model(model: nn.Module) -> nn.Module:
@@ -35,7 +38,12 @@ def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
     """Parameters a method needs beyond its defaults to fit `model`: LLM drop points within the LLM's depth
     (FastV's layer 2 and MustDrop's layers (2, 6, 10, 14) need an LLM of at least 4 and 16 layers; PyramidDrop's
     (8, 16, 24) and SparseVLM's (2, 6, 15) are scaled to a shallower LLM, SparseVLM's official counts kept; DyCoke's
-    layer 3 becomes the deepest that fits, reading a softmax-attention layer)."""
+    layer 3 becomes the deepest that fits, reading a softmax-attention layer; CDPruner and HoloV their labelled
+    variant, `VARIANTS`, where the official signal is missing and the variant applies)."""
+    if name in VARIANTS:
+        if _applies(model, name, {}) or not _applies(model, name, VARIANTS[name]):
+            return {}
+        return dict(VARIANTS[name])
     if name not in ("fastv", "mustdrop", "dart", "pyramiddrop", "sparsevlm", "dycoke"):
         return {}
     depth = llm_depth(model)
@@ -64,6 +72,22 @@ def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
         return {"layers": tuple(layers), "ratios": (0.5, 0.25, 0.125)[: len(layers)]}
     layers = nearest(scored, (2, 6, 15))
     return {"layers": tuple(layers), "keep": (300, 200, 110)[-len(layers) :]}  # fewer layers: the last counts
+
+
+def _applies(model: nn.Module, name: str, params: dict[str, Any]) -> bool:
+    """Whether `patch` would accept method `name` with `params` on `model` in some layout."""
+    adapter = _find_adapter(model)
+    try:
+        method = make_method(name, **params)
+    except VTokenError:
+        return False
+    for layout in adapter.layouts:
+        try:
+            adapter(model, [method], layout)  # validates only; installs nothing
+        except VTokenError:
+            continue
+        return True
+    return False
 
 
 def attention_layers(model: nn.Module) -> set[int]:

@@ -50,6 +50,8 @@ def control_specs() -> list[Control]:
             "fourier": [("budget", "budget"), ("reserve", "optional_int"), ("ratio", "optional_float")],
             "visionzip": [("budget", "budget")],  # D + C per crop, split 54:10 as the official settings
             "vispruner": [("budget", "budget"), ("important_ratio", "float")],
+            "cdpruner": [("budget", "budget"), ("relevance", "choice")],
+            "holov": [("budget", "budget"), ("chunks", "count"), ("alpha", "float"), ("score", "choice")],
             "sparse_prefill": [
                 ("pattern", "choice"),
                 ("density", "optional_float"),
@@ -169,6 +171,8 @@ def make_control(gr, control: Control, defaults: dict[str, Any]):
             "scope": list(getattr(cls, "scopes", ("crop",))),
             "partition": ["bands", "tiles"],
             "pattern": ["vertical_slash", "a_shape", "grid"],
+            "relevance": ["clip", "llm"],
+            "score": ["cls", "received"],
         }[control.param]
         return gr.Radio(options, value=value if value in options else options[0], label=label)
     if control.kind == "optional_int":
