@@ -125,8 +125,9 @@ def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-lla
     relevance with a tiny CLIP fitting `family`'s tower where it has one."""
     budget = 1.0 if full else draw(budgets)
     if name == "cdpruner":
-        if not full:  # its greedy loop (the PyTorch reference on CPU) takes k steps: small budgets keep it fast
-            budget = draw(st.one_of(st.floats(0.01, 0.3), st.integers(1, 100)))
+        if not full:  # k greedy steps (the PyTorch reference on CPU): small budgets keep it fast, and below the
+            # tiny models' rank (64-wide tokens) its picks are clear of rounding, so batch and rows agree
+            budget = draw(st.one_of(st.floats(0.01, 0.07), st.integers(1, 40)))
         relevance = draw(st.sampled_from(["clip", "llm"] if family in CLIP_FAMILIES else ["llm", "llm", "clip"]))
         clip = dict(zip(("clip", "clip_tokenizer"), clip_for(family), strict=True)) if family in CLIP_FAMILIES else {}
         theta = draw(st.one_of(st.none(), st.floats(0.05, 0.95)))
