@@ -108,6 +108,8 @@ def _short(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, tuple):
         return "(" + ",".join(map(str, value)) + ")"
+    if not isinstance(value, (str, int, type(None))) and hasattr(value, "__dict__"):
+        return type(value).__name__  # an object (a loaded CLIPModel, a tokenizer): its class, not its whole repr
     return str(value)
 
 

@@ -304,10 +304,11 @@ class CDPruner(EncoderMethod):
         cosine over the rows is one dot product). Cached per distinct list of questions."""
         questions = tuple(clean_question(q) for q in tokens.question.questions)
         key = (questions, str(device), self.relevance)
-        means = self._texts.get(key)
-        if means is not None:
-            self._texts.move_to_end(key)
-            return means
+        with _LOCK:
+            means = self._texts.get(key)
+            if means is not None:
+                self._texts.move_to_end(key)
+                return means
         distinct = list(dict.fromkeys(questions))
         with torch.no_grad():
             if self.relevance == "clip":
@@ -319,9 +320,10 @@ class CDPruner(EncoderMethod):
                 for q, r in zip(distinct, rows, strict=True)
             }
             means = torch.stack([per_question[q] for q in questions])
-        self._texts[key] = means
-        if len(self._texts) > TEXT_CACHE:
-            self._texts.popitem(last=False)
+        with _LOCK:  # threads calling one patched model share the cache
+            self._texts[key] = means
+            if len(self._texts) > TEXT_CACHE:
+                self._texts.popitem(last=False)
         return means
 
     # ----------------------------------------------------------------- selection
@@ -365,7 +367,8 @@ class CDPruner(EncoderMethod):
         counts = [self.keep_count(s) if s else 0 for s in sizes]
         width = max(counts, default=0)
         uniform = len(set(counts)) <= 1
-        valid = tokens.valid.to(device) if tokens.valid is not None else None
+        # non_blocking: a host tensor's copy to the GPU is queued, never waited for (no host sync)
+        valid = tokens.valid.to(device, non_blocking=True) if tokens.valid is not None else None
         order = torch.arange(n, device=device)
         if counts == sizes:  # every crop keeps all its valid tokens
             if valid is None:
@@ -373,7 +376,7 @@ class CDPruner(EncoderMethod):
             keep_all = order.masked_fill(~valid, n).sort(-1).values[:, :width]
             return Selection(kept=keep_all, counts=None if uniform else counts)
         excluded = None if valid is None else ~valid
-        image = None if tokens.image_index is None else tokens.image_index.to(device)
+        image = None if tokens.image_index is None else tokens.image_index.to(device, non_blocking=True)
         from ..kernels.dpp import dpp_greedy  # imports triton where installed: only when selecting
 
         with torch.no_grad():

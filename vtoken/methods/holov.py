@@ -213,7 +213,7 @@ class HoloV(EncoderMethod):
         device = features.device
         n = tokens.num_tokens
         runs = self.runs(tokens)
-        valid = tokens.valid.to(device) if tokens.valid is not None else None
+        valid = tokens.valid.to(device, non_blocking=True) if tokens.valid is not None else None  # queued, no sync
         order = tokens.signals.get("sequence_index")
         marks = []
         with torch.no_grad():
