@@ -42,7 +42,7 @@ PARITY = {
         ("visionzip", {"budget": 0.25}),
         ("divprune", {"budget": 0.1}),
         ("holov", {"budget": 0.25}),  # one crop per image: the image's budget is known before encoding
-        ("cdpruner", {"budget": 32, "clip": TINY_CLIP}),  # the CLIP relevance from a directory; below the rank
+        ("cdpruner", {"budget": 24, "clip": TINY_CLIP}),  # the CLIP relevance from a directory; picks clear of ties
     ],
     # VisPruner uses the whole [CLS]-score order: on a tower whose queries are sharpened (scores well apart), and on
     # the first photo only (see SAME_PICTURE)
@@ -55,7 +55,7 @@ PARITY = {
         ("mmtok", {"budget": 0.25, "layout": "official"}),
         ("visionzip", {"budget": 0.25, "layout": "official"}),
         ("divprune", {"budget": 0.1}),
-        ("cdpruner", {"budget": 32, "relevance": "llm", "layout": "official"}),  # one min-max per image
+        ("cdpruner", {"budget": 24, "relevance": "llm", "layout": "official"}),  # one min-max per image
     ],
     # DivPrune: picks from the encoder's output, made when the request is added (positions are fixed then)
     "qwen2.5-vl": [
