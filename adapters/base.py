@@ -391,7 +391,7 @@ class Adapter(CallPath, FrameLayout):
                     if out_of_range
                     else f"it provides {sorted(provided | COMMON_SIGNALS)}"
                 )
-                hint = method.missing_signal_hint(missing)
+                hint = method.missing_signal_hint(missing) if hasattr(method, "missing_signal_hint") else ""
                 raise MissingSignalError(
                     f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
                     f"({self.family}) cannot provide; {why}" + (f". {hint}" if hint else "")

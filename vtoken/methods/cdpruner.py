@@ -37,18 +37,20 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from ..budget import Budget
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, OrNone, Param, Real, Texts
 from ..tokens import Selection, VisualTokens
-from ..validation import choice, real, texts
 from .base import EncoderMethod
 from .mmtok import LMMS_EVAL_SUFFIXES
+
+if TYPE_CHECKING:
+    from ..modelview import ModelView
 
 DEFAULT_CLIP = "openai/clip-vit-large-patch14-336"
 # vision widths of CLIP checkpoints LLaVA towers come from, to check a model against them without the hub
@@ -196,7 +198,43 @@ def load_clip(source: str, tokenizer: Any = None) -> tuple[Any, Any, Any]:
         return model, tokenizer if tokenizer is not None else loaded, norm
 
 
-@register_method
+@dataclass(frozen=True)
+class ClipSource(Param):
+    """A CLIP checkpoint: a hub id or a directory (str or path), or a loaded `transformers.CLIPModel`."""
+
+    def check(self, method: Any, name: str, value: Any) -> Any:
+        if isinstance(value, (str, os.PathLike)):
+            value = os.fspath(value)
+            if value.strip():
+                return value
+        elif all(hasattr(value, a) for a in ("text_model", "text_projection", "visual_projection")):
+            return value
+        shown = repr(value) if isinstance(value, str) else type(value).__name__
+        raise VTokenError(
+            f"{method.name}: {name}={shown}; expected a CLIP checkpoint id or directory (str) or a loaded "
+            "transformers.CLIPModel"
+        )
+
+    def text(self) -> str:
+        return "a CLIP checkpoint id or directory, or a loaded transformers.CLIPModel"
+
+
+@dataclass(frozen=True)
+class Tokenizer(Param):
+    """A tokenizer: callable on a string, as transformers tokenizers are."""
+
+    def check(self, method: Any, name: str, value: Any) -> Any:
+        if not callable(value):
+            raise VTokenError(
+                f"{method.name}: {name}={type(value).__name__}; expected a tokenizer (callable on a string, as "
+                "transformers tokenizers are) or None"
+            )
+        return value
+
+    def text(self) -> str:
+        return "a tokenizer (the CLIP checkpoint's)"
+
+
 @dataclass
 class CDPruner(EncoderMethod):
     """`budget`: tokens kept per crop, a count (official 64 / 128 / 192 of LLaVA-1.5's 576; LLaVA-NeXT 32 / 64 /
@@ -216,33 +254,22 @@ class CDPruner(EncoderMethod):
     name = "cdpruner"
     scopes = ("crop",)
     modalities = ("image",)
+    params = {
+        "theta": OrNone(Real("(0, 1)", hint="the relevance weight; theta = 1 would weigh relevance infinitely")),
+        "relevance": Choice(RELEVANCES, hint="'clip' official; 'llm' vtoken's variant for every family"),
+        "clip": ClipSource(),
+        "clip_tokenizer": OrNone(Tokenizer()),
+        "question": OrNone(Texts()),
+    }
+    layouts = ("native", "official")
+    controls = ("budget", "relevance")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.theta is not None:
-            self.theta = real(self.name, "theta", self.theta, "(0, 1)",
-                              hint="the relevance weight; theta = 1 would weigh relevance infinitely")  # fmt: skip
-        self.relevance = choice(self.name, "relevance", self.relevance, RELEVANCES)
-        if self.question is not None:
-            self.question = texts(self.name, "question", self.question)
-        if isinstance(self.clip, (str, os.PathLike)):
-            self.clip = os.fspath(self.clip)
-            if not self.clip.strip():
-                raise VTokenError(f"{self.name}: clip={self.clip!r}; expected a CLIP checkpoint id or directory")
-        elif not all(hasattr(self.clip, a) for a in ("text_model", "text_projection", "visual_projection")):
-            raise VTokenError(
-                f"{self.name}: clip={type(self.clip).__name__}; expected a CLIP checkpoint id or directory (str) or a "
-                "loaded transformers.CLIPModel"
-            )
-        elif self.clip_tokenizer is None and self.relevance == "clip":
+        if not isinstance(self.clip, str) and self.clip_tokenizer is None and self.relevance == "clip":
             raise VTokenError(
                 f"{self.name}: clip is a loaded {type(self.clip).__name__}; pass its tokenizer as clip_tokenizer= "
                 "(e.g. transformers.AutoTokenizer.from_pretrained of the same checkpoint)"
-            )
-        if self.clip_tokenizer is not None and not callable(self.clip_tokenizer):
-            raise VTokenError(
-                f"{self.name}: clip_tokenizer={type(self.clip_tokenizer).__name__}; expected a tokenizer (callable "
-                "on a string, as transformers tokenizers are) or None"
             )
         self._texts: OrderedDict = OrderedDict()  # (questions, device) -> [images, E] mean unit text embedding
         self._clip_on: dict[str, ClipText] = {}  # device -> the CLIP parts there
@@ -251,6 +278,16 @@ class CDPruner(EncoderMethod):
     def requires(self) -> tuple[str, ...]:
         signals = ("question", "projected")
         return signals + ("clip_features",) if self.relevance == "clip" else signals
+
+    @classmethod
+    def fit(cls, model: ModelView) -> dict[str, Any]:
+        """CDPruner-LLM (`relevance="llm"`, the labelled variant) where the official CLIP relevance cannot apply:
+        no CLIP text tower for the model's tower, or a tower whose width is not the default checkpoint's (the tiny
+        models)."""
+        width = KNOWN_VISION_WIDTHS.get(DEFAULT_CLIP)
+        if "clip_features" not in model.signals or model.vision_width not in (None, width):
+            return {"relevance": "llm"}
+        return {}
 
     def missing_signal_hint(self, missing: list[str]) -> str:
         if "clip_features" in missing:

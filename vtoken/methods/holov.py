@@ -34,14 +34,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import groupby
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..budget import Budget
-from ..registry import register_method
+from ..errors import VTokenError
+from ..params import Choice, Param, Real
 from ..tokens import Selection, VisualTokens
-from ..validation import choice, integer, real
+from ..validation import integer
 from .base import EncoderMethod
+
+if TYPE_CHECKING:
+    from ..modelview import ModelView
 
 SCORES = {"cls": "cls_attention", "received": "received_attention"}
 
@@ -64,7 +69,7 @@ class ImageRun:
 
 
 @dataclass(frozen=True)
-class Chunks:
+class ChunkLayout:
     """The chunk layout of a sequence of `length` tokens in P contiguous runs, padded to the longest run n: the
     sequence position of every slot [P, n] (padding: the last token), `pad` [P, n], `off` [P, n, n] (the
     similarity entries a chunk's statistics leave out: padding and the diagonal), `tokens` [P] and `others` [P, 1]
@@ -80,7 +85,7 @@ class Chunks:
     ranks: torch.Tensor  # [max(P, n)] 0, 1, 2, ...
 
     @classmethod
-    def of(cls, length: int, chunks: int, device: torch.device) -> Chunks:
+    def of(cls, length: int, chunks: int, device: torch.device) -> ChunkLayout:
         base, extra = divmod(length, chunks)
         count = min(chunks, length)  # empty chunks are skipped
         widest = base + (extra > 0)
@@ -97,22 +102,22 @@ class Chunks:
         return cls(members, pad, off, size.float(), others, size <= 1, slots, ranks)
 
 
-_LAYOUTS: dict[tuple, Chunks] = {}  # (length, chunks, device) -> the chunk layout, built once
+_LAYOUTS: dict[tuple, ChunkLayout] = {}  # (length, chunks, device) -> the chunk layout, built once
 LAYOUTS_KEPT = 64
 
 
-def chunk_layout(length: int, chunks: int, device: torch.device) -> Chunks:
+def chunk_layout(length: int, chunks: int, device: torch.device) -> ChunkLayout:
     """The (cached) layout of `length` tokens in `chunks` chunks on `device`: geometry, the same for every call."""
     key = (length, chunks, str(device))
     layout = _LAYOUTS.get(key)
     if layout is None:
         if len(_LAYOUTS) >= LAYOUTS_KEPT:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        layout = _LAYOUTS[key] = Chunks.of(length, chunks, device)
+        layout = _LAYOUTS[key] = ChunkLayout.of(length, chunks, device)
     return layout
 
 
-def chunk_scores(x: torch.Tensor, a: torch.Tensor, chunks: Chunks, alpha: float) -> torch.Tensor:
+def chunk_scores(x: torch.Tensor, a: torch.Tensor, chunks: ChunkLayout, alpha: float) -> torch.Tensor:
     """HoloV's score of every chunk: x [B, P, n, D] tokens, a [B, P, n] attention (0 at padding) -> [B, P] fp32."""
     x = x.float()
     unit = x / (x.norm(dim=-1, keepdim=True) + 1e-6)
@@ -134,7 +139,23 @@ def ranked_first(values: torch.Tensor, count: torch.Tensor, ranks: torch.Tensor)
     return torch.empty_like(chosen).scatter_(-1, order, chosen)
 
 
-@register_method
+@dataclass(frozen=True)
+class ChunkCount(Param):
+    """An int >= 1, or "auto" (the official Qwen rule)."""
+
+    control: ClassVar[str] = "count"
+
+    def check(self, method: Any, name: str, value: Any) -> Any:
+        if value == "auto" and isinstance(value, str):
+            return value
+        if isinstance(value, str):
+            raise VTokenError(f"{method.name}: {name}={value!r}; expected an int >= 1 or 'auto'")
+        return integer(method.name, name, value, 1, hint='chunks per image, or "auto"')
+
+    def text(self) -> str:
+        return 'chunks per image: an int >= 1, or "auto"'
+
+
 @dataclass
 class HoloV(EncoderMethod):
     """`budget`: tokens kept per image (official 64 of LLaVA-1.5's 576; paper tables 192 / 128 / 64), a count or a
@@ -152,17 +173,26 @@ class HoloV(EncoderMethod):
     scopes = ("image",)
     modalities = ("image",)
     uses = ("sequence_index",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.chunks != "auto":
-            self.chunks = integer(self.name, "chunks", self.chunks, 1, hint='chunks per image, or "auto"')
-        self.alpha = real(self.name, "alpha", self.alpha, "[0, inf)", hint="the weight of the similarity variance")
-        self.score = choice(self.name, "score", self.score, tuple(SCORES))
+    params = {
+        "chunks": ChunkCount(),
+        "alpha": Real("[0, inf)", hint="the weight of the similarity variance"),
+        "score": Choice(tuple(SCORES), hint="'cls' official; 'received' vtoken's proxy on the Qwen towers"),
+    }
+    layouts = ("native", "official")
+    official_packing = ("unpad before selection",)  # one HoloV over the base view + the unpadded grid
+    controls = ("budget", "chunks", "alpha", "score")
 
     @property
     def requires(self) -> tuple[str, ...]:
         return (SCORES[self.score], "projected")
+
+    @classmethod
+    def fit(cls, model: ModelView) -> dict[str, Any]:
+        """The received-attention proxy (`score="received"`, labelled) where there is no [CLS] but the tower
+        serves it (the Qwen towers)."""
+        if "cls_attention" not in model.signals and "received_attention" in model.signals:
+            return {"score": "received"}
+        return {}
 
     def missing_signal_hint(self, missing: list[str]) -> str:
         if "cls_attention" in missing:
