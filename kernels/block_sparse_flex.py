@@ -89,9 +89,10 @@ def flex_block_mask(
     counts = block_counts.expand(batch, heads, -1)
     index = block_index.expand(batch, heads, *block_index.shape[2:]).long()
     rows, width = index.shape[2], index.shape[3]
-    width_padded = min(bucket(max(width, 1)), blocks)
+    # inductor's CPU template wants a list as wide as the key blocks; CUDA's reads only the listed entries
+    width_padded = blocks if index.device.type == "cpu" else min(bucket(max(width, 1)), blocks)
     counts = F.pad(counts, (0, blocks - rows))
-    index = F.pad(index, (0, width_padded - width, 0, blocks - rows))
+    index = F.pad(index[..., :width_padded], (0, max(width_padded - width, 0), 0, blocks - rows))
     listed = torch.arange(width_padded, device=index.device) < counts[..., None].long()
     query_block = torch.arange(blocks, device=index.device)[:, None]
     block_valid = valid.view(batch, blocks, block_size).all(-1)  # [B, Kb]
