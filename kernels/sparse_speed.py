@@ -60,6 +60,8 @@ class BreakEven:
             raise ValueError("BreakEven: lengths ascending, one fixed / per_density / estimate value per length")
         if not 0 < self.margin <= 1:
             raise ValueError(f"BreakEven: margin={self.margin}; expected a ratio in (0, 1]")
+        if min(self.per_density) < 0 or min(self.fixed) < 0 or min(self.estimate) < 0:
+            raise ValueError("BreakEven: fixed, per_density and estimate are times over dense attention, >= 0")
 
     def _at(self, values: tuple[float, ...], length: int) -> float:
         if length >= self.lengths[-1]:
@@ -82,7 +84,10 @@ class BreakEven:
         if length < self.lengths[0]:
             return None
         fixed = self._at(self.fixed, length) + (self._at(self.estimate, length) if estimated else 0.0)
-        return max(0.0, min(1.0, (self.margin - fixed) / self._at(self.per_density, length)))
+        slope = self._at(self.per_density, length)
+        if slope == 0:
+            return 1.0 if fixed < self.margin else 0.0
+        return max(0.0, min(1.0, (self.margin - fixed) / slope))
 
     def decide(self, length: int, density: float, estimated: bool) -> tuple[bool, str]:
         """(run sparse?, why) for one layer."""
@@ -114,14 +119,15 @@ ACHIEVED_DENSITY = 0.11  # density 0.1 plus the sink and diagonal blocks every r
 
 
 def fit_kernel(densities, speedups) -> tuple[float, float]:
-    """(fixed, per_density) of time ratio = 1 / speedup ~ fixed + per_density * rho, least squares, then `fixed`
-    raised so that no measured point is slower than the fit predicts (conservative)."""
+    """(fixed, per_density) of time ratio = 1 / speedup ~ fixed + per_density * rho, least squares (the slope at
+    least 0: noise must not make denser plans look cheaper), then `fixed` raised so that no measured point is
+    slower than the fit predicts (conservative)."""
     ratios = [1 / s for s in speedups]
     n = len(densities)
     mean_x, mean_y = sum(densities) / n, sum(ratios) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(densities, ratios, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in densities
-    )
+    spread = sum((x - mean_x) ** 2 for x in densities)
+    covariance = sum((x - mean_x) * (y - mean_y) for x, y in zip(densities, ratios, strict=True))
+    slope = max(covariance / spread, 0.0) if spread > 0 else 0.0
     fixed = mean_y - slope * mean_x
     fixed += max(0.0, *(y - (fixed + slope * x) for x, y in zip(densities, ratios, strict=True)))
     return fixed, slope

@@ -588,6 +588,10 @@ def test_break_even_model_validation():
         BreakEven(lengths=(8,), fixed=(0, 0), per_density=(1,), estimate=(0,))
     with pytest.raises(ValueError):
         BreakEven(lengths=(8,), fixed=(0,), per_density=(1,), estimate=(0,), margin=1.5)
+    with pytest.raises(ValueError):
+        BreakEven(lengths=(8,), fixed=(0,), per_density=(-1,), estimate=(0,))
+    flat = BreakEven(lengths=(8,), fixed=(0.5,), per_density=(0.0,), estimate=(0.0,))
+    assert flat.density_limit(8, False) == 1.0 and flat.density_limit(8, True) == 1.0
     for bad in ("yes", 1, None, 0.5):
         with pytest.raises(vtoken.VTokenError, match="break_even"):
             vtoken.SparsePrefill(break_even=bad)
@@ -763,3 +767,23 @@ def test_host_syncs_do_not_grow_with_depth_or_batch(llava_batch):
             assert counted[2, pattern, rows][1] == counted[4, pattern, rows][1] <= 5, counted
         per_layer = [(counted[4, pattern, rows][0] - counted[2, pattern, rows][0]) / 2 for rows in (2, 4)]
         assert per_layer[0] == per_layer[1], (pattern, counted)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+def test_a_compiled_patched_model_equals_the_uncompiled_one(llava_batch, backend):
+    """`model.compile()` after patch: the sparse attention function runs eagerly inside the compiled model (the
+    custom op and FlexAttention's own compiled kernel included): the same logits and records."""
+    from vtoken.kernels.block_sparse_flex import flex_unavailable
+
+    if backend == "flex" and flex_unavailable("cpu"):
+        pytest.skip(flex_unavailable("cpu"))
+    model, _ = tiny_llava()
+    method = vtoken.SparsePrefill(density=0.3, sink=16, window=16, backend=backend, **SMALL)
+    with torch.no_grad(), vtoken.patched(model, method) as handle:
+        want = model(**llava_batch).logits
+        stages = [(r.stage, r.extra["attention"]) for r in handle.records]
+        model.compile(backend="eager")
+        got = model(**llava_batch).logits
+        assert [(r.stage, r.extra["attention"]) for r in handle.records] == stages
+    torch._dynamo.reset()
+    assert torch.equal(got, want) and {s for s, _ in stages} == {"sparse.layer0", "sparse.layer1"}
