@@ -203,6 +203,7 @@ def video(frames: int, side: int) -> list[Image.Image]:
 
 def build_model(cfg: dict, device, dtype):
     text = dict(cfg["text"], rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+    text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]  # the tiny config's list is 2 long
     if text["hidden_size"] // text["num_attention_heads"] != 128:
         half = text["hidden_size"] // text["num_attention_heads"] // 2
         text["rope_parameters"]["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]

@@ -787,3 +787,22 @@ def test_a_compiled_patched_model_equals_the_uncompiled_one(llava_batch, backend
         assert [(r.stage, r.extra["attention"]) for r in handle.records] == stages
     torch._dynamo.reset()
     assert torch.equal(got, want) and {s for s, _ in stages} == {"sparse.layer0", "sparse.layer1"}
+
+
+def test_the_gpu_benchmark_configuration_builds_and_runs_on_meta():
+    """`bench_sparse_prefill.py --device cuda` at full depth, built on the meta device (no memory, no GPU): the
+    28-layer Qwen2.5-VL-7B shape runs its LLM (a config list left at the tiny model's length fails here)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_sparse_prefill as bench
+    finally:
+        sys.path.pop(0)
+    cfg = bench.settings(cuda=True)
+    model, _ = bench.build_model(cfg, torch.device("meta"), torch.bfloat16)
+    assert len(model.model.language_model.layers) == cfg["text"]["num_hidden_layers"] == 28
+    with torch.no_grad():
+        out = model.model.language_model(input_ids=torch.zeros(1, 64, dtype=torch.long, device="meta"))
+    assert out.last_hidden_state.shape == (1, 64, 3584)
