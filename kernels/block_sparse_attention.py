@@ -192,7 +192,10 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             # element masks only where they can bite: tiles crossing the diagonal or the end, padding, the
             # A-shape's limits, and (merged tiles) rows that did not list this block
-            crosses = (k_start + BLOCK_N - 1 > m_start) | (k_start + BLOCK_N > seq_len) | (window > 0)
+            crosses = (k_start + BLOCK_N - 1 > m_start) | (k_start + BLOCK_N > seq_len)
+            # the A-shape bites where some pair of the tile is neither a sink key nor inside the local band
+            outside = (k_start + BLOCK_N > sink) & (m_start + BLOCK_M - 1 - k_start >= window)
+            crosses = crosses | ((window > 0) & outside)
             if BLOCK_M > BLOCK:
                 crosses = crosses | (listed_by != all_rows)
             if HAS_VALID or crosses:

@@ -17,11 +17,6 @@ import threading
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch < 2.5
-    BlockMask = flex_attention = None
-
 RECOMPILE_LIMIT = 64  # compiled variants per process: length buckets x shapes x dtypes (dynamo's default is 8)
 _compiled = None
 _lock = threading.Lock()
@@ -32,10 +27,21 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def flex_unavailable(device_type: str) -> str | None:
-    """Why FlexAttention cannot run the plans on `device_type` with this torch; None where it can."""
-    if flex_attention is None:
+def _flex():
+    """torch's FlexAttention module, or None before torch 2.5 (imported on first use: it takes a second)."""
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+def flex_unavailable(device_type: str | None = None) -> str | None:
+    """Why FlexAttention cannot run the plans (on `device_type`, if given) with this torch; None where it can."""
+    if _flex() is None:
         return f"torch {torch.__version__} has no FlexAttention (torch 2.5 or newer has it)"
+    if device_type is None:
+        return None
     if device_type == "cpu" and _torch_version() < (2, 6):
         return f"FlexAttention runs on CPU from torch 2.6 (this is {torch.__version__})"
     if device_type not in ("cpu", "cuda"):
@@ -53,7 +59,7 @@ def _compiled_flex():
     global _compiled
     with _lock:
         if _compiled is None:
-            _compiled = torch.compile(flex_attention, dynamic=False)
+            _compiled = torch.compile(_flex().flex_attention, dynamic=False)
     return _compiled
 
 
@@ -105,12 +111,13 @@ def flex_block_mask(
     full_counts, full_index = _compact(full, index)
     mod = _mask_mod(valid, torch.tensor(sink, device=valid.device), torch.tensor(window, device=valid.device))
     extra = {}
-    parameters = inspect.signature(BlockMask.from_kv_blocks).parameters
+    block_mask = _flex().BlockMask
+    parameters = inspect.signature(block_mask.from_kv_blocks).parameters
     if "seq_lengths" in parameters:
         extra["seq_lengths"] = (length, length)
     if "compute_q_blocks" in parameters:  # the transposed lists serve the backward pass only
         extra["compute_q_blocks"] = False
-    return BlockMask.from_kv_blocks(partial_counts, partial_index, full_counts, full_index, BLOCK_SIZE=block_size,
+    return block_mask.from_kv_blocks(partial_counts, partial_index, full_counts, full_index, BLOCK_SIZE=block_size,
                                     mask_mod=mod, **extra)  # fmt: skip
 
 
@@ -140,7 +147,7 @@ def block_sparse_attention_flex(
     if q.is_cuda and block_size < 128:  # tiles inside the mask's blocks (newer torch shrinks its own to fit)
         options["kernel_options"] = {"BLOCK_M": block_size, "BLOCK_N": block_size}
     if heads != k.shape[1]:
-        if "enable_gqa" in inspect.signature(flex_attention).parameters:
+        if "enable_gqa" in inspect.signature(_flex().flex_attention).parameters:
             options["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(heads // k.shape[1], dim=1) for x in (k, v))

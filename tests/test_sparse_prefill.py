@@ -695,9 +695,10 @@ def test_without_a_speed_model_min_length_decides(llava, llava_batch):
 def test_auto_on_cpu_picks_without_measuring():
     from vtoken.kernels.sparse_speed import DENSE_SCORES_LIMIT, cpu_backend
 
-    assert cpu_backend(1, 4, 2048) == "torch" and 4 * 2048**2 <= DENSE_SCORES_LIMIT
-    assert cpu_backend(1, 28, 4096) == "flex"  # the reference's dense scores would take 1.9 GB
-    assert cpu_backend(1, 28, 32768) == "flex"  # and 120 GB here
+    assert cpu_backend(2, 4, 600) == "torch" and cpu_backend(1, 4, 2048) == "torch"  # tiny models, tests
+    assert 4 * 2048**2 <= DENSE_SCORES_LIMIT < 28 * 1024**2
+    assert cpu_backend(1, 28, 1024) == "flex"  # a 7B's 28 heads at 1k tokens: compiling pays
+    assert cpu_backend(1, 28, 32768) == "flex"  # the reference's dense scores would take 120 GB
 
 
 def test_backend_choice_measures_once_per_shape_class():

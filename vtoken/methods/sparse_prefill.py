@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vtoken.kernels import block_mask_from_plan
-from vtoken.kernels.block_sparse_flex import flex_attention
+from vtoken.kernels.block_sparse_flex import flex_unavailable
 from vtoken.kernels.line_sums import line_sums
 from vtoken.kernels.sparse_speed import BreakEven
 
@@ -133,9 +133,8 @@ class SparsePrefill(Method):
                 import triton  # noqa: F401
             except ImportError as error:
                 raise VTokenError(f"{where}: backend='triton' needs triton; install vtoken[kernels]") from error
-        if self.backend == "flex" and flex_attention is None:
-            raise VTokenError(f"{where}: backend='flex' needs torch 2.5 or newer (FlexAttention); this is "
-                              f"{torch.__version__}")  # fmt: skip
+        if self.backend == "flex" and flex_unavailable() is not None:
+            raise VTokenError(f"{where}: backend='flex': {flex_unavailable()}")
         if not isinstance(self.break_even, (bool, BreakEven)):
             raise VTokenError(
                 f"{where}: break_even={self.break_even!r}; expected True (the recorded speed model), False (min_length "
