@@ -36,9 +36,10 @@ try:
 except ImportError:  # the `kernels` extra is optional
     triton = None
 
-# B x H x S x S scores (fp32: 64 MiB) up to which the CPU reference runs. Beyond, compiled FlexAttention: on this
-# project's CPU cut (28 heads, head dim 128) it ran 6-14x faster than the reference and 1.3-2.8x faster than SDPA at
-# 1k tokens, for a compilation of ~10-40 s once per length bucket, which small tests and tiny models never repay.
+# B x H x S x S scores (fp32: 64 MiB) up to which the CPU reference runs. Beyond, compiled FlexAttention: in two
+# runs of this project's CPU cut (28 heads, head dim 128, 1k tokens, a shared machine) it ran 3-14x faster than the
+# reference (0.8-2.8x SDPA's speed), for a compilation of ~10-40 s once per length bucket, which small tests and
+# tiny models never repay.
 DENSE_SCORES_LIMIT = 1 << 24
 
 
