@@ -450,3 +450,27 @@ def test_flex_attention_matches_the_reference_on_cuda():
             block_sparse_attention_flex(*args).float(), block_sparse_attention_reference(*args).float(),
             rtol=2e-2, atol=2e-2,
         )  # fmt: skip
+
+
+def test_line_sums_kernels_compile_for_h100_without_a_gpu():
+    """The estimate's three kernels at Qwen2.5-VL's shape (bf16, head dim 128, 64 rows) compile for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from vtoken.kernels import line_sums
+
+    def compile_for_h100(kernel, pointers, floats, constexprs):
+        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
+                     for n in kernel.arg_names}  # fmt: skip
+        constants = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+
+    rows = dict(q_ptr="*bf16", k_ptr="*bf16", rows_ptr="*i64", valid_ptr="*i8")
+    tiles = dict(BLOCK_R=64, BLOCK_D=128, PRECISION="tf32", BLOCK_N=64)
+    lse = dict(rows, max_ptr="*fp32", sum_ptr="*fp32")
+    probs = dict(rows, lse_ptr="*fp32", probs_ptr="*fp32", vertical_ptr="*fp32")
+    slash = dict(probs_ptr="*fp32", rows_ptr="*i64", slash_ptr="*fp32")
+    assert compile_for_h100(line_sums._rows_lse_kernel, lse, {"scale"}, dict(tiles, CHUNK_KEYS=4096)).asm["cubin"]
+    assert compile_for_h100(line_sums._rows_probs_kernel, probs, {"scale"}, tiles).asm["cubin"]
+    assert compile_for_h100(line_sums._slash_kernel, slash, set(), dict(BLOCK_O=256)).asm["cubin"]
