@@ -97,6 +97,7 @@ class _Rows:
     shift: torch.Tensor | None = None  # [B] each row's first real column; None: no left padding
     lengths: torch.Tensor | None = None  # [B] real tokens
     last: torch.Tensor | None = None  # [B] one past each row's last real token (aligned)
+    mask: torch.Tensor | None = None  # held for the call, so no later mask can reuse its memory (the cache key)
 
 
 @dataclass
@@ -335,7 +336,7 @@ class SparseAttention:
         rows = call.masks.get(cache_key)
         if rows is None:
             key_valid, ok = causal_padding(mask, seq)
-            rows = _Rows(ok)
+            rows = _Rows(ok, mask=mask)
             if ok and key_valid is not None:
                 shift = key_valid.long().argmax(1)  # first real column of each row
                 if bool((shift > 0).any()):
