@@ -14,6 +14,8 @@ from .block_sparse_attention import (
     block_sparse_attention_reference,
     block_sparse_attention_triton,
 )
+from .greedy_picks import greedy_least_similar, greedy_least_similar_reference, greedy_least_similar_triton
+from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
 
 __all__ = [
     "block_mask_from_plan",
@@ -26,4 +28,10 @@ __all__ = [
     "causal_rows_probs",
     "causal_rows_probs_reference",
     "causal_rows_probs_triton",
+    "greedy_least_similar",
+    "greedy_least_similar_reference",
+    "greedy_least_similar_triton",
+    "visual_attention",
+    "visual_attention_reference",
+    "visual_attention_triton",
 ]

@@ -539,3 +539,19 @@ def test_on_every_family(family, name, photos):
             assert r.tokens_out == kept + (int((n - kept) * 0.3) + 1) // 10 + 1 == kept + r.extra["merged"]
         else:
             assert len(r.kept) == r.tokens_out < n
+
+
+def test_dpc_knn_merge_rows_equals_each_row_alone():
+    """The batched recycling (rows of different token and cluster counts, padded) gives every row what
+    `dpc_knn_merge` gives it alone."""
+    from vtoken.methods.sparsevlm import dpc_knn_merge_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 40, 16, generator=g) * 0.01
+    counts, clusters = [40, 23, 7], [4, 3, 1]
+    noise = torch.rand(40, generator=torch.Generator().manual_seed(0)) * 1e-6
+    merged, centres = dpc_knn_merge_rows(x, counts, clusters, noise)
+    for row, (n, k) in enumerate(zip(counts, clusters, strict=True)):
+        alone, alone_centres = dpc_knn_merge(x[row, :n], k, noise[:n])
+        assert centres[row, :k].tolist() == alone_centres.tolist()
+        assert torch.allclose(merged[row, :k], alone, atol=1e-7)
