@@ -98,6 +98,10 @@ class SparsePrefill(Method):
         "min_length": Int(1, hint="prompts shorter than this run dense"),
         "layers": OrNone(Param(hint="LLM layer indices made sparse; None: all")),
         "backend": Choice(BACKENDS),
+        "break_even": Param(
+            hint="True: the device's recorded break-even model decides where sparse attention gains; False: "
+            "min_length alone; or a vtoken.kernels.sparse_speed.BreakEven of your own measurements"
+        ),
     }
     controls = ("pattern", "density", "sink", "block_size", "min_length")
     # its defaults run dense below 32k tokens: a demo prompt is far shorter
