@@ -46,6 +46,7 @@ class CallState:
     labels: labels of a plain forward with an LLM stage, applied to the kept columns after the forward.
     prefill / decode / step / prompt_length / final_columns: the LLM stages' state (see `adapters/llm.py`).
     family: per-family extras (e.g. Qwen's resized grids).
+    host: while `prepare` runs, the call's inputs read to the host once (image sizes, the prompt's ids), by name.
     """
 
     def __init__(self) -> None:
@@ -64,6 +65,7 @@ class CallState:
         self.prompt_length = 0
         self.final_columns = None
         self.family: dict[str, Any] = {}
+        self.host: dict[str, Any] = {}
 
 
 class PatchedGenerate:

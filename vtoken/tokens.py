@@ -49,6 +49,8 @@ class VisualTokens:
     crop_index: [C] index of each crop within its image (anyres: 0 = base view, then sub-images in raster order).
     crop_grid: anyres only: image index -> (rows, cols) of its sub-image grid.
     question: the prompt's text, for methods that require "question".
+    valid_counts: per crop, its valid tokens (`valid.sum(1)`) as host integers, where the adapter knows them from
+        the geometry (image sizes) without reading the device; None: not known on the host.
     """
 
     features: torch.Tensor
@@ -59,6 +61,7 @@ class VisualTokens:
     crop_index: torch.Tensor | None = None
     crop_grid: dict[int, tuple[int, int]] | None = None
     question: TextQuery | None = None
+    valid_counts: list[int] | None = None
 
     @property
     def num_crops(self) -> int:
