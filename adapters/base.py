@@ -57,6 +57,17 @@ def valid_counts(tokens: VisualTokens) -> list[int]:
     return tokens.valid.sum(1).tolist()
 
 
+def output_places(selection: Selection) -> torch.Tensor:
+    """[C, k] the token each crop's output rows stand at (`Selection.offsets_of` of every crop at once): kept
+    indices, a merge's anchors, else the rows in order."""
+    if selection.kept is not None:
+        return selection.kept
+    if selection.anchors is not None:
+        return selection.anchors
+    rows = selection.features
+    return torch.arange(rows.shape[1], device=rows.device).expand(rows.shape[0], -1)
+
+
 def flat_kept(selection: Selection, features: torch.Tensor) -> torch.Tensor:
     """[sum of kept, D] every crop's output rows, crop after crop (`Selection.gather_flat`), in a fixed few kernels
     whatever the number of crops: rows padded past each crop's count are skipped with one gather."""
@@ -137,6 +148,9 @@ class Adapter(CallPath, FrameLayout):
     # separator tokens closing every video's placeholder run (OneVision's newline): no frame's, so a decode-time
     # selection (DyCoke) does not choose among them
     video_run_trailer: ClassVar[int] = 0
+    # the prompt's ids are needed on the host to tell its visual items apart (InternVL's "FrameN:" labels): read
+    # once per call with the rest of its layout
+    reads_prompt: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
@@ -161,12 +175,12 @@ class Adapter(CallPath, FrameLayout):
     @property
     def records(self) -> list[Record]:
         """The records of the calling thread's most recent call (a thread that made none: the most recent call of
-        any thread)."""
+        any thread). A call leaves them unbuilt (`LazyRecords`): they are built on the first read."""
         state = self._state
-        return state.records if state.called else self._latest
+        return list(state.records if state.called else self._latest)  # built now, if they were not yet
 
     @records.setter
-    def records(self, value: list[Record]) -> None:
+    def records(self, value: Sequence[Record]) -> None:
         state = self._state
         state.records, state.called = value, True
         self._latest = value  # one reference swap: readers see either list, whole

@@ -60,8 +60,6 @@ class CallPath(ConversationPath):
                 "a patched model needs `input_ids` (with the image placeholders) next to the images, to know where "
                 "visual tokens go; inputs_embeds alone are not supported"
             )
-        kwargs = self.before_shrinking(kwargs)
-        mm = hf.encoder_outputs(kwargs)
         parts, changed, protected_parts = [], False, {}
         method = self.encoder_method
         present = self.present(kwargs)
@@ -76,6 +74,8 @@ class CallPath(ConversationPath):
         state = self._state
         state.host = layout.values
         try:
+            kwargs = self.before_shrinking(kwargs)
+            mm = hf.encoder_outputs(kwargs)
             for modality in present:
                 pixel_values = kwargs.pop(modality.pixel_key)
                 encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
@@ -152,7 +152,7 @@ class CallPath(ConversationPath):
         for a method that reads its question. A one-row call of a fixed-size family reads nothing."""
         values = {k: kwargs[k] for m in present for k in m.host if kwargs.get(k) is not None}
         method = self.encoder_method
-        if "question" in method.requires and getattr(method, "question", None) is None:
+        if self.reads_prompt or "question" in method.requires and getattr(method, "question", None) is None:
             values[PROMPT_IDS] = kwargs["input_ids"]
             if kwargs.get("attention_mask") is not None:
                 values[PROMPT_MASK] = kwargs["attention_mask"]

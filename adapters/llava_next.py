@@ -30,9 +30,9 @@ from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.anyres import AnyresGrid, anyres_grid, crop_valid, pack
 from vtoken.geometry.tables import on_device, repeated
 from vtoken.registry import register_adapter
-from vtoken.tokens import Selection, VisualTokens
+from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages, Modality
+from .base import EncodedImages, Modality, output_places
 from .llava import LlavaAdapter
 
 # an image's crops (kept for the name tests and tools know; the geometry lives in `vtoken.geometry.anyres`)
@@ -149,7 +149,7 @@ class LlavaNextAdapter(LlavaAdapter):
             valid_counts=None if official else valid_counts,
         )  # fmt: skip
         selection, timer = self.select(tokens)
-        places = _places(selection)
+        places = output_places(selection)
         drop = None
         if unpads_after:  # HiRED's official packing selects over the padded crops, then unpads: border picks drop
             drop = ~unpadded.gather(1, places.clamp(max=tokens.num_tokens - 1))
@@ -160,16 +160,6 @@ class LlavaNextAdapter(LlavaAdapter):
         if drop is not None:
             records = _after_unpadding(records, packed.reached, places, drop)
         return EncodedImages(packed.per_image(), None, records)
-
-
-def _places(selection: Selection) -> torch.Tensor:
-    """[C, k] the grid index each crop's output rows stand at: kept indices, a merge's anchors, else in order."""
-    if selection.kept is not None:
-        return selection.kept
-    if selection.anchors is not None:
-        return selection.anchors
-    rows = selection.features
-    return torch.arange(rows.shape[1], device=rows.device).expand(rows.shape[0], -1)
 
 
 def _after_unpadding(records: Any, reached: list[int], places: torch.Tensor, drop: torch.Tensor) -> Any:

@@ -24,9 +24,8 @@ from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from . import hf
-from .base import EncodedImages, Modality, flat_kept
+from .base import EncodedImages, Modality, flat_kept, output_places
 from .llava import LlavaAdapter
-from .llava_next import _places
 
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
@@ -161,7 +160,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         # every image as crops for `pack`: the base view, then its stitched grid as one sub-image of its own size
         base_counts = selection.counts_per_crop()
         base_rows = flat_kept(selection, base).split(base_counts)
-        base_places = _places(selection)
+        base_places = output_places(selection)
         grids, places, rows, kept = [], [], [], []
         for i, (features, crops) in enumerate(zip(packed, counts, strict=True)):
             places.append(base_places[i, : base_counts[i]])
@@ -177,7 +176,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             parts.append(self.crop_records(tokens, chosen, watch, [1], images=[i]))
             grids.append(AnyresGrid(1, 1, (height, width), 0, height, 0, width))
             count = chosen.counts_per_crop()[0]
-            places.append(_places(chosen)[0, :count])
+            places.append(output_places(chosen)[0, :count])
             rows.append(flat_kept(chosen, stitched))
             kept.append(count)
         out = pack(grids, stack_padded(places), kept, torch.cat(rows), newline, native=True)

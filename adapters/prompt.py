@@ -171,7 +171,8 @@ def placeholder_repeats(lengths: list[int], keep: list[int | torch.Tensor], devi
             else:
                 parts += [ones_then_zeros[: n - 1], counts[k - n + 1 : k - n + 2]]
         return torch.cat(parts)
-    offsets = [k.to(device) if isinstance(k, torch.Tensor) else torch.arange(k, device=device) for k in keep]
+    first = torch.arange(max([k for k in keep if isinstance(k, int)] + [1]), device=device)
+    offsets = [k.to(device) if isinstance(k, torch.Tensor) else first[:k] for k in keep]  # ints: views
     sizes = [len(k) for k in offsets]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     picked = torch.minimum(torch.cat(offsets), repeated([n - 1 for n in lengths], sizes, device))
