@@ -112,10 +112,10 @@ def read_layout(
     if batch == 1 and not tensors and not force:
         return layout
     prompt = [(input_ids == i).sum(1) for i in placeholder_ids]
-    if attention_mask is not None:
+    if attention_mask is not None and batch > 1:  # the padding side and whether any: for re-padding rows
         zeros = attention_mask == 0
         prompt += [zeros[:, -1].any()[None].long(), zeros.any()[None].long()]
-    parts = [("prompt", torch.cat(prompt) if prompt else None, input_ids.device)]
+    parts = [("prompt", torch.cat(prompt) if len(prompt) > 1 else prompt[0] if prompt else None, input_ids.device)]
     parts += [(k, v, v.device) for k, v in tensors.items()]
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor, device in parts:
@@ -123,7 +123,8 @@ def read_layout(
             by_device.setdefault(device, []).append((name, tensor))
     read: dict[str, Any] = {}
     for items in by_device.values():
-        flat = torch.cat([t.reshape(-1).long() for _, t in items]).tolist()  # one read per device
+        flat = [t.reshape(-1).long() for _, t in items]
+        flat = (torch.cat(flat) if len(flat) > 1 else flat[0]).tolist()  # one read per device
         for name, tensor in items:
             size = tensor.numel()
             read[name], flat = flat[:size], flat[size:]
@@ -132,9 +133,9 @@ def read_layout(
         layout.values[name] = _nest(read[name], shape)
     counts = read.get("prompt", [])
     layout.per_row = {i: counts[n * batch : (n + 1) * batch] for n, i in enumerate(placeholder_ids)}
-    if attention_mask is not None:
+    if attention_mask is not None and batch > 1:
         layout.right_padded, layout.padded = bool(counts[-2]), bool(counts[-1])
-    else:
+    elif batch > 1:
         layout.padded = False
     return layout
 
@@ -223,29 +224,38 @@ def shrink_prompt(
     total = sum(runs.lengths)
     # how often each original column appears in the new prompt: text once, placeholders as `placeholder_repeats`
     is_placeholder = (input_ids == placeholder_id).flatten()
-    ordinal = is_placeholder.long().cumsum(0) - 1  # each placeholder's place among all of them, row-major
-    per_placeholder = placeholder_repeats(runs.lengths, keep, device)[ordinal.clamp(0, max(total - 1, 0))]
+    ordinal = is_placeholder.cumsum(0) - 1  # each placeholder's place among all of them, row-major
+    if len(keep) == 1 and isinstance(keep[0], int) and keep[0] <= total:  # one run keeping its first ones
+        per_placeholder = ordinal < keep[0]
+    else:
+        per_placeholder = placeholder_repeats(runs.lengths, keep, device)[ordinal.clamp(0, max(total - 1, 0))]
     repeats = torch.where(is_placeholder, per_placeholder, 1).view(batch, length)
     ends = repeats.cumsum(1)  # [B, L] new columns up to and including each original column
     target = torch.arange(new_length, device=device).expand(batch, -1)
     if batch > 1 and not runs.right_padded:  # re-padded on the left: each row starts after its padding
         target = target - (new_length - ends[:, -1:])
     source = torch.searchsorted(ends, target.contiguous(), right=True)
-    index = torch.where((target >= 0) & (source < length), source, -1)
-    if not runs.checked:  # a prompt whose placeholders do not match the runs keeps none: the model's check fails
-        index = torch.where(ordinal[-1] == total - 1, index, -1)
-    safe, missing = index.clamp(min=0), index < 0
+    if batch > 1:  # rows shorter than the longest get new padding
+        index = torch.where((target >= 0) & (source < length), source, -1)
+        safe, missing = index.clamp(min=0), index < 0
+    else:
+        index, safe, missing = source, source, None
+    # a prompt whose placeholders do not match the runs keeps none, so the model's own check fails
+    mismatch = None if runs.checked else ordinal[-1] != total - 1
 
     def take(x: torch.Tensor, fill) -> torch.Tensor:
-        return x.gather(-1, safe.expand(*x.shape[:-2], -1, -1)).masked_fill(missing, fill)
+        taken = x.gather(-1, safe.expand(*x.shape[:-2], -1, -1))
+        return taken if missing is None else taken.masked_fill(missing, fill)
 
     new_ids = take(input_ids, pad_token_id)
+    if mismatch is not None:
+        new_ids = new_ids.masked_fill(mismatch, pad_token_id)
     new_labels = take(labels, -100) if labels is not None else None
     uneven = len(set(row_lengths)) > 1
     if attention_mask is not None:
         new_mask = take(attention_mask, 0)
     elif batch > 1 and uneven:
-        new_mask = (~missing).to(input_ids.dtype)
+        new_mask = (index >= 0).to(input_ids.dtype)
     else:
         new_mask = None
     # pads in the new prompt: known for several rows (read); one row's mask is not read, so positions are given

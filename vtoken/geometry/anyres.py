@@ -131,27 +131,21 @@ def onevision_max_crops(vision_aspect_ratio: str) -> int:
 
 
 # ----------------------------------------------------------------- device side
-def _crop_table(grids: list[AnyresGrid], device: torch.device | str) -> torch.Tensor:
-    """[C, 6] per crop of every image (base view first): its first stitched row and column, and the unpadded
-    window (top, bottom, left, right) in stitched coordinates; a base view is its own full window."""
-    values = []
-    for grid in grids:
-        height, width = grid.side
-        values += [0, 0, 0, height, 0, width]
-        for s in range(grid.rows * grid.cols):
-            r, c = divmod(s, grid.cols)
-            values += [r * height, c * width, grid.top, grid.bottom, grid.left, grid.right]
-    return on_device(values, device).view(-1, 6)
-
-
 def crop_valid(grids: list[AnyresGrid], device: torch.device | str) -> torch.Tensor:
     """[C, H*W] bool over the crops of every image (base view first): the tokens that survive unpadding."""
     height, width = grids[0].side
-    table = _crop_table(grids, device)
-    local = torch.arange(height * width, device=device)
-    y = table[:, :1] + local // width  # [C, N] stitched row, column
-    x = table[:, 1:2] + local % width
-    return (y >= table[:, 2:3]) & (y < table[:, 3:4]) & (x >= table[:, 4:5]) & (x < table[:, 5:6])
+    bounds = []  # per crop, the window in its own rows and columns: first row, end row, first column, end column
+    for grid in grids:
+        bounds += [0, height, 0, width]
+        for s in range(grid.rows * grid.cols):
+            r, c = divmod(s, grid.cols)
+            rows = [min(max(edge - r * height, 0), height) for edge in (grid.top, grid.bottom)]
+            cols = [min(max(edge - c * width, 0), width) for edge in (grid.left, grid.right)]
+            bounds += rows + cols
+    table = on_device(bounds, device).view(-1, 2, 2, 1)  # [C, rows / columns, first / end, 1]
+    local = torch.arange(max(height, width), device=device)
+    inside = (local >= table[:, :, 0]) & (local < table[:, :, 1])  # [C, 2, max(H, W)]
+    return (inside[:, 0, :height, None] & inside[:, 1, None, :width]).flatten(1)
 
 
 @dataclass
@@ -199,42 +193,45 @@ def pack(
     device, width = embeds.device, max(places.shape[1], 1)
     crops = sum(g.num_crops for g in grids)
     image_of = [i for i, g in enumerate(grids) for _ in range(g.num_crops)]
-    # per crop: first stitched row and column, stitched row length, sub-image index + 1 (0: the base view), where
-    # its image's [CLS] keys and merged keys start, its image, its grid's width
-    values, big = [], 1
+    # Every output row gets a sort key: image * big, then base rows by slot, grid rows by their stitched raster
+    # index (after `width`), [CLS] rows, then merged rows. Per crop (host): the key of its first grid token, what a
+    # row of its tokens adds beyond its own width, its grid's width, sub-image index + 1 (0: the base view), where
+    # its image's [CLS] and merged keys start, the stitched row id of its first row (for newlines).
+    big = 1 + max(width + g.stitched_shape[0] * g.stitched_shape[1] + g.rows * g.cols * (width + 1) for g in grids)
+    rows_cap = max(g.stitched_shape[0] for g in grids) + 1
+    values = []
     for i, grid in enumerate(grids):
         height, side_w = grid.side
-        subs = grid.rows * grid.cols
-        cls_base = width + grid.stitched_shape[0] * grid.stitched_shape[1]
-        big = max(big, cls_base + subs * (width + 1) + 1)
-        values += [0, 0, grid.cols * side_w, 0, cls_base, cls_base + subs, i, 1]
+        subs, row_length = grid.rows * grid.cols, grid.cols * side_w
+        cls_key = i * big + width + grid.stitched_shape[0] * row_length
+        values += [i * big, 0, 1, 0, cls_key, cls_key + subs, 0]
         for s in range(subs):
             r, c = divmod(s, grid.cols)
-            values += [r * height, c * side_w, grid.cols * side_w, s + 1, cls_base, cls_base + subs, i, side_w]
-    table = on_device(values, device).view(crops, 8)
+            first = i * big + width + r * height * row_length + c * side_w
+            values += [first, row_length - side_w, side_w, s + 1, cls_key, cls_key + subs, i * rows_cap + r * height]
+    table = on_device(values, device).view(crops, 7)
     flat = padded_rows(counts, width, device)  # [M] the real (crop, slot) entries of [C, k]
     crop, slot = flat // width, flat % width
-    row0, col0, row_length, sub, cls_base, merged_base, image, side_w = table[crop].unbind(1)
+    first, row_extra, side_w, sub, cls_key, merged_key, row_base = table[crop].unbind(1)
     is_sub = sub > 0
-    place = (origin if origin is not None else places).flatten()[flat].long()
+    place = (origin if origin is not None else places).flatten()[flat]
     on_grid = is_sub & (place >= 0)
     safe = place.clamp(min=0)
-    stitched_row = row0 + safe // side_w
-    key = torch.where(on_grid, width + stitched_row * row_length + col0 + safe % side_w, slot)  # base rows first
+    y = safe // side_w
+    key = torch.where(on_grid, first + y * row_extra + safe, first + slot)  # base rows first, in their order
     if origin is not None:  # then every sub-image's [CLS] row, then its merged rows
-        key = torch.where(is_sub & (place == _CLS), cls_base + sub - 1, key)
-        key = torch.where(is_sub & (place == _MERGED), merged_base + (sub - 1) * width + slot, key)
-    key = key + image * big
+        key = torch.where(is_sub & (place == _CLS), cls_key + sub - 1, key)
+        key = torch.where(is_sub & (place == _MERGED), merged_key + (sub - 1) * width + slot, key)
     dropped = None
     if drop is not None:
         dropped = drop.flatten()[flat] & is_sub
-        key = torch.where(dropped, big * len(grids), key)  # last of all, then discarded
+        key = key.masked_fill(dropped, big * len(grids))  # last of all, then discarded
     order = key.argsort(stable=True)
-    grid_rows = on_grid if native else torch.zeros_like(on_grid)
-    rows_cap = max(g.stitched_shape[0] for g in grids) + 1
-    row_id = torch.where(grid_rows, image * rows_cap + stitched_row, -1)[order]
-    sorted_grid = grid_rows[order]
-    starts = sorted_grid & (row_id != torch.cat([row_id.new_full((1,), -1), row_id[:-1]]))
+    grid_rows = on_grid if dropped is None else on_grid & ~dropped
+    sorted_grid = grid_rows[order] if native else torch.zeros_like(grid_rows)
+    row_id = torch.where(grid_rows, row_base + y, -1)[order]  # the stitched row of a grid row, image apart
+    starts = sorted_grid & torch.cat([sorted_grid[:1], row_id[1:] != row_id[:-1]])  # a grid row begins
+    started = starts.long()
 
     # what each image gets beside its rows: one newline for a base-only image (native; VisionZip's official one)
     tail = [int(g.num_crops == 1 and (native or base_newline)) for g in grids]
@@ -242,11 +239,11 @@ def pack(
     if native or dropped is not None:  # the one read: which rows keep tokens, which rows a layout dropped
         read = []
         if native:
-            read.append(torch.zeros(len(grids), dtype=torch.long, device=device).index_add_(
-                0, image[order], starts.long()))  # fmt: skip
+            image = table[crop[order], 6] // rows_cap  # (base rows say 0, but never begin a row)
+            read.append(started.new_zeros(len(grids)).index_add_(0, image, started))
         if dropped is not None:
-            read.append(torch.zeros(crops, dtype=torch.long, device=device).index_add_(0, crop, dropped.long()))
-        host = torch.cat(read).tolist()
+            read.append(started.new_zeros(crops).index_add_(0, crop, dropped.long()))
+        host = torch.cat(read).tolist() if len(read) > 1 else read[0].tolist()
         if native:
             newlines, host = host[: len(grids)], host[len(grids) :]
         if dropped is not None:
@@ -255,13 +252,13 @@ def pack(
     for c, n in enumerate(reached):
         lengths[image_of[c]] += n
     total = sum(lengths)
-    # each row's slot: the rows before it, the newlines before it, and the tails of earlier images
-    earlier_tails = [sum(tail[:i]) for i in range(len(grids))]
-    dest = torch.arange(len(flat), device=device) + starts.long().cumsum(0) - sorted_grid.long()
+    # each row's slot: the rows before it, the newlines before it (rows begun, but its own), earlier images' tails
+    dest = torch.arange(len(flat), device=device) + started.cumsum(0) - sorted_grid.long()
+    earlier_tails = [sum(tail[:i]) for i in image_of]
     if any(earlier_tails):
-        dest = dest + on_device(earlier_tails, device)[image[order]]
+        dest = dest + on_device(earlier_tails, device)[crop[order]]
     if dropped is not None:
-        dest = torch.where(dropped[order], total, dest)
+        dest = dest.masked_fill(dropped[order], total)
     out = newline.to(embeds).expand(total + 1, -1).clone()
     out[dest] = embeds[order]
     return Packed(out[:total], lengths, reached)
