@@ -69,12 +69,10 @@ def output_places(selection: Selection) -> torch.Tensor:
 
 
 def flat_kept(selection: Selection, features: torch.Tensor) -> torch.Tensor:
-    """[sum of kept, D] every crop's output rows, crop after crop (`Selection.gather_flat`), in a fixed few kernels
-    whatever the number of crops: rows padded past each crop's count are skipped with one gather."""
-    if selection.counts is None:
-        return selection.gather(features).flatten(0, 1)
+    """[sum of kept, D] every crop's output rows, crop after crop (`Selection.gather_flat`), in the same few
+    kernels whatever the number of crops and whether they keep equal numbers: one gather of the real rows."""
     width = max(selection.num_kept, 1)
-    rows = padded_rows(selection.counts, width, features.device)
+    rows = padded_rows(selection.counts_per_crop(), width, features.device)
     if selection.kept is None:
         return selection.features.flatten(0, 1)[rows]
     crops = rows // width

@@ -155,7 +155,8 @@ class LlavaNextAdapter(LlavaAdapter):
             drop = ~unpadded.gather(1, places.clamp(max=tokens.num_tokens - 1))
         packed = pack(layouts, places, selection.counts_per_crop(), self.kept_flat(tokens, selection),
                       self.inner.image_newline, native=not official, origin=selection.origin, drop=drop,
-                      base_newline=method.name in self.newline_after_base_only)  # fmt: skip
+                      base_newline=method.name in self.newline_after_base_only,
+                      whole=method.acts_on == "placed")  # fmt: skip
         records = self.crop_records(tokens, selection, timer, crop_index, images=images)
         if drop is not None:
             records = _after_unpadding(records, packed.reached, places, drop)

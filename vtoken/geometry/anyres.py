@@ -172,6 +172,7 @@ def pack(
     origin: torch.Tensor | None = None,
     drop: torch.Tensor | None = None,
     base_newline: bool = False,
+    whole: bool = False,
 ) -> Packed:
     """Pack the kept tokens of every crop of every image (crops image after image, base view first).
 
@@ -185,6 +186,8 @@ def pack(
         MERGED; used instead of `places`): the sub-images' grid rows are placed on the grid, then every sub-image's
         [CLS] row, then every sub-image's merged rows, crop after crop.
     drop: [C, k] bool, rows a layout drops after selecting (HiRED's official packing unpads then).
+    whole: every crop keeps all its valid tokens (a method that selects later, among the packed tokens): the
+        native newlines are then the window's rows, known without a read.
     Each image: the base view's rows as they are, then the sub-images' grid rows in raster order of the stitched
     grid (with newlines, native), then the rows without a place on it. A fixed handful of kernels; the newlines
     (which rows keep tokens) and the dropped rows depend on the data and are read back in one read, everything else
@@ -236,7 +239,9 @@ def pack(
     # what each image gets beside its rows: one newline for a base-only image (native; VisionZip's official one)
     tail = [int(g.num_crops == 1 and (native or base_newline)) for g in grids]
     reached, newlines = list(counts), [0] * len(grids)
-    if native or dropped is not None:  # the one read: which rows keep tokens, which rows a layout dropped
+    if native and whole and dropped is None:
+        newlines = [g.unpadded_shape[0] if g.num_crops > 1 else 0 for g in grids]
+    elif native or dropped is not None:  # the one read: which rows keep tokens, which rows a layout dropped
         read = []
         if native:
             image = table[crop[order], 6] // rows_cap  # (base rows say 0, but never begin a row)
