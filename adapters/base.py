@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
+from vtoken.geometry.kept import flat_kept, output_places  # noqa: F401 - used by the family adapters
 from vtoken.geometry.tables import on_device, padded_rows, stack_padded
 from vtoken.methods.base import Method
 from vtoken.question import prompt_questions, tokenizer_for
@@ -55,29 +56,6 @@ def valid_counts(tokens: VisualTokens) -> list[int]:
     if tokens.valid is None:
         return [tokens.num_tokens] * tokens.num_crops
     return tokens.valid.sum(1).tolist()
-
-
-def output_places(selection: Selection) -> torch.Tensor:
-    """[C, k] the token each crop's output rows stand at (`Selection.offsets_of` of every crop at once): kept
-    indices, a merge's anchors, else the rows in order."""
-    if selection.kept is not None:
-        return selection.kept
-    if selection.anchors is not None:
-        return selection.anchors
-    rows = selection.features
-    return torch.arange(rows.shape[1], device=rows.device).expand(rows.shape[0], -1)
-
-
-def flat_kept(selection: Selection, features: torch.Tensor) -> torch.Tensor:
-    """[sum of kept, D] every crop's output rows, crop after crop (`Selection.gather_flat`), in the same few
-    kernels whatever the number of crops and whether they keep equal numbers: one gather of the real rows."""
-    width = max(selection.num_kept, 1)
-    rows = padded_rows(selection.counts_per_crop(), width, features.device)
-    if selection.kept is None:
-        return selection.features.flatten(0, 1)[rows]
-    crops = rows // width
-    index = crops * features.shape[1] + selection.kept.flatten()[rows].clamp(max=features.shape[1] - 1)
-    return features.flatten(0, 1)[index]
 
 
 # signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision

@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError
+from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.records import Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
-from .base import Adapter, EncodedImages, Modality, flat_kept
+from .base import Adapter, EncodedImages, Modality
 from .probes import ClsAttentionProbe
 
 
@@ -76,10 +77,7 @@ class LlavaAdapter(Adapter):
     def kept_flat(self, tokens: VisualTokens, selection: Selection) -> torch.Tensor:
         """[sum of kept, D] every crop's projected output rows, crop after crop: gathered from the "projected"
         signal when a method already projected every token (MMTok), else projected now (only the kept ones)."""
-        projected = tokens.signals.get("projected")
-        if projected is not None and selection.kept is not None:
-            return flat_kept(selection, projected)
-        return self.project(flat_kept(selection, tokens.features))
+        return kept_rows(selection, tokens.features, tokens.signals, self.project)
 
     def _check_crops(self, crops: torch.Tensor, what: str) -> None:
         size = self.tower.config.image_size
