@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError, VTokenError
-from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid
+from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid, window_index
 from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
@@ -51,8 +51,9 @@ class QwenVLAdapter(Adapter):
     def available_signals(self) -> set[str]:
         return {"patch_features", "grid", "merge_features", "resized_grid"}
 
-    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
+    def raster_order(self, per_group: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order
+        (`grids`: every item's (t, h, w) patches)."""
         return per_group  # Qwen2-VL's encoder keeps merge groups in raster order
 
     def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> list[tuple[int, int, int]]:
@@ -187,7 +188,7 @@ class QwenVLAdapter(Adapter):
         wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
-            groups = self.raster_order(groups, grid_thw).split(sizes)
+            groups = self.raster_order(groups, grids).split(sizes)
         companions = [c.split(sizes) for c in self.companion_features(out)]
         features, offsets, parts, followers = [], [], [], []
         for index, (tokens, thw) in enumerate(zip(merged.split(sizes), grids, strict=True)):
@@ -223,10 +224,13 @@ class Qwen25VLAdapter(QwenVLAdapter):
     model_types = ("qwen2_5_vl",)
     model_classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
 
-    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def raster_order(self, per_group: torch.Tensor, grids: Any) -> torch.Tensor:
         """Undo the encoder's window permutation, as the model does for its merger output."""
-        window_index = hf.vision_window_index(grid_thw.to(per_group.device), self.inner.visual)
-        return per_group[torch.argsort(window_index)]
+        visual = self.inner.visual
+        grids = grids.tolist() if isinstance(grids, torch.Tensor) else grids
+        order = window_index(grids, visual.spatial_merge_size, visual.window_size, visual.patch_size,
+                             per_group.device)  # fmt: skip
+        return per_group[torch.argsort(order)]
 
 
 def same_selection(method, selection: Selection, tokens: VisualTokens, companion: torch.Tensor) -> torch.Tensor:

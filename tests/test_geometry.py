@@ -195,3 +195,11 @@ def test_kept_rows_are_gathered_crop_after_crop():
     assert flat_kept(selection, features)[:, 0].tolist() == [0, 9, 18]
     merged = Selection(features=torch.ones(2, 2, 3), anchors=torch.tensor([[1, 2], [0, 3]]))
     assert output_places(merged).tolist() == [[1, 2], [0, 3]] and flat_kept(merged, features).shape == (4, 3)
+
+
+@pytest.mark.parametrize("grids", [[(1, 16, 24)], [(2, 12, 8), (1, 20, 20)], [(1, 32, 32), (3, 4, 6)]])
+def test_qwen25_window_order_matches_transformers(grids):
+    from transformers.vision_utils import get_vision_window_index
+
+    expected, _ = get_vision_window_index(torch.tensor(grids), 2, 112, 14)
+    assert torch.equal(qwen.window_index(grids, 2, 112, 14, "cpu"), expected)

@@ -39,3 +39,33 @@ def run_offsets(offsets: torch.Tensor, counts: list[int] | None, per_frame: int)
     if counts is None:
         return shifted.flatten()
     return shifted.flatten()[padded_rows(counts, width, offsets.device)]
+
+
+def window_index(grids: list[tuple[int, int, int]], merge: int, window: int, patch: int,
+                 device: torch.device | str) -> torch.Tensor:  # fmt: skip
+    """[sum of tokens] Qwen2.5-VL's window order of merge groups: the raster index (over all items, item after
+    item) of each group as its encoder visits them, frame by frame, window by window (windows of
+    `window // merge // patch` groups a side), row by row within a window; what transformers'
+    `get_vision_window_index` returns, built from the host grids in a fixed few kernels."""
+    side = window // merge // patch
+    sizes, values, big = [], [], 1
+    for t, h, w in grids:
+        rows, cols = h // merge, w // merge
+        windows = (rows // side + 1) * (cols // side + 1)
+        sizes.append(t * rows * cols)
+        big = max(big, t * windows * side * side)
+    start = 0
+    for (_, h, w), size in zip(grids, sizes, strict=True):
+        rows, cols = h // merge, w // merge
+        values += [start, rows * cols, cols, rows // side + 1, cols // side + 1]
+        start += size
+    from .tables import on_device, repeated
+
+    item = repeated(list(range(len(grids))), sizes, device)
+    first, frame, cols, window_rows, window_cols = on_device(values, device).view(-1, 5)[item].unbind(1)
+    local = torch.arange(sum(sizes), device=device) - first
+    y, x = (local % frame).div(cols, rounding_mode="floor"), local % cols
+    window_of = (local.div(frame, rounding_mode="floor") * window_rows + y.div(side, rounding_mode="floor"))
+    window_of = window_of * window_cols + x.div(side, rounding_mode="floor")
+    key = item * big + window_of * side * side + (y % side) * side + x % side
+    return key.argsort()
