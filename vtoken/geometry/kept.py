@@ -43,4 +43,6 @@ def kept_rows(selection: Selection, features: torch.Tensor, signals: dict, proje
     projected = signals.get("projected")
     if projected is not None and selection.kept is not None:
         return flat_kept(selection, projected)
+    if selection.counts is None:  # every crop keeps k: projected as one [C, k, D] batch (the same sums as ever)
+        return project(selection.gather(features)).flatten(0, 1)
     return project(flat_kept(selection, features))
