@@ -20,6 +20,7 @@ import torch
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid, window_index
+from vtoken.geometry.tables import on_device
 from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
@@ -129,8 +130,9 @@ class QwenVLAdapter(Adapter):
         mask = kwargs.get("attention_mask")
         if self.resizes_grids:
             extras = self._state.family
+            device = kwargs["input_ids"].device
             grids = {
-                f"{name}_grid_thw": torch.tensor(sizes) if sizes else None
+                f"{name}_grid_thw": on_device([n for thw in sizes for n in thw], device).view(-1, 3) if sizes else None
                 for name, sizes in extras["new_grids"].items()
             }
             grids["second_per_grid_ts"] = extras["seconds_per_grid"]
@@ -190,7 +192,7 @@ class QwenVLAdapter(Adapter):
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
             groups = self.raster_order(groups, grids).split(sizes)
         companions = [c.split(sizes) for c in self.companion_features(out)]
-        features, offsets, parts, followers = [], [], [], []
+        features, offsets, parts, followers, checks = [], [], [], [], []
         for index, (tokens, thw) in enumerate(zip(merged.split(sizes), grids, strict=True)):
             frames, grid = thw[0], token_grid(thw, self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
@@ -207,7 +209,10 @@ class QwenVLAdapter(Adapter):
             offsets.append(run_offsets(output_places(selection), selection.counts, per_frame.shape[1]))
             parts.append(self.crop_records(crops, selection, timer, list(range(frames)), modality.name,
                                            [index] * frames))  # fmt: skip
-            followers.append([same_selection(self.encoder_method, selection, crops, c[index]) for c in companions])
+            followed = [follow_selection(self.encoder_method, selection, crops, c[index]) for c in companions]
+            followers.append([rows for rows, _ in followed])
+            checks += [agrees for _, agrees in followed]
+        check_followed(self.encoder_method, checks)  # a merge's anchors on DeepStack levels: one read, if any
         return EncodedImages(features, offsets, LazyRecords.chain(parts), companions=followers if companions else None)
 
     def companion_features(self, out: Any) -> list[torch.Tensor]:
@@ -239,19 +244,43 @@ def same_selection(method, selection: Selection, tokens: VisualTokens, companion
     Kept indices are gathered; a merge (pool, fourier) is the method's own merge run on the companion grid, which
     is the same merge when it does not depend on the features (both are fixed linear maps of the grid); a merge
     that comes out different (anchors or grid) is refused rather than mixed."""
+    rows, agrees = follow_selection(method, selection, tokens, companion)
+    check_followed(method, [agrees])
+    return rows
+
+
+def follow_selection(
+    method, selection: Selection, tokens: VisualTokens, companion: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`same_selection` without reading the device: the rows, and for a merge with anchors a 0-d bool tensor
+    saying whether the companion's merge stood at the same anchors (None: nothing left to check); a merge that
+    comes out different on the host (grid, counts) is refused here. `check_followed` reads the flags once."""
     per_crop = companion.view(tokens.num_crops, tokens.num_tokens, -1)
     if selection.kept is not None:
-        return flat_kept(selection, per_crop)
+        return flat_kept(selection, per_crop), None
     again = method.select(VisualTokens(per_crop, tokens.grid, {}, tokens.image_index, tokens.valid))
     same = again.grid == selection.grid and again.counts == selection.counts
+    agrees = None
     if selection.anchors is not None:
-        same = same and again.anchors is not None and torch.equal(again.anchors, selection.anchors)
+        same = same and again.anchors is not None and again.anchors.shape == selection.anchors.shape
+        agrees = (again.anchors == selection.anchors).all() if same else None
     if again.features is None or not same:
-        raise VTokenError(
-            f"{method.name} merges tokens depending on their features, so the same merge cannot be applied to the "
-            "DeepStack features; use a selecting method (random, mmtok) or a fixed merge (pool, fourier)"
-        )
-    return flat_kept(again, per_crop)
+        _refuse_merge(method)
+    return flat_kept(again, per_crop), agrees
+
+
+def check_followed(method, flags: list[torch.Tensor | None]) -> None:
+    """Refuse a merge whose anchors differed on a companion (`follow_selection`'s flags: one read for them all)."""
+    flags = [f for f in flags if f is not None]
+    if flags and not bool(torch.stack(flags).all()):
+        _refuse_merge(method)
+
+
+def _refuse_merge(method) -> None:
+    raise VTokenError(
+        f"{method.name} merges tokens depending on their features, so the same merge cannot be applied to the "
+        "DeepStack features; use a selecting method (random, mmtok) or a fixed merge (pool, fourier)"
+    )
 
 
 def _text_positions(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ def kept_rows(selection: Selection, features: torch.Tensor, signals: dict, proje
     projected = signals.get("projected")
     if projected is not None and selection.kept is not None:
         return flat_kept(selection, projected)
+    rows = flat_kept(selection, features)  # the same launches whatever the counts
     if selection.counts is None:  # every crop keeps k: projected as one [C, k, D] batch (the same sums as ever)
-        return project(selection.gather(features)).flatten(0, 1)
-    return project(flat_kept(selection, features))
+        return project(rows.view(len(selection.counts_per_crop()), selection.num_kept, -1)).flatten(0, 1)
+    return project(rows)
