@@ -29,7 +29,8 @@ import torch
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.anyres import AnyresGrid, anyres_grid, crop_valid, pack
 from vtoken.geometry.tables import on_device, repeated
-from vtoken.registry import register_adapter
+from vtoken.records import LazyRecords
+from vtoken.registry import available_methods, method_class, register_adapter
 from vtoken.tokens import VisualTokens
 
 from .base import EncodedImages, Modality, output_places
@@ -48,17 +49,15 @@ class LlavaNextAdapter(LlavaAdapter):
         Modality("image", "pixel_values", "image_token_id",
                  ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy"), host=("image_sizes",)),
     )  # fmt: skip
+
+    # official layouts (the methods declare theirs: `Method.layouts`, `Method.official_packing`): FasterVLM's (also
+    # MMTok's and the baselines'), HiRED's, which unpads after selecting, and MustDrop's (every crop merged on its
+    # own, crops concatenated flat)
     layouts = ("native", "official")
-    # official layouts: FasterVLM's (also MMTok's and the baselines'), HiRED's, which unpads after selecting, and
-    # MustDrop's (every crop merged on its own, crops concatenated flat)
-    official_layout_methods = ("fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip")
-    unpads_after_selection = ("hired",)
-    newline_after_base_only = ("visionzip",)  # its official packing ends a base-only image with a newline
 
     def validate(self) -> None:
         super().validate()
-        encoder = [m.name for m in self.methods if "encoder" in m.stages]
-        unsupported = [name for name in encoder if name not in self.official_layout_methods]
+        unsupported = [m.name for m in self.methods if "encoder" in m.stages and "official" not in m.layouts]
         placed = [m.name for m in self.methods if "encoder" in m.stages and m.acts_on == "placed"]
         if self.layout == "official" and placed:
             raise VTokenError(
@@ -67,7 +66,7 @@ class LlavaNextAdapter(LlavaAdapter):
             )
         if self.layout == "official" and unsupported:
             raise VTokenError(
-                f"layout='official' on {self.family} is implemented for {', '.join(self.official_layout_methods)}; "
+                f"layout='official' on {self.family} is implemented for {', '.join(official_layout_methods())}; "
                 f"{unsupported} have no official LLaVA-NeXT layout here; use layout='native'"
             )
         if self.layout == "native" and "tower_merge" in getattr(self.encoder_method, "requires", ()):
@@ -140,7 +139,7 @@ class LlavaNextAdapter(LlavaAdapter):
         images = [i for i, n in enumerate(crops) for _ in range(n)]
         crop_index = [c for n in crops for c in range(n)]
         valid_counts = [n for layout in layouts for n in layout.valid_counts()]
-        unpads_after = official and method.name in self.unpads_after_selection
+        unpads_after = official and "unpad after selection" in method.official_packing
         unpadded = crop_valid(layouts, device) if not official or unpads_after else None
         crop_grid = {i: (layout.rows, layout.cols) for i, layout in enumerate(layouts)}
         tokens = VisualTokens(
@@ -155,7 +154,7 @@ class LlavaNextAdapter(LlavaAdapter):
             drop = ~unpadded.gather(1, places.clamp(max=tokens.num_tokens - 1))
         packed = pack(layouts, places, selection.counts_per_crop(), self.kept_flat(tokens, selection),
                       self.inner.image_newline, native=not official, origin=selection.origin, drop=drop,
-                      base_newline=method.name in self.newline_after_base_only,
+                      base_newline="newline after base-only image" in method.official_packing,
                       whole=method.acts_on == "placed")  # fmt: skip
         records = self.crop_records(tokens, selection, timer, crop_index, images=images)
         if drop is not None:
@@ -166,7 +165,6 @@ class LlavaNextAdapter(LlavaAdapter):
 def _after_unpadding(records: Any, reached: list[int], places: torch.Tensor, drop: torch.Tensor) -> Any:
     """Crop records of a layout that unpads after selecting (HiRED's official one): `tokens_out` is what reached
     the LLM, `selected` what the method picked, `kept` the picks that stayed (built when read)."""
-    from vtoken.records import LazyRecords
 
     def build() -> list:
         out = list(records)
@@ -178,3 +176,8 @@ def _after_unpadding(records: Any, reached: list[int], places: torch.Tensor, dro
         return out
 
     return LazyRecords(build)
+
+
+def official_layout_methods() -> list[str]:
+    """The registered methods that declare an official anyres layout (`"official" in Method.layouts`)."""
+    return [name for name in available_methods() if "official" in method_class(name).layouts]

@@ -4,7 +4,9 @@
 
 JOB: {"engines": [{"model": DIR, "override": {...} | null, "requests": [{"prompt": str, "images": [PNG],
 "videos": [NPY of [T, H, W, 3] uint8 frames], "fps": float (with videos)}],
-"batch": bool, "max_tokens": int, "tp": int, "limit_mm": {...} | null}]}. Every engine runs in this one process
+"batch": bool, "max_tokens": int, "tp": int, "limit_mm": {...} | null}], "sys_path": [DIR] (put first on sys.path:
+a folder with a test distribution's entry points), "setup": ["module:function"] (called before the engines:
+registering a method at run time)}. Every engine runs in this one process
 (the engine core in process, VLLM_ENABLE_V1_MULTIPROCESSING=0): the ~30 s of imports are paid once, each engine
 then starts in a few seconds. "batch": all requests in one `generate` call, else one call per request. OUT: per
 engine the start time and, per request, the prompt length, greedy ids and top-5 logprobs per step; or the error
@@ -14,6 +16,7 @@ raised at start.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import sys
@@ -67,6 +70,10 @@ def run_engine(spec: dict) -> dict:
 
 def main() -> None:
     job = json.load(open(sys.argv[1]))
+    sys.path[:0] = job.get("sys_path", [])
+    for target in job.get("setup", []):
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)()
     out = [run_engine(spec) for spec in job["engines"]]
     json.dump({"engines": out}, open(sys.argv[2], "w"))
 

@@ -65,7 +65,7 @@ def window_index(grids: list[tuple[int, int, int]], merge: int, window: int, pat
     first, frame, cols, window_rows, window_cols = on_device(values, device).view(-1, 5)[item].unbind(1)
     local = torch.arange(sum(sizes), device=device) - first
     y, x = (local % frame).div(cols, rounding_mode="floor"), local % cols
-    window_of = (local.div(frame, rounding_mode="floor") * window_rows + y.div(side, rounding_mode="floor"))
+    window_of = local.div(frame, rounding_mode="floor") * window_rows + y.div(side, rounding_mode="floor")
     window_of = window_of * window_cols + x.div(side, rounding_mode="floor")
     key = item * big + window_of * side * side + (y % side) * side + x % side
     return key.argsort()

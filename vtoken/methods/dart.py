@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..budget import Budget, check_budget
+from ..budget import Budget
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Int, Kept, Layer
 from ..tokens import LayerTokens
-from ..validation import choice, integer
 from .base import PrefillMethod
 
 POSITIONS = ("original", "renumber")
@@ -70,7 +69,6 @@ def dart_pick(
     return sorted(kept)
 
 
-@register_method
 @dataclass
 class DART(PrefillMethod):
     """`layer`: K, the first layer that runs on the kept tokens (reads layer K - 1; the paper's K = 2). `keep`:
@@ -84,14 +82,17 @@ class DART(PrefillMethod):
 
     name = "dart"
     reads = ("keys", "normed")
-
-    def __post_init__(self) -> None:
-        self.keep = check_budget(self.keep, "dart: keep")
-        hint = "the first LLM layer that runs on the kept tokens; DART reads the layer before it"
-        self.layer = integer(self.name, "layer", self.layer, 1, hint=hint)
-        self.image_pivots = integer(self.name, "image_pivots", self.image_pivots, 1, hint="official: 4")
-        self.text_pivots = integer(self.name, "text_pivots", self.text_pivots, 0, hint="official: 4")
-        self.positions = choice(self.name, "positions", self.positions, POSITIONS)
+    params = {
+        "keep": Kept(),
+        "layer": Layer(
+            1, reads=1, hint="the first LLM layer that runs on the kept tokens; DART reads the layer before it"
+        ),
+        "image_pivots": Int(1, hint="official: 4"),
+        "text_pivots": Int(0, hint="official: 4"),
+        "positions": Choice(POSITIONS),
+    }
+    budget_param = "keep"
+    controls = ("layer", "keep")
 
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.layer > num_layers - 1:

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from ..budget import Budget
-from ..registry import register_method
 from ..tokens import Selection, VisualTokens
 from .base import EncoderMethod, topk_per_crop
 
@@ -56,7 +55,6 @@ def max_min_diversity(features: torch.Tensor, count: int) -> torch.Tensor:
     return torch.stack(picks)
 
 
-@register_method
 @dataclass
 class DivPrune(EncoderMethod):
     """`budget`: tokens kept per image or video, a fraction of its placed tokens (official 0.098: 56 of LLaVA-1.5's

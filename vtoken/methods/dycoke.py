@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Layer, Real
 from ..tokens import Selection, VisualTokens
-from ..validation import integer, real
 from .base import PrefillMethod
 
 
@@ -67,7 +66,6 @@ def temporal_merge(frames: torch.Tensor, k: float) -> list[torch.Tensor]:
     return kept
 
 
-@register_method
 @dataclass
 class DyCoke(PrefillMethod):
     """`k`: the temporal merging ratio (share of a pruned frame's tokens dropped; official 0.7); `layer`: the first
@@ -84,12 +82,12 @@ class DyCoke(PrefillMethod):
     modalities = ("video",)
     reads = ()
     positions = "original"  # nothing moves: the cache keeps every token, a step masks some out
+    params = {
+        "k": Real("[0, 1]", hint="the share of a pruned frame's tokens merged away"),
+        "layer": Layer(1, reads=1, hint="an LLM layer index (it reads layer - 1)"),
+        "p": Real("[0, 1]", hint="the share of the video's tokens a step drops"),
+    }
     threshold: ClassVar[float] = 0.9  # the cosine similarity below which a step re-selects
-
-    def __post_init__(self) -> None:
-        self.k = real(self.name, "k", self.k, "[0, 1]", hint="the share of a pruned frame's tokens merged away")
-        self.layer = integer(self.name, "layer", self.layer, 1, hint="an LLM layer index (it reads layer - 1)")
-        self.p = real(self.name, "p", self.p, "[0, 1]", hint="the share of the video's tokens a step drops")
 
     # ----------------------------------------------------------------- stage 1: temporal token merging
     def planned_count(self, n: int) -> None:

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Layers, Real
 from ..tokens import LayerTokens, Selection, VisualTokens
-from ..validation import choice, layer_indices, real
-from .base import PrefillMethod, topk_mask
+from .base import PrefillMethod, droppable_layers, topk_mask
 
 POSITIONS = ("renumber", "original")
 
@@ -96,7 +95,6 @@ def dual_attention_filter(tokens: LayerTokens, global_thr: float, individual_thr
     return ~drop & tokens.valid
 
 
-@register_method
 @dataclass
 class MustDrop(PrefillMethod):
     """Encoder merge + key set, prefill dual-attention filter, decode KV cut (see the module docstring)."""
@@ -112,17 +110,31 @@ class MustDrop(PrefillMethod):
     stages = ("encoder", "prefill", "decode")
     requires = ("tower_merge", "cls_attention@-1")
     query_rows = "text"
+    params = {
+        "merge_threshold": Real(
+            hint="the windows' mean cosine similarity from which they merge, e.g. 0.8; above 1 none merge"
+        ),
+        "key_rate": Real("(0, 1]", hint="the key set's share, e.g. 0.08"),
+        "layers": Layers("(2, 6, 10, 14)"),
+        "global_thr": Real("[0, 1]", hint="e.g. 0.001"),
+        "individual_thr": Real("[0, 1]", hint="e.g. 0.001"),
+        "positions": Choice(POSITIONS),
+    }
+    layouts = ("native", "official")
+    merges = True
+    controls = ("layers", "global_thr", "individual_thr", "merge_threshold", "key_rate")
+    demo_params = {"global_thr": 0.01, "individual_thr": 0.01}  # its own defaults drop none in the prefill
     window: ClassVar[int] = 3
     merge_after_layer: ClassVar[int] = 0
 
-    def __post_init__(self) -> None:
-        merge = "the windows' mean cosine similarity from which they merge, e.g. 0.8; above 1 none merge"
-        self.merge_threshold = real(self.name, "merge_threshold", self.merge_threshold, hint=merge)
-        self.key_rate = real(self.name, "key_rate", self.key_rate, "(0, 1]", hint="the key set's share, e.g. 0.08")
-        self.layers = layer_indices(self.name, "layers", self.layers, "(2, 6, 10, 14)")
-        self.global_thr = real(self.name, "global_thr", self.global_thr, "[0, 1]", hint="e.g. 0.001")
-        self.individual_thr = real(self.name, "individual_thr", self.individual_thr, "[0, 1]", hint="e.g. 0.001")
-        self.positions = choice(self.name, "positions", self.positions, POSITIONS)
+    @classmethod
+    def fit(cls, model) -> dict:
+        """The official layers the LLM has room for (a drop after each, scored by a softmax-attention layer), else
+        the last such layer."""
+        scored = droppable_layers(model)
+        if not scored:
+            return {}
+        return {"layers": tuple(k for k in cls.defaults()["layers"] if k in scored) or (scored[-1],)}
 
     # ----------------------------------------------------------------- encoder
     def check_grid(self, grid: tuple[int, int]) -> None:

@@ -6,13 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import register_method
+from ..params import Int
 from ..tokens import VisualTokens
-from ..validation import integer
 from .base import ScoreMethod
 
 
-@register_method
 @dataclass
 class Random(ScoreMethod):
     """Uniform random keep-k per crop: the top-k of seeded uniform noise, i.e. a uniformly random k-subset.
@@ -24,11 +22,9 @@ class Random(ScoreMethod):
     seed: int = 0
 
     name = "random"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # the noise of crop w is seeded with seed + 7919 * w, which torch.Generator takes below 2**64
-        self.seed = integer(self.name, "seed", self.seed, 0, 2**62)
+    # the noise of crop w is seeded with seed + 7919 * w, which torch.Generator takes below 2**64
+    params = {"seed": Int(0, 2**62)}
+    layouts = ("native", "official")
 
     def score(self, tokens: VisualTokens) -> torch.Tensor:
         # noise per crop index *within its image*: independent of where the image sits in the batch

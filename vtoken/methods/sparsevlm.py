@@ -26,16 +26,17 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Counts, Int, Layers, OrNone
 from ..tokens import LayerTokens, Merged
-from ..validation import integer, layer_indices
-from .base import PrefillMethod, topk_mask
+from ..validation import integer
+from .base import PrefillMethod, droppable_layers, nearest_layers, topk_mask
 
 # the official settings: visual tokens kept after layers 2, 6 and 15 for an average of ~192/128/96/64 per layer
 BUDGETS = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
 RECYCLED_SHARE = 0.3  # of the dropped tokens, the best scored this share (+ 1) are recycled
 TOKENS_PER_CLUSTER = 10
 NOISE = 1e-6
+OFFICIAL_HINT = "the official settings: average visual tokens per layer; or keep=(k1, k2, ...) with explicit counts"
 
 
 def rater_mask(visual: torch.Tensor, visual_valid: torch.Tensor, text: torch.Tensor, text_valid: torch.Tensor):
@@ -71,7 +72,6 @@ def dpc_knn_merge(x: torch.Tensor, clusters: int, noise: torch.Tensor) -> tuple[
     return (sums / (counts[:, None] + 1e-6)).float(), centres
 
 
-@register_method
 @dataclass
 class SparseVLM(PrefillMethod):
     """`budget`: the official setting (192, 128, 96 or 64 visual tokens on average, default 192) or `keep`: the
@@ -85,17 +85,30 @@ class SparseVLM(PrefillMethod):
     name = "sparsevlm"
     query_rows = "chosen"
     reads = ("attention", "hidden")
+    params = {
+        "layers": Layers("(2, 6, 15)"),
+        "seed": Int(0, hint="the density noise's generator seed"),
+        "budget": OrNone(Choice(tuple(sorted(BUDGETS)), hint=OFFICIAL_HINT)),
+        "keep": OrNone(Counts(hint="the tokens kept after each layer of layers")),
+    }
+    budget_param = "budget"  # an official setting: a count (a fraction leaves it unset)
+    merges = True  # recycled tokens are merged into cluster centres
+    controls = ("layers", "keep")
+    demo_params = {"keep": BUDGETS[192]}  # the counts control shows the official 192 setting
+
+    @classmethod
+    def fit(cls, model) -> dict:
+        """The official layers scaled to a shallower LLM's depth, the official counts of the last ones."""
+        scored = droppable_layers(model)
+        if not scored:
+            return {}
+        layers = nearest_layers(scored, cls.defaults()["layers"], model.llm_layers)
+        return {"layers": tuple(layers), "keep": BUDGETS[192][-len(layers) :]}
 
     def __post_init__(self) -> None:
-        self.layers = layer_indices(self.name, "layers", self.layers, "(2, 6, 15)")
-        self.seed = integer(self.name, "seed", self.seed, 0, hint="the density noise's generator seed")
+        super().__post_init__()
         if self.budget is not None and self.keep is not None:
             raise VTokenError("sparsevlm: give budget (an official setting) or keep (explicit counts), not both")
-        if self.budget is not None and (isinstance(self.budget, bool) or self.budget not in BUDGETS):
-            raise VTokenError(
-                f"sparsevlm: budget={self.budget!r}; expected one of the official settings {sorted(BUDGETS)} "
-                "(average visual tokens per layer), or keep=(k1, k2, ...) with explicit counts"
-            )
         if self.keep is not None:
             expected = f"{len(self.layers)} token counts >= 1, one per layer of layers={self.layers}"
             keep = self.keep

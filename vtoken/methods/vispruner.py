@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ..budget import Budget
-from ..registry import register_method
+from ..params import Real
 from ..tokens import Selection, VisualTokens
-from ..validation import real
 from .base import EncoderMethod, topk_per_crop
 
 
@@ -46,7 +45,6 @@ def deduplicate(unit: torch.Tensor, residual: torch.Tensor, keep: int) -> torch.
     return residual
 
 
-@register_method
 @dataclass
 class VisPruner(EncoderMethod):
     """`budget`: tokens kept per crop (a count, official 64/128/192 of 576) or a fraction. `important_ratio`: the
@@ -58,13 +56,9 @@ class VisPruner(EncoderMethod):
     name = "vispruner"
     requires = ("cls_attention", "vision_features")
     scopes = ("crop",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.important_ratio = real(
-            self.name, "important_ratio", self.important_ratio, "[0, 1]",
-            hint="the share of the budget kept by [CLS] attention",
-        )  # fmt: skip
+    params = {"important_ratio": Real("[0, 1]", hint="the share of the budget kept by [CLS] attention")}
+    layouts = ("native", "official")
+    controls = ("budget", "important_ratio")
 
     def select(self, tokens: VisualTokens) -> Selection:
         scores = tokens.signals["cls_attention"].float()
