@@ -273,7 +273,7 @@ class Adapter(CallPath, FrameLayout):
         valid = (
             torch.arange(width, device=features.device)[None] < torch.tensor(lengths, device=features.device)[:, None]
         )
-        tokens = VisualTokens(features, (1, width), {}, torch.arange(len(placed)), valid)
+        tokens = VisualTokens(features, (1, width), {}, torch.arange(len(placed)), valid, valid_counts=lengths)
         timer = Stopwatch(features.device).start()
         selection = method.select(tokens)
         timer.stop()

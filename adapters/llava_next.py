@@ -49,6 +49,21 @@ class AnyresLayout:
     def num_crops(self) -> int:
         return 1 + self.rows * self.cols
 
+    def valid_counts(self, height: int, width: int) -> list[int]:
+        """Tokens of every crop (H x W each) that survive unpadding, from the window's shape alone: unpadding
+        keeps a centred window of the stitched grid (the base view keeps all)."""
+        kept_rows, kept_cols = self.unpadded.shape
+        top, left = (self.rows * height - kept_rows) // 2, (self.cols * width - kept_cols) // 2
+
+        def overlap(start: int, size: int, first: int, kept: int) -> int:
+            return max(0, min(start + size, first + kept) - max(start, first))
+
+        return [height * width] + [
+            overlap(r * height, height, top, kept_rows) * overlap(c * width, width, left, kept_cols)
+            for r in range(self.rows)
+            for c in range(self.cols)
+        ]
+
 
 @register_adapter
 class LlavaNextAdapter(LlavaAdapter):
@@ -178,8 +193,10 @@ class LlavaNextAdapter(LlavaAdapter):
         unpadded = torch.stack(valid).to(device)
         official = self.layout == "official"
         crop_grid = {i: (layout.rows, layout.cols) for i, layout in enumerate(layouts)}
+        counts = [n for layout in layouts for n in layout.valid_counts(height, width)]  # host, from the layouts
         tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index),
-                              None if official else unpadded, torch.tensor(crop_index), crop_grid)  # fmt: skip
+                              None if official else unpadded, torch.tensor(crop_index), crop_grid,
+                              valid_counts=None if official else counts)  # fmt: skip
         selection, timer = self.select(tokens)
         records = self.crop_records(tokens, selection, timer, crop_index)
 
