@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +197,48 @@ def test_custom_op_is_registered_counts_once_and_has_meta_shapes(name):
     meta = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
     assert meta.device.type == "meta" and meta.shape == out.shape
     torch.library.opcheck(op, args)
+
+
+AHEAD = {  # kernel -> (its module, pointer types, constexprs, num_warps as the launcher sets them)
+    "_gram_kernel": ("gram", {"x_ptr": "*fp32", "out_ptr": "*fp32"}, {"BLOCK": 32, "BLOCK_D": 8}, 4),
+    "_second_nearest_kernel": ("diversity", {"gram_ptr": "*fp32", "valid_ptr": "*i8", "out_ptr": "*fp32"},
+                               {"BLOCK_R": 16, "BLOCK_C": 256}, 4),
+    "_greedy_kernel": ("diversity", {"gram_ptr": "*fp32", "valid_ptr": "*i8", "second_ptr": "*fp32",
+                                     "counts_ptr": "*i32", "picks_ptr": "*i64", "closest_ptr": "*fp32"},
+                       {"BLOCK_L": 2048}, 8),
+    "_coverage_step_kernel": ("coverage", {"cov_ptr": "*fp32", "best_ptr": "*fp32", "blocked_ptr": "*i8",
+                                           "counts_ptr": "*i32", "picks_ptr": "*i64", "part_val_ptr": "*fp32",
+                                           "part_idx_ptr": "*i32", "tickets_ptr": "*i32"},
+                              {"BLOCK_N": 64, "BLOCK_R": 64}, 4),
+    "_dedup_kernel": ("duplicates", {"gram_ptr": "*fp32", "residual_ptr": "*i64", "lengths_ptr": "*i32",
+                                     "keep_ptr": "*i32", "out_ptr": "*i64", "lists_ptr": "*i64", "sim_ptr": "*fp32"},
+                      {"ROUND": 8, "BLOCK": 64}, 4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", AHEAD)
+def test_kernel_compiles_for_h100_without_a_gpu_and_does_not_spill(name, tmp_path):
+    """The interpreter does not check what the compiler rejects: compile ahead of time for sm_90 (ptxas ships with
+    triton), at the block sizes the launchers use, and read ptxas's report: no register spills."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, pointers, constexprs, warps = AHEAD[name]
+    kernel = getattr(importlib.import_module(f"vtoken.kernels.{module}"), name)
+    signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "i32") for arg in kernel.arg_names}
+    source = ASTSource(
+        fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert compiled.asm["cubin"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if ptxas.exists():
+        ptx = tmp_path / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert report.returncode == 0, report.stderr[-2000:]
+        assert "0 bytes spill stores, 0 bytes spill loads" in report.stderr, report.stderr[-2000:]
