@@ -59,7 +59,7 @@ if triton is not None:
         rows, n, stride_cb, stride_cr, stride_bb, stride_kb, stride_pb, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):  # fmt: skip
-        b, block = tl.program_id(0), tl.program_id(1)
+        b, block = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit offsets into the crops' matrices
         blocks = tl.num_programs(1)
         if step < tl.load(counts_ptr + b):
             cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,8 +128,10 @@ def greedy_max_coverage_triton(
 
 
 class _Graphed:
-    """One captured step sequence: its static inputs, its output, the graph."""
+    """One captured step sequence: its static inputs, its output, the graph. Its tensors are never inference
+    tensors: a graph captured inside `torch.inference_mode` is filled and replayed outside it too."""
 
+    @torch.inference_mode(False)
     def __init__(self, batch: int, rows: int, n: int, width: int, device: torch.device) -> None:
         self.coverage = torch.zeros(batch, rows, n, device=device, dtype=torch.float32)
         self.excluded = torch.zeros(batch, n, device=device, dtype=torch.bool)

@@ -80,7 +80,7 @@ if triton is not None:
     ):  # fmt: skip
         # per row i (= column i: the Gram matrix is exactly symmetric) the second-smallest 1 - G[i, j] over valid j,
         # with multiplicity (a distance seen twice is both the smallest and the second-smallest)
-        b, block = tl.program_id(0), tl.program_id(1)
+        b, block = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit offsets into the batch's Gram matrices
         rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
         smallest = tl.full([BLOCK_R], float("inf"), tl.float32)
         second = tl.full([BLOCK_R], float("inf"), tl.float32)
@@ -105,7 +105,7 @@ if triton is not None:
     ):  # fmt: skip
         # one program per image, all of its greedy steps: `closest` (distance to the nearest pick, -inf for picked
         # and invalid tokens) lives in a scratch row; each step reads one row of the Gram matrix
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # 64-bit offsets into the batch's Gram matrices
         count = tl.load(counts_ptr + b)
         valid_row, closest_row = valid_ptr + b * stride_vb, closest_ptr + b * stride_cb
         total = 0

@@ -66,7 +66,7 @@ if triton is not None:
         stride_rb, stride_ob, ROUND: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # one program per crop, every round: the list ping-pongs between two scratch rows of n entries
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # 64-bit offsets into the batch's Gram matrices
         length = tl.load(lengths_ptr + b)
         keep = tl.load(keep_ptr + b)
         lists = lists_ptr + b * 2 * n

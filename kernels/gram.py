@@ -43,7 +43,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
     ):
         # one program per (batch entry, tile row, tile column) with column >= row; the lower tile is its transpose
-        b, ti, tj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, ti, tj = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # 64-bit batch offsets
         if tj >= ti:
             rows = ti * BLOCK + tl.arange(0, BLOCK)
             cols = tj * BLOCK + tl.arange(0, BLOCK)
