@@ -126,10 +126,12 @@ def test_on_cuda_no_sync_and_a_graph_capture(name, crops, cut):
     tokens = tokens_for(name, crops, cut)
     tokens.features = tokens.features.cuda()
     tokens.signals = {k: v.cuda() for k, v in tokens.signals.items()}
-    tokens.image_index, tokens.crop_index = tokens.image_index.cuda(), tokens.crop_index.cuda()
-    tokens.valid = None if tokens.valid is None else tokens.valid.cuda()
-    question = tokens.question.embed("").cuda()
-    tokens.question = TextQuery(tokens.question.questions, "llava-1.5", lambda text: question)
+    tokens.image_index, tokens.crop_index, tokens.valid = (
+        None if t is None else t.cuda() for t in (tokens.image_index, tokens.crop_index, tokens.valid)
+    )
+    if tokens.question is not None:
+        question = tokens.question.embed("").cuda()
+        tokens.question = TextQuery(tokens.question.questions, "llava-1.5", lambda text: question)
     method = method_for(name, 0.25)
     expected = method.select(tokens)  # warm up: compile kernels, fill caches
     syncs = ONE_READ.get(name, 0) if (name != "hired" or crops > 1) else 0
