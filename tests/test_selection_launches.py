@@ -148,3 +148,23 @@ def test_on_cuda_no_sync_and_a_graph_capture(name, crops, cut):
     got = captured.kept if captured.kept is not None else captured.features
     want = expected.kept if expected.kept is not None else expected.features
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.1, 0.098, 0.05, 1 / 3, 0.5, 1.0, 1e-6, 1, 29, 144, 10_000])
+def test_device_counts_equal_the_host_counts(budget):
+    """The counts a selection computes on the device (to size nothing, to mask kernels) are the host's, exactly:
+    the budget rule, VisionZip's D + C split and Pool's cells of every rectangle of a 24 x 24 grid."""
+    from vtoken.budget import tokens_to_keep, tokens_to_keep_tensor
+    from vtoken.methods.pool import _cells, rectangle_cells
+
+    n = torch.arange(0, 6000)
+    host = [tokens_to_keep(budget, int(v)) if v else 0 for v in n]
+    assert tokens_to_keep_tensor(budget, n).tolist() == host
+    zip_method = vtoken.VisionZip(budget=budget)
+    dominant, contextual = zip_method.splits(n[1:])
+    assert list(zip(dominant.tolist(), contextual.tolist(), strict=True)) == [zip_method.split(int(v)) for v in n[1:]]
+    cells = rectangle_cells(SIDE, SIDE, budget, torch.device("cpu"))
+    for h in range(1, SIDE + 1, 5):
+        for w in range(1, SIDE + 1, 3):
+            k = tokens_to_keep(budget, h * w)
+            assert [tuple(c) for c in cells[h * (SIDE + 1) + w, :k].tolist()] == _cells(h, w, k)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import numbers
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import BudgetError
+
+if TYPE_CHECKING:  # the CLI's --help reads budgets without importing torch
+    import torch
 
 Budget = float | int
 
@@ -51,7 +53,7 @@ def tokens_to_keep_tensor(budget: Budget, n: torch.Tensor) -> torch.Tensor:
     n = n.long()
     if isinstance(budget, int):
         return n.clamp(max=budget)
-    return torch.floor(n.double() * budget + 0.5).long().clamp(min=1).minimum(n)
+    return (n.double() * budget + 0.5).floor().long().clamp(min=1).minimum(n)
 
 
 def describe(budget: Budget) -> str:

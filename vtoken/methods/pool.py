@@ -88,7 +88,7 @@ def device_cells(height: torch.Tensor, width: torch.Tensor, k: torch.Tensor, cou
     return torch.stack([row0, torch.where(cell < k, row1, row0), col0, col1], dim=-1)
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=16, typed=True)  # typed: the count 1 and the fraction 1.0 are different budgets
 @torch.inference_mode(False)
 def rectangle_cells(height: int, width: int, budget: Budget, device: torch.device) -> torch.Tensor:
     """[(height + 1) * (width + 1), K, 4] the cells (`device_cells`) of every h x w rectangle with h <= height and
