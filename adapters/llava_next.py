@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError, VTokenError
-from vtoken.registry import register_adapter
+from vtoken.registry import available_methods, method_class, register_adapter
 from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
 
 from . import hf
@@ -75,17 +75,14 @@ class LlavaNextAdapter(LlavaAdapter):
                  ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy")),
     )  # fmt: skip
 
+    # official layouts (the methods declare theirs: `Method.layouts`, `Method.official_packing`): FasterVLM's (also
+    # MMTok's and the baselines'), HiRED's, which unpads after selecting, and MustDrop's (every crop merged on its
+    # own, crops concatenated flat)
     layouts = ("native", "official")
-    # official layouts: FasterVLM's (also MMTok's and the baselines'), HiRED's, which unpads after selecting, and
-    # MustDrop's (every crop merged on its own, crops concatenated flat)
-    official_layout_methods = ("fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip")
-    unpads_after_selection = ("hired",)
-    newline_after_base_only = ("visionzip",)  # its official packing ends a base-only image with a newline
 
     def validate(self) -> None:
         super().validate()
-        encoder = [m.name for m in self.methods if "encoder" in m.stages]
-        unsupported = [name for name in encoder if name not in self.official_layout_methods]
+        unsupported = [m.name for m in self.methods if "encoder" in m.stages and "official" not in m.layouts]
         placed = [m.name for m in self.methods if "encoder" in m.stages and m.acts_on == "placed"]
         if self.layout == "official" and placed:
             raise VTokenError(
@@ -94,7 +91,7 @@ class LlavaNextAdapter(LlavaAdapter):
             )
         if self.layout == "official" and unsupported:
             raise VTokenError(
-                f"layout='official' on {self.family} is implemented for {', '.join(self.official_layout_methods)}; "
+                f"layout='official' on {self.family} is implemented for {', '.join(official_layout_methods())}; "
                 f"{unsupported} have no official LLaVA-NeXT layout here; use layout='native'"
             )
         if self.layout == "native" and "tower_merge" in getattr(self.encoder_method, "requires", ()):
@@ -201,7 +198,7 @@ class LlavaNextAdapter(LlavaAdapter):
         records = self.crop_records(tokens, selection, timer, crop_index)
 
         kept = [selection.offsets_of(c) for c in range(tokens.num_crops)]
-        if official and self.encoder_method.name in self.unpads_after_selection:
+        if official and "unpad after selection" in self.encoder_method.official_packing:
             # HiRED's official packing selects over the padded crops, then unpads: border picks are dropped
             kept = [k[unpadded[c, k]] for c, k in enumerate(kept)]
             embeds = self.project(torch.cat([features[c, k] for c, k in enumerate(kept)]))
@@ -219,7 +216,7 @@ class LlavaNextAdapter(LlavaAdapter):
             first += layout.num_crops
             base = embeds[crops[0]]
             if layout.num_crops == 1:
-                bare = official and self.encoder_method.name not in self.newline_after_base_only
+                bare = official and "newline after base-only image" not in self.encoder_method.official_packing
                 per_image.append(base if bare else torch.cat([base, newline[None].to(base)]))
                 continue
             if selection.origin is not None:  # tokens with no place on the grid ([CLS], merged) follow it
@@ -258,6 +255,11 @@ class LlavaNextAdapter(LlavaAdapter):
         else:
             grid = _raster_with_newlines(keys, grid, layout.cols * self.grid[1], newline)
         return torch.cat([embeds[crops[0]], grid, *cls, *merged])
+
+
+def official_layout_methods() -> list[str]:
+    """The registered methods that declare an official anyres layout (`"official" in Method.layouts`)."""
+    return [name for name in available_methods() if "official" in method_class(name).layouts]
 
 
 def _raster_with_newlines(keys: torch.Tensor, embeds: torch.Tensor, row_length: int, newline: torch.Tensor):

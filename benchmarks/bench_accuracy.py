@@ -30,7 +30,7 @@ import vtoken  # noqa: E402
 from vtoken.mini import vqa  # noqa: E402
 from vtoken.mini.evaluate import Result, evaluate  # noqa: E402
 from vtoken.mini.model import load  # noqa: E402
-from vtoken.registry import METHODS  # noqa: E402
+from vtoken.registry import method_class  # noqa: E402
 from vtoken.stats import mean_estimate, ratio_estimate  # noqa: E402
 
 BUDGETS = (0.5, 0.25, 0.1, 0.05)
@@ -63,12 +63,12 @@ SCHEDULES = {
 
 
 def make(method: str, budget: float):
-    """The method at `budget`: its `budget` field, or `keep` for LLM-stage methods (FastV, DART), or its schedule
-    (`SCHEDULES`); VTokenError if it has no token-count knob (threshold-driven MustDrop)."""
+    """The method at `budget`: its declared `budget_param` (its `budget`, or `keep` for LLM-stage methods: FastV,
+    DART), or its schedule (`SCHEDULES`); VTokenError if it has no token-count knob (threshold-driven MustDrop)."""
     if method in SCHEDULES:
         return SCHEDULES[method](budget)
-    names = {f.name for f in fields(METHODS[method])}
-    knob = next((k for k in ("budget", "keep") if k in names), None)
+    names = {f.name for f in fields(method_class(method))}
+    knob = method_class(method).budget_param
     if knob is None:
         raise vtoken.VTokenError(f"{method} has no token budget (parameters: {', '.join(sorted(names))})")
     return vtoken.make_method(method, **{knob: budget})

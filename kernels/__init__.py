@@ -22,6 +22,8 @@ from .coverage import greedy_max_coverage, greedy_max_coverage_reference, greedy
 from .diversity import max_min_diversity, max_min_diversity_reference, max_min_diversity_triton
 from .duplicates import duplicate_removal, duplicate_removal_reference, duplicate_removal_triton
 from .gram import gram_reference, gram_triton
+from .greedy_picks import greedy_least_similar, greedy_least_similar_reference, greedy_least_similar_triton
+from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
 
 __all__ = [
     "block_mask_from_plan",
@@ -45,4 +47,10 @@ __all__ = [
     "max_min_diversity",
     "max_min_diversity_reference",
     "max_min_diversity_triton",
+    "greedy_least_similar",
+    "greedy_least_similar_reference",
+    "greedy_least_similar_triton",
+    "visual_attention",
+    "visual_attention_reference",
+    "visual_attention_triton",
 ]

@@ -87,7 +87,8 @@ def test_code_blocks_run(page, hub_substitution, capsys):
         if skip:
             continue
         try:
-            exec(compile(code, f"{_name(page)}:{line}", "exec"), namespace)
+            # dont_inherit: a block runs as a reader pastes it, not under this module's `from __future__` imports
+            exec(compile(code, f"{_name(page)}:{line}", "exec", dont_inherit=True), namespace)
         except SystemExit as done:  # a block calling the CLI's main() ends with its status
             assert done.code in (0, None), f"{_name(page)}:{line} exited with {done.code}"
         except Exception as err:

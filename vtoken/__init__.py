@@ -37,7 +37,10 @@ _EXPORTS = {
     **dict.fromkeys(("encode", "select"), "functional"),
     "remember_tokenizer": "question",
     "Record": "records",
-    **dict.fromkeys(("available_methods", "make_method", "supported_models"), "registry"),
+    **dict.fromkeys(
+        ("available_methods", "make_method", "register_method", "unregister_method", "supported_models"), "registry"
+    ),
+    **dict.fromkeys(("ModelView", "model_view"), "modelview"),
     **dict.fromkeys(("LayerTokens", "Merged", "Selection", "TextQuery", "TextTokens", "VisualTokens"), "tokens"),
 }
 
@@ -105,9 +108,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         VisionZip,
         VisPruner,
     )
+    from .modelview import ModelView, model_view
     from .question import remember_tokenizer
     from .records import Record
-    from .registry import available_methods, make_method, supported_models
+    from .registry import available_methods, make_method, register_method, supported_models, unregister_method
     from .tokens import LayerTokens, Merged, Selection, TextQuery, TextTokens, VisualTokens
 
 __all__ = [
@@ -121,7 +125,11 @@ __all__ = [
     "available_methods",
     "applicable_methods",
     "make_method",
+    "register_method",
+    "unregister_method",
     "supported_models",
+    "model_view",
+    "ModelView",
     "tokens_to_keep",
     "remember_tokenizer",
     "DART",

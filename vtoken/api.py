@@ -118,6 +118,15 @@ def patch(
     return handle
 
 
+def check(model: nn.Module, method: str | Method | Sequence[str | Method], *, layout: str = "native",
+          **params: Any) -> None:  # fmt: skip
+    """Raise what `patch(model, method, layout=layout, **params)` would raise before installing anything (an
+    unsupported model, an unknown method or parameter, a signal or stage the model lacks, a layout it has not);
+    install nothing either way."""
+    _refuse_compiled_wrapper(model)
+    _find_adapter(model)(model, _resolve_methods(method, params), layout)
+
+
 def unpatch(model: nn.Module) -> None:
     """Remove everything `patch` installed on `model`."""
     handle = model.__dict__.pop(_HANDLE_ATTR, None)

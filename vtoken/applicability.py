@@ -10,78 +10,41 @@ from typing import Any
 
 from torch import nn
 
-from .api import _find_adapter
+from .api import check
 from .errors import VTokenError
-from .methods.random import Random
-from .registry import available_methods, make_method
-
-# MustDrop's official drop layers (a 32-layer LLaMA); shallower LLMs keep those that fit
-MUSTDROP_LAYERS = (2, 6, 10, 14)
-# PyramidDrop's and SparseVLM's official layers on a 32-layer LLaMA; a shallower LLM gets them scaled to its depth
-OFFICIAL_DEPTH = 32
-
-
-def _language_model(model: nn.Module) -> nn.Module:
-    """The decoder stack LLM stages hook, as the model's adapter finds it."""
-    return _find_adapter(model)(model, [Random()], "native").language_model
+from .modelview import model_view
+from .registry import available_methods, make_method, method_class
 
 
 def llm_depth(model: nn.Module) -> int:
     """Decoder layers of the model's LLM (what LLM-stage drop points index)."""
-    return len(_language_model(model).layers)
-
-
-def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
-    """Parameters a method needs beyond its defaults to fit `model`: LLM drop points within the LLM's depth
-    (FastV's layer 2 and MustDrop's layers (2, 6, 10, 14) need an LLM of at least 4 and 16 layers; PyramidDrop's
-    (8, 16, 24) and SparseVLM's (2, 6, 15) are scaled to a shallower LLM, SparseVLM's official counts kept; DyCoke's
-    layer 3 becomes the deepest that fits, reading a softmax-attention layer)."""
-    if name not in ("fastv", "mustdrop", "dart", "pyramiddrop", "sparsevlm", "dycoke"):
-        return {}
-    depth = llm_depth(model)
-    last = depth - 2  # a drop after the last layer saves nothing
-    if last < 0:
-        return {}  # a one-layer LLM: the method says why it cannot apply
-    attention = attention_layers(model)
-    scored = [k for k in range(last + 1) if k in attention] or [last]
-    if name == "fastv":
-        return {"layer": max([k for k in scored if k <= 2] or scored[:1])}
-    if name == "mustdrop":
-        return {"layers": tuple(k for k in MUSTDROP_LAYERS if k in scored) or (scored[-1],)}
-    if name == "dart":  # K reads layer K - 1
-        return {"layer": max([k for k in scored if k <= 1] or scored[:1]) + 1}
-    if name == "dycoke":  # layers from `layer` on are restricted, reading layer - 1: the official 3, or the nearest
-        return {"layer": max([k for k in scored if k <= 2] or scored[:1]) + 1}
-    scale = min(1.0, depth / OFFICIAL_DEPTH)  # official layers on a 32+-layer LLM, else scaled to its depth
-
-    def nearest(fits: list[int], official: tuple[int, ...]) -> list[int]:
-        return sorted({min(fits, key=lambda k: abs(k - layer * scale)) for layer in official})
-
-    if name == "pyramiddrop":  # each stage scored by the layer it drops before
-        first = min(attention, default=0)  # a hybrid LLM reads its cache length there: no drop before it
-        fits = [k for k in range(1, depth) if k in attention and k - 1 >= first]
-        layers = nearest(fits, (8, 16, 24)) if fits else [1]
-        return {"layers": tuple(layers), "ratios": (0.5, 0.25, 0.125)[: len(layers)]}
-    layers = nearest(scored, (2, 6, 15))
-    return {"layers": tuple(layers), "keep": (300, 200, 110)[-len(layers) :]}  # fewer layers: the last counts
+    return model_view(model).llm_layers
 
 
 def attention_layers(model: nn.Module) -> set[int]:
     """LLM layers with softmax attention rows to score tokens by (a hybrid LLM's linear-attention layers have
     none: Qwen3.5)."""
-    lm = _language_model(model)
-    types = getattr(lm.config, "layer_types", None) or ["full_attention"] * len(lm.layers)
-    return {i for i, kind in enumerate(types) if kind != "linear_attention"}
+    return set(model_view(model).attention_layers)
+
+
+def fitting_params(model: nn.Module, name: str) -> dict[str, Any]:
+    """Parameters method `name` needs beyond its defaults to fit `model`: what its `fit` says (LLM drop points
+    within the LLM's depth: FastV's layer 2 and MustDrop's layers (2, 6, 10, 14) need an LLM of at least 4 and 16
+    layers; PyramidDrop's (8, 16, 24) and SparseVLM's (2, 6, 15) are scaled to a shallower LLM, SparseVLM's
+    official counts kept; DyCoke's layer 3 becomes the deepest that fits, reading a softmax-attention layer)."""
+    cls = method_class(name)
+    if cls is None:
+        make_method(name)  # the unknown-method error, naming the available ones
+    return cls.fit(model_view(model))
 
 
 def applicable_layouts(model: nn.Module, method: str, **params: Any) -> list[str]:
     """The layouts (see `vtoken.patch`) in which `method` (with `params`, else fitting ones) applies to `model`."""
-    adapter = _find_adapter(model)
     instance = make_method(method, **(params or fitting_params(model, method)))
     layouts = []
-    for layout in adapter.layouts:
+    for layout in model_view(model).layouts:
         try:
-            adapter(model, [instance], layout)  # validates only; installs nothing
+            check(model, instance, layout=layout)  # validates only; installs nothing
         except VTokenError:
             continue
         layouts.append(layout)
@@ -91,21 +54,21 @@ def applicable_layouts(model: nn.Module, method: str, **params: Any) -> list[str
 def applicable_methods(model: nn.Module) -> dict[str, str | None]:
     """Every registered method -> None if it applies to `model` (in at least one layout, with `fitting_params`),
     else the reason it cannot (the message `vtoken.patch` would raise)."""
-    adapter = _find_adapter(model)
+    view = model_view(model)
     verdicts: dict[str, str | None] = {}
     for name in available_methods():
         try:
-            method = make_method(name, **fitting_params(model, name))
+            method = make_method(name, **method_class(name).fit(view))
         except VTokenError as err:
             verdicts[name] = str(err)
             continue
         reasons = []
-        for layout in adapter.layouts:
+        for layout in view.layouts:
             try:
-                adapter(model, [method], layout)
+                check(model, method, layout=layout)
             except VTokenError as err:
                 reasons.append(str(err))
                 continue
             break
-        verdicts[name] = reasons[0] if len(reasons) == len(adapter.layouts) else None
+        verdicts[name] = reasons[0] if len(reasons) == len(view.layouts) else None
     return verdicts

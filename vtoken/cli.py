@@ -7,13 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 from contextlib import nullcontext
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from .budget import DEFAULT_BUDGET, parse_number
 from .errors import InputError, VTokenError
-from .specs import build_methods, method_names, parse_param
+from .specs import build_methods, common_budget, method_names, parse_param
 from .timing import DEFAULT_REPEATS, summary, time_to_first_token
 
 DEFAULT_MODEL = "vtoken-mini"  # vtoken.zoo.MINI (the zoo imports torch, so the name is repeated; a test checks it)
@@ -39,11 +38,11 @@ def _answer(model, processor, inputs, max_new_tokens: int) -> str:
 def method_params(spec: str, budget: float | int | None, params: list[str] = ()) -> dict[str, Any]:
     """`--method`, `--budget` and `--param` as `vtoken.specs` parameters ("name.param" -> value).
 
-    `--budget` sets every listed method's own knob: its `budget`, FastV's and DART's `keep` (MustDrop's knobs are
-    its thresholds, PyramidDrop's its ratios). Without it, every method with a `budget` starts at `DEFAULT_BUDGET`
-    (as in the demo) and FastV and DART keep their own `keep`. SparseVLM's budget is one of its official average
-    counts (`--budget 192`, 128, 96 or 64): a fraction leaves its default (192). `--param name.param=value` (or an
-    unprefixed `param=value`) comes last and wins."""
+    `--budget` sets every listed method's declared budget parameter (`Method.budget_param`): its `budget`, FastV's
+    and DART's `keep` (MustDrop's knobs are its thresholds, PyramidDrop's its ratios). Without it, every
+    encoder-stage method starts at `DEFAULT_BUDGET` (as in the demo) and FastV and DART keep their own `keep`.
+    SparseVLM's budget is one of its official average counts (`--budget 192`, 128, 96 or 64): a fraction leaves
+    its default (192). `--param name.param=value` (or an unprefixed `param=value`) comes last and wins."""
     from .registry import method_class
 
     names = method_names(spec, "--method")
@@ -55,13 +54,10 @@ def method_params(spec: str, budget: float | int | None, params: list[str] = ())
         explicit.update([(cls.name if cls else prefix, param)] if dot else [(n, key) for n in names])
     out: dict[str, Any] = {}
     for name in names:
-        if method_class(name).name == "sparsevlm" and not isinstance(budget, int):
-            continue  # its budget picks an official table: 192, 128, 96 or 64 tokens on average
-        accepted = {f.name for f in fields(method_class(name))}
-        knobs = ["budget"] if budget is None else ["budget", "keep"]
-        knob = next((k for k in knobs if k in accepted), None)
+        cls = method_class(name)
+        knob = common_budget(cls, budget)
         # parameters that stand for the budget (VisionZip's dominant/contextual): given, the budget is not set
-        instead = getattr(method_class(name), "budget_alternatives", ())
+        instead = cls.budget_alternatives
         if knob is not None and (name, knob) not in explicit and not any((name, p) in explicit for p in instead):
             out[f"{name}.{knob}"] = DEFAULT_BUDGET if budget is None else budget
     return {**out, **given}
@@ -135,7 +131,7 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 def load_model(args: argparse.Namespace) -> tuple:
     """(model, processor) of --model, with load failures (offline hub, bad checkpoint) as one-line errors."""
-    from . import api
+    from .modelview import model_view
     from .zoo import load
 
     try:
@@ -144,9 +140,9 @@ def load_model(args: argparse.Namespace) -> tuple:
         raise
     except (OSError, ValueError) as err:
         raise VTokenError(f"cannot load model {args.model!r}: {_first_line(err)}") from err
-    adapter = api._find_adapter(model)  # an unsupported model fails here, before any run
+    view = model_view(model)  # an unsupported model fails here, before any run
     if args.video and getattr(processor, "video_processor", None) is None:  # its processor takes no videos
-        raise VTokenError(f"{args.model} ({adapter.family}) takes no videos; use --image")
+        raise VTokenError(f"{args.model} ({view.family}) takes no videos; use --image")
     return model, processor
 
 
@@ -230,11 +226,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def method_line(cls) -> str:
+    """One method as `vtoken list` shows it, from its declaration: 'fastv (prefill): keep, layer, positions; --budget
+    sets keep', 'pool (encoder, merges): budget, scope; --budget sets budget'."""
+    what = ", ".join([*cls.stages, *["video only"] * (tuple(cls.modalities) == ("video",)), *["merges"] * cls.merges])
+    line = f"{cls.name} ({what}): {', '.join(cls.declared_params()) or 'no parameters'}"
+    return line + (f"; --budget sets {cls.budget_param}" if cls.budget_param else "")
+
+
 def list_all(args: argparse.Namespace) -> int:
-    from .registry import available_methods, supported_models
+    from .registry import available_methods, method_class, supported_models
     from .zoo import BUILTIN_MODELS
 
     print("methods:", ", ".join(available_methods()))
+    for name in available_methods():
+        try:
+            print("  " + method_line(method_class(name)))
+        except VTokenError as err:  # an installed plugin that fails to load: the others are listed
+            print(f"  {name}: {err}")
     for family, classes in supported_models().items():
         print(f"model family {family}: {', '.join(classes)}")
     print("built-in models:", ", ".join(BUILTIN_MODELS))

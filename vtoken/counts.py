@@ -20,31 +20,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .modelview import model_view
 from .records import Record
 
 
 def placeholder_ids(model) -> list[int]:
     """The image/video placeholder token ids of `model` (one per modality its adapter knows)."""
-    from .api import _find_adapter
-
-    ids = {getattr(model.config, m.placeholder_attr, None) for m in _find_adapter(model).modalities}
-    return sorted(i for i in ids if isinstance(i, int))
+    return sorted(set(model_view(model).placeholder_ids.values()))
 
 
 def placeholders(model, input_ids: torch.Tensor) -> list[int]:
     """[B] visual placeholder tokens per row of a prompt: the visual tokens an unpatched model's LLM receives."""
-    ids = torch.tensor(placeholder_ids(model), device=input_ids.device)
-    return torch.isin(input_ids, ids).sum(dim=1).tolist()
+    return model_view(model).visual_tokens(input_ids)
 
 
 @contextmanager
 def llm_input(model) -> Iterator[list[int]]:
     """Within the block, the per-row lengths (padding excluded) of the first sequence `model`'s language model
     receives (the prefill) are appended to the yielded list; later calls (decode steps) are ignored."""
-    from .api import _find_adapter
-    from .methods.random import Random
-
-    language_model = _find_adapter(model)(model, [Random()], "native").language_model
+    language_model = model_view(model).language_model
     lengths: list[int] = []
 
     def grab(module, args, kwargs):

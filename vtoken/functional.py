@@ -17,7 +17,7 @@ import torch
 
 from .errors import InputError, MissingSignalError, VTokenError
 from .methods.base import EncoderMethod, Method
-from .methods.hired import HiRED
+from .registry import available_methods, method_class
 from .tokens import TextQuery, VisualTokens
 from .towers import tower_of
 
@@ -26,6 +26,14 @@ ACCEPTED_SIGNALS = (
 )
 # signals `select` fills itself (from the arguments) rather than reading them from `signals`
 _BUILT_IN = frozenset({"grid", "resized_grid", "question", "projected", "vision_features"})
+
+
+def _on_features_alone(method: Method | type[Method]) -> bool:
+    """Whether `method` (an object or a class) selects from the features alone: an encoder-stage-only method that
+    merges nothing inside the vision tower."""
+    cls = method if isinstance(method, type) else type(method)
+    requires = method.requires if isinstance(method.requires, tuple) else ()  # a class's may be a property (HiRED)
+    return issubclass(cls, EncoderMethod) and tuple(cls.stages) == ("encoder",) and "tower_merge" not in requires
 
 
 def _signal_block(name: object, layer: int) -> int:
@@ -118,12 +126,12 @@ def select(
     N-token grid, for pooling the patch at each pooled cell's centre (`pool`), and None for methods that hand
     back a new, smaller grid (Fourier-VLM: kept is its h x w grid in raster order) or merged rows (VisionZip).
     """
-    if not isinstance(method, EncoderMethod) or method.stages != ("encoder",) or "tower_merge" in method.requires:
+    if not _on_features_alone(method):
         name = getattr(method, "name", type(method).__name__)
+        alone = [n for n in available_methods() if _on_features_alone(c := method_class(n)) and "image" in c.modalities]
         raise VTokenError(
-            f"select runs encoder-stage methods that work on features alone (random, pool, fastervlm, hired, mmtok, "
-            f"fourier, vispruner, visionzip, divprune); {name!r} acts inside the tower or the LLM: use vtoken.patch "
-            "on a supported model"
+            f"select runs encoder-stage methods that work on features alone ({', '.join(alone)}); {name!r} acts "
+            "inside the tower or the LLM: use vtoken.patch on a supported model"
         )
     if "image" not in method.modalities:
         raise VTokenError(
@@ -142,9 +150,7 @@ def select(
     if len(grid) != 2 or grid[0] * grid[1] != n:
         raise InputError(f"grid={tuple(grid)} does not hold the {n} tokens of `features`; expected H * W = {n}")
     signals = dict(signals or {})
-    needed = [name for name in method.requires if name not in _BUILT_IN]
-    if isinstance(method, HiRED):  # one crop per image: the budget split (and its early signal) does not apply
-        needed = needed[-1:]
+    needed = [name for name in method.single_crop_requires() if name not in _BUILT_IN]  # one crop per image
     missing = [name for name in needed if name not in signals]
     if missing:
         raise MissingSignalError(

@@ -14,6 +14,7 @@ import ast
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from .budget import DEFAULT_BUDGET
 from .errors import UnknownMethodError, VTokenError
 from .registry import available_methods, make_method, method_class
 
@@ -23,6 +24,20 @@ if TYPE_CHECKING:
 
 def _accepted(cls: type[Method]) -> list[str]:
     return [f.name for f in fields(cls) if f.init]
+
+
+def common_budget(cls, budget: float | int | None) -> str | None:
+    """The parameter of method class `cls` that a budget given to every method at once sets (`--budget`, the
+    demo's start, `vtoken eval --budgets`), or None: its declared `budget_param` where the value is meant for it
+    (SparseVLM's official settings take counts, not fractions). Without a value (None), only an encoder-stage
+    budget starts at the common default (`DEFAULT_BUDGET`): an LLM stage's (FastV's `keep`) keeps its own."""
+    knob = cls.budget_param
+    if knob is None:
+        return None
+    spec = cls.declared_params()[knob]
+    if budget is None:
+        return knob if "encoder" in cls.stages and spec.accepts(DEFAULT_BUDGET) else None
+    return knob if spec.accepts(budget) else None
 
 
 def parse_param(text: str, flag: str = "--param") -> tuple[str, Any]:

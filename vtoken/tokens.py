@@ -184,6 +184,7 @@ class TextTokens:
     index: torch.Tensor
     keys: torch.Tensor | None = None
     normed: torch.Tensor | None = None
+    known: list[int] | None = None  # text tokens of every row, counted on the host
 
 
 @dataclass
@@ -200,6 +201,8 @@ class LayerTokens:
     keys / normed / hidden: [B, V, H*d] post-RoPE keys (as `TextTokens.keys`), [B, V, D] the layer's output
         through the final norm, [B, V, D] the layer's output itself; None unless the method reads them.
     text: the text tokens after the first visual token (`TextTokens`), for methods that read "keys" or "normed".
+    known: visual tokens of every row, counted on the host (`counts`), so a method sizes what it keeps without
+        reading the device.
     """
 
     layer: int
@@ -213,11 +216,12 @@ class LayerTokens:
     normed: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     text: TextTokens | None = None
+    known: list[int] | None = None
 
     @property
     def counts(self) -> list[int]:
-        """Visual tokens of every row."""
-        return self.valid.sum(1).tolist()
+        """Visual tokens of every row (`known`: the adapter's host counts; else read from `valid`, a host sync)."""
+        return self.known if self.known is not None else self.valid.sum(1).tolist()
 
 
 @dataclass
@@ -232,7 +236,9 @@ class Merged:
     features: torch.Tensor
     valid: torch.Tensor
     anchors: torch.Tensor
+    known: list[int] | None = None
 
     @property
     def counts(self) -> list[int]:
-        return self.valid.sum(1).tolist()
+        """Merged tokens of every row (`known`: counted on the host; else read from `valid`, a host sync)."""
+        return self.known if self.known is not None else self.valid.sum(1).tolist()

@@ -16,9 +16,10 @@ from typing import Any
 from PIL import Image
 
 from .. import timing
-from ..applicability import applicable_layouts, llm_depth
+from ..applicability import applicable_layouts
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image, load_video
+from ..modelview import model_view
 from ..records import summarize
 from ..registry import available_methods, method_class
 from ..zoo import BUILTIN_MODELS, MINI, TINY_MODELS, load
@@ -87,10 +88,10 @@ def offered_names(name: str, kind: str) -> list[str]:
 
 def model_note(name: str) -> str:
     model, _ = get_model(name)
-    adapter = runs.api._find_adapter(model)
+    view = model_view(model)
     table = offered(name)
     kinds = " and ".join(table)
-    lines = [f"**{name}**: `{type(model).__name__}` ({adapter.family}), an LLM of {llm_depth(model)} layers; "
+    lines = [f"**{name}**: `{type(model).__name__}` ({view.family}), an LLM of {view.llm_layers} layers; "
              f"takes {kinds}s."]  # fmt: skip
     for kind, verdicts in table.items():
         missing = {m: r for m, r in verdicts.items() if r is not None}
@@ -462,7 +463,7 @@ def model_state(name: str) -> dict[str, Any]:
     """What the page shows when model `name` is picked."""
     model, _ = get_model(name)
     names = offered_names(name, "image")
-    adapter = runs.api._find_adapter(model)
+    view = model_view(model)
     if name == MINI:
         from ..mini import example
 
@@ -481,7 +482,7 @@ def model_state(name: str) -> dict[str, Any]:
         "methods": names,
         "ticked": ticked,
         "composable": [m for m in names if "encoder" not in method_class(m).stages],
-        "layouts": list(adapter.layouts),
+        "layouts": list(view.layouts),
         "defaults": {m: default_params(model, m) for m in available_methods()},
     }
 

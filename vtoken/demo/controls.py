@@ -1,16 +1,19 @@
-"""Each method's own controls on the page: which parameters, their starting values on a model, and how the values
-the page sends back become method parameters (bad text gives an `InputError` naming the control)."""
+"""Each method's own controls on the page, from its declaration (`Method.params`, `controls`, `demo_params`):
+which parameters, their starting values on a model, and how the values the page sends back become method
+parameters (bad text gives an `InputError` naming the control)."""
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from ..applicability import fitting_params
 from ..budget import DEFAULT_BUDGET, parse_budget
 from ..errors import BudgetError, InputError
+from ..params import Choice, Param, Real, own
 from ..registry import available_methods, method_class
+from ..specs import common_budget
 
 BUDGET_HINT = "a fraction kept (0.25) or a token count (144)"
 
@@ -26,60 +29,32 @@ class Control:
 
 
 def control_specs() -> list[Control]:
-    """The controls of every registered method: budget and scope for encoder methods, each method's own knobs, and
-    a free `key=value` box for methods without a dedicated form (e.g. ones added later)."""
+    """The controls of every registered method, from its declaration: the parameters its `controls` names (every
+    declared one the page can show, when it names none), each shown as its declaration says; and a free
+    `key=value` box for a method with parameters it does not declare, or none the page can show."""
     specs = []
     for name in available_methods():
         cls = method_class(name)
-        names = {f.name for f in fields(cls)}
-        known = {
-            "fastv": [("layer", "int"), ("keep", "budget")],
-            "dart": [("layer", "int"), ("keep", "budget")],
-            "dycoke": [("k", "float"), ("layer", "int"), ("p", "float")],
-            "pyramiddrop": [("layers", "layers"), ("ratios", "fractions")],
-            "sparsevlm": [("layers", "layers"), ("keep", "counts")],
-            "mustdrop": [
-                ("layers", "layers"),
-                ("global_thr", "float"),
-                ("individual_thr", "float"),
-                ("merge_threshold", "float"),
-                ("key_rate", "float"),
-            ],  # fmt: skip
-            "hired": [("budget", "budget"), ("alpha", "float"), ("partition", "choice")],
-            "mmtok": [("budget", "budget"), ("scope", "choice"), ("alpha", "float")],
-            "fourier": [("budget", "budget"), ("reserve", "optional_int"), ("ratio", "optional_float")],
-            "visionzip": [("budget", "budget")],  # D + C per crop, split 54:10 as the official settings
-            "vispruner": [("budget", "budget"), ("important_ratio", "float")],
-            "sparse_prefill": [
-                ("pattern", "choice"),
-                ("density", "optional_float"),
-                ("sink", "count"),
-                ("block_size", "count"),
-                ("min_length", "count"),
-            ],  # fmt: skip
-        }.get(name)
-        if known is None and "budget" in names:
-            known = [("budget", "budget")] + [("scope", "choice")] * ("scope" in names)
-        if known is None:
-            known = [("params", "free")]
-        specs += [Control(name, param, kind) for param, kind in known]
+        declared = cls.declared_params()
+        shown = [p for p in (cls.controls or declared) if p in declared and declared[p].control]
+        specs += [Control(name, param, declared[param].control) for param in shown]
+        if not shown or set(cls.defaults()) - set(declared):
+            specs.append(Control(name, "params", "free"))
     return specs
 
 
 def default_params(model, name: str) -> dict[str, Any]:
-    """The demo's starting values for method `name` on `model`: the method's defaults, one budget for every method
-    that has one (`DEFAULT_BUDGET`, as the CLI: rows side by side keep the same share), drop layers that fit the
-    LLM, and MustDrop thresholds that drop tokens (its own defaults drop none in the prefill)."""
-    params = {f.name: f.default for f in fields(method_class(name)) if f.init and not callable(f.default)}
-    if "budget" in params:
-        params["budget"] = DEFAULT_BUDGET
+    """The demo's starting values for method `name` on `model`: the method's defaults, its `demo_params` (values
+    that act on a short demo prompt: MustDrop's thresholds, sparse prefill's lengths), one budget for every
+    encoder-stage method (`DEFAULT_BUDGET`, as the CLI: rows side by side keep the same share), and what its `fit`
+    says for the model (drop layers that fit the LLM)."""
+    cls = method_class(name)
+    params = {k: v for k, v in cls.defaults().items() if not callable(v)}
+    params.update(cls.demo_params)
+    knob = common_budget(cls, None)
+    if knob is not None:
+        params[knob] = DEFAULT_BUDGET
     params.update(fitting_params(model, name))
-    if name == "mustdrop":
-        params.update(global_thr=0.01, individual_thr=0.01)
-    if name == "sparsevlm" and params.get("keep") is None:  # its counts control shows the official 192 setting
-        params.update(keep=method_class(name)().counts, budget=None)
-    if name == "sparse_prefill":  # its defaults run dense below 32k tokens: a demo prompt is far shorter
-        params.update(sink=4, block_size=16, min_length=64)
     return params
 
 
@@ -153,28 +128,25 @@ def make_control(gr, control: Control, defaults: dict[str, Any]):
     label = f"{control.method} {control.param}"
     value = defaults.get(control.param)
     cls = method_class(control.method)
+    declared = cls.declared_params().get(control.param, Param())
+    spec, hint = own(declared), declared.hint or own(declared).hint
     if control.kind == "budget":  # text, so that 0.25 (a fraction) and 144 (a count) stay apart; no clamping
         return gr.Textbox(value=str(value), label=f"{label}: {BUDGET_HINT}")
     if control.kind == "float":
-        top = 1.0 if control.param in ("alpha", "key_rate", "merge_threshold", "important_ratio") else None
-        if top is None:
-            return gr.Number(value=value, label=label)
-        return gr.Slider(0.0, top, value=value, step=0.01, label=label)
+        if isinstance(spec, Real) and 0 <= spec.bounds[0] and spec.bounds[1] <= 1:  # a share: a slider over [0, 1]
+            return gr.Slider(0.0, 1.0, value=value, step=0.01, label=label)
+        return gr.Number(value=value, label=label)
     if control.kind == "int":
         return gr.Slider(0, max(int(value or 0), 1), value=value, step=1, label=label)
     if control.kind == "count":
         return gr.Number(value=value, precision=0, label=label)
     if control.kind == "choice":
-        options = {
-            "scope": list(getattr(cls, "scopes", ("crop",))),
-            "partition": ["bands", "tiles"],
-            "pattern": ["vertical_slash", "a_shape", "grid"],
-        }[control.param]
+        options = list(spec.choices(cls)) if isinstance(spec, Choice) else [value]
         return gr.Radio(options, value=value if value in options else options[0], label=label)
     if control.kind == "optional_int":
-        return gr.Number(value=0, precision=0, label=f"{label} (0: unset; side of the kept grid)")
+        return gr.Number(value=0, precision=0, label=f"{label} (0: unset; {hint})")
     if control.kind == "optional_float":
-        return gr.Slider(0.0, 1.0, value=0.0, step=0.01, label=f"{label} (0: unset; per-axis fraction)")
+        return gr.Slider(0.0, 1.0, value=0.0, step=0.01, label=f"{label} (0: unset; {hint})")
     if control.kind in LISTS:
         hint = LISTS[control.kind][1].replace("LLM layer numbers", "LLM layers")
         return gr.Textbox(value=", ".join(map(str, value or ())), label=f"{label} ({hint})")
@@ -182,9 +154,10 @@ def make_control(gr, control: Control, defaults: dict[str, Any]):
 
 
 def control_update(gr, control: Control, defaults: dict[str, Any]):
-    """Defaults that fit a newly loaded model: FastV's layer slider spans its LLM, MustDrop's layers fit it."""
-    if control.kind == "int" and control.param == "layer":
-        value = defaults.get("layer", 0)
+    """Defaults that fit a newly loaded model: an LLM layer's slider (FastV's) spans its LLM, MustDrop's layers fit
+    it."""
+    if control.kind == "int":
+        value = defaults.get(control.param) or 0
         return gr.update(maximum=max(value, 1), value=value)
     if control.kind in LISTS:
         return gr.update(value=", ".join(map(str, defaults.get(control.param) or ())))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,9 +18,11 @@ from ..counts import VisualCounts, count, llm_input, placeholders
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image
 from ..methods.base import Method
+from ..modelview import model_view
 from ..prompts import build_prompt
 from ..records import Record
 from ..registry import describe_method, make_method, method_class
+from ..specs import common_budget
 from ..stats import Estimate, mean_estimate
 from ..timing import DEFAULT_REPEATS, Timing, time_to_first_token
 
@@ -29,7 +31,7 @@ Progress = Callable[[float, str], None]
 
 def video_capable(model) -> bool:
     """Whether the model's adapter takes videos."""
-    return any(m.name == "video" for m in api._find_adapter(model).modalities)
+    return "video" in model_view(model).modalities
 
 
 def prepare_inputs(model, processor, question: str, image: Image.Image | None = None, frames: list | None = None):
@@ -212,11 +214,10 @@ class SweepPoint:
 
 
 def sweep_knob(method: str) -> str | None:
-    """The parameter a budget sweep sets on `method`: its `budget`, FastV's `keep`; None if it has neither (its
-    knobs are thresholds, e.g. MustDrop, or it keeps every token, e.g. sparse prefill): the sweep does not offer
-    it."""
-    names = _fields(method)
-    return next((k for k in ("budget", "keep") if k in names), None)
+    """The parameter a budget sweep (fractions kept) sets on `method`: its declared `budget_param` (its `budget`,
+    FastV's `keep`); None if it has none that takes a fraction (its knobs are thresholds, e.g. MustDrop; it keeps
+    every token, e.g. sparse prefill; its budget is an official count, SparseVLM): the sweep does not offer it."""
+    return common_budget(method_class(method), 0.5)
 
 
 def sweep(
@@ -254,7 +255,3 @@ def sweep(
             points.append(SweepPoint(method, budget, statistics.mean(result.tokens), estimate.value, estimate))
     say(1.0, "done")
     return base, points
-
-
-def _fields(method: str) -> set[str]:
-    return {f.name for f in fields(method_class(method))}

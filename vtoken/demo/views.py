@@ -17,7 +17,6 @@ import torch
 from PIL import Image
 
 from .. import api
-from ..methods.pool import _cells
 from ..methods.random import Random
 from ..overlay import model_view, mosaic, token_picture
 from ..records import Record
@@ -81,15 +80,13 @@ def _plan_row(first: list[Record], record: Record) -> int:
 
 
 def _merge_groups(method, rows: int, cols: int, k: int) -> list[np.ndarray]:
-    """Cells merged into each output token: pool's cells; for Fourier-VLM's h x w low-pass, the h x w blocks of
-    the grid (each output token is a smooth mix weighted towards its block)."""
+    """Cells merged into each output token, as the method says (`merged_cells`: pool's cells, Fourier-VLM's
+    blocks); else the grid cut into about k square blocks."""
+    said = method.merged_cells(rows, cols, k) if hasattr(method, "merged_cells") else None
+    if said is not None:
+        return [np.asarray(group, dtype=np.int64) for group in said]
     cells = np.arange(rows * cols).reshape(rows, cols)
-    if getattr(method, "name", "") == "pool":
-        return [cells[r0:r1, c0:c1].ravel() for r0, r1, c0, c1 in _cells(rows, cols, k)]
-    if hasattr(method, "output_grid"):
-        h, w = method.output_grid(rows, cols)
-    else:
-        h = w = max(1, math.isqrt(k))
+    h = w = max(1, math.isqrt(k))
     ys, xs = (np.arange(rows) * h) // rows, (np.arange(cols) * w) // cols
     block = ys[:, None] * w + xs[None, :]
     return [cells[block == b] for b in range(h * w)]

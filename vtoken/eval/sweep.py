@@ -54,10 +54,9 @@ def settings(methods: list[str], budgets: list[float | int], extra: dict[str, An
     out = [Setting("none", None, {})]
     for method in methods:
         names = method_names(method)
-        knobs = {}  # the stage parameter each budget sets: `budget`, or FastV's `keep`
+        knobs = {}  # the parameter each budget sets (`Method.budget_param`): `budget`, or FastV's `keep`
         for name in names:
-            accepted = {f for f in method_class(name).__dataclass_fields__}
-            knob = next((k for k in ("budget", "keep") if k in accepted), None)
+            knob = method_class(name).budget_param
             if knob is not None:
                 knobs[f"{name}.{knob}"] = None
         mine = {k: v for k, v in extra.items() if _applies(k, names)}

@@ -6,26 +6,41 @@ Selections run on the GPU without waiting for it: counts come from shapes, budge
 `VisualTokens` (`valid_counts`), their device twins are computed on the device from the same data
 (`EncoderMethod.keep_counts`), and no helper here loops over crops or reads a tensor back, except where a method's
 definition makes a count depend on the data (one read, documented by the method).
+What a method *is* (its stages, signals, parameters, layouts, ...) it declares in a block of class attributes at
+the top of its class; `Method` lists them, and every vtoken tool reads them from there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+import array
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..budget import Budget, check_budget, tokens_to_keep, tokens_to_keep_tensor
+from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
+from ..params import Kept, Layer, Param, Scope
 from ..tokens import LayerTokens, Merged, Selection, VisualTokens
-from ..validation import choice
+
+if TYPE_CHECKING:
+    from ..modelview import ModelView
 
 
 class Method:
     """A visual-token reduction method (base of every stage).
 
-    name: registered name. stages: where it acts: "encoder" (on the vision features, before the LLM), "prefill"
-    (drops visual tokens between LLM layers) and/or "decode" (cuts per-layer KV caches); one method may act at
-    several. requires: score signals the adapter must provide (see `VisualTokens.signals`).
+    Its declaration, class attributes at the top of the class (a subclass sets those that differ):
+
+    name: registered name (lowercase letters, digits and "_"). stages: where it acts: "encoder" (on the vision
+    features, before the LLM), "prefill" (drops visual tokens between LLM layers), "decode" (cuts or masks
+    per-layer KV caches) and/or "sparse" (the LLM's prefill attention); one method may act at several.
+    requires: score signals the adapter must provide (see `VisualTokens.signals`). uses: signals used where the
+    model provides them, and done without elsewhere. modalities: the inputs it acts on. acts_on: what an encoder
+    stage's `select` gets. params: its parameters' declarations (`vtoken.params`), checked when it is built.
+    budget_param: the parameter the tools' common budget sets. layouts, official_packing: the anyres packings it
+    implements. merges: whether it outputs tokens made from several. controls, demo_params: how the demo shows it.
+    How many tokens it keeps, and whether that is known before the encoder runs, it says with `planned_count` and
+    `count_before_encoding` (encoder stage) or `drop_layers` and `keep_mask` (inside the LLM).
     """
 
     name: ClassVar[str] = ""
@@ -38,6 +53,79 @@ class Method:
     # "crops": `select` gets every crop's tokens before they are packed; "placed": every image's (video's) tokens
     # as the LLM would receive them, packed and projected, newlines included (DivPrune)
     acts_on: ClassVar[str] = "crops"
+    # parameter -> its declaration (type, range or choices: `vtoken.params`); a subclass's entries add to (or
+    # replace) its bases'. Checked in that order when the method is built (`__post_init__`)
+    params: ClassVar[dict[str, Param]] = {}
+    # the parameter `vtoken run --budget`, the demo's common budget and `vtoken eval --budgets` set (None: none)
+    budget_param: ClassVar[str | None] = None
+    # parameters that stand for the budget (VisionZip's dominant/contextual): given, the tools set no budget
+    budget_alternatives: ClassVar[tuple[str, ...]] = ()
+    # packings it implements on anyres models (LLaVA-NeXT): "native" (the model's own) and "official" (its own
+    # code's: every crop keeps its budget, no unpadding, no newlines). official_packing: where that differs:
+    # "unpad after selection" (HiRED selects over the padded crops, then unpads), "newline after base-only image"
+    layouts: ClassVar[tuple[str, ...]] = ("native",)
+    official_packing: ClassVar[tuple[str, ...]] = ()
+    # whether it outputs tokens made from several (merging: no kept index for them)
+    merges: ClassVar[bool] = False
+    # the parameters the demo shows (None: every declared one it can show), and the demo's starting values where
+    # the defaults would show nothing on a short prompt
+    controls: ClassVar[tuple[str, ...] | None] = None
+    demo_params: ClassVar[dict[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        """Check every declared parameter (a subclass with its own `__post_init__` calls this first, then checks
+        what relates its parameters)."""
+        for param, spec in self.declared_params().items():
+            setattr(self, param, spec.check(self, param, getattr(self, param)))
+
+    @classmethod
+    def declared_params(cls) -> dict[str, Param]:
+        """Every parameter's declaration: the bases' `params`, then this class's (which may replace one)."""
+        merged: dict[str, Param] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(klass.__dict__.get("params", {}))
+        return merged
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every parameter's default value."""
+        out = {}
+        for f in fields(cls):
+            if f.init:
+                out[f.name] = (
+                    f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+                )
+        return out
+
+    @classmethod
+    def fit(cls, model: ModelView) -> dict[str, Any]:
+        """Parameters beyond the defaults that make the method fit `model` (`applicable_methods` and the demo
+        use them): every `Layer` parameter moves to the deepest softmax-attention layer, at or before its
+        default, that a drop can follow. A method with other LLM-layer parameters says how they fit."""
+        scored = droppable_layers(model)
+        defaults = cls.defaults()
+        out = {}
+        for param, spec in cls.declared_params().items():
+            if scored and isinstance(spec, Layer) and isinstance(defaults.get(param), int):
+                fits = [k for k in scored if k <= defaults[param] - spec.reads] or scored[:1]
+                out[param] = max(fits) + spec.reads
+        return out
+
+
+def droppable_layers(model: ModelView) -> list[int]:
+    """LLM layers a drop can follow and be scored at: the softmax-attention layers before the last (a drop after
+    the last saves nothing), else the one before the last; none in a one-layer LLM."""
+    last = model.llm_layers - 2
+    if last < 0:
+        return []
+    return [k for k in range(last + 1) if k in model.attention_layers] or [last]
+
+
+def nearest_layers(fits: list[int], official: tuple[int, ...], depth: int, official_depth: int = 32) -> list[int]:
+    """The official layers (of an `official_depth`-layer LLM) scaled to an LLM of `depth` layers (an LLM as deep or
+    deeper keeps them), each the nearest of `fits`; ascending, without repeats."""
+    scale = min(1.0, depth / official_depth)
+    return sorted({min(fits, key=lambda k: abs(k - layer * scale)) for layer in official})
 
 
 @dataclass
@@ -51,11 +139,19 @@ class EncoderMethod(Method):
     budget: Budget = 0.25
     scope: str = "crop"
 
+    params = {"budget": Kept(), "scope": Scope()}
+    budget_param = "budget"
     scopes: ClassVar[tuple[str, ...]] = ("crop", "image")
 
-    def __post_init__(self) -> None:
-        self.budget = check_budget(self.budget, f"{self.name}: budget")
-        self.scope = choice(self.name, "scope", self.scope, self.scopes)
+    def single_crop_requires(self) -> tuple[str, ...]:
+        """The signals it needs when every image is one crop (`vtoken.select`): `requires` unless some serve only
+        to share an image's budget out over its crops (HiRED's early layer)."""
+        return tuple(self.requires)
+
+    def merged_cells(self, height: int, width: int, k: int) -> list[list[int]] | None:
+        """A merging method (`merges`): the grid cells (raster indices) each of the k output tokens of an H x W
+        crop is made from, for pictures (the demo's); None: not said."""
+        return None
 
     def keep_count(self, n: int) -> int:
         """Tokens kept per crop of n tokens."""
@@ -133,6 +229,29 @@ def valid_mask(tokens: VisualTokens, device: torch.device) -> torch.Tensor:
     if tokens.valid is None:
         return torch.ones(tokens.num_crops, tokens.num_tokens, dtype=torch.bool, device=device)
     return tokens.valid.to(device)
+def device_ints(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """[len(values)] int64 on `device` from host ints without a host sync (`torch.tensor(list, device=...)` waits
+    for the device: this goes through pinned memory, non-blocking, on CUDA)."""
+    device = torch.device(device)
+    if not values:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def keep_top(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[B, V] bool: row b keeps its top `counts[b]` entries of `scores` [B, V] (invalid entries at -inf); the same
+    set as `topk_mask`, with the counts kept on the host: a fixed burst, no host sync."""
+    batch, length = scores.shape
+    width = max(counts, default=0)
+    keep = torch.zeros(batch, length + 1, dtype=torch.bool, device=scores.device)
+    if width == 0:
+        return keep[:, :length]
+    top = scores.topk(width, dim=-1).indices
+    if any(n != width for n in counts):
+        rank = torch.arange(width, device=scores.device)
+        top = top.masked_fill(rank >= device_ints(counts, scores.device)[:, None], length)
+    return keep.scatter_(1, top, True)[:, :length]
 
 
 @dataclass
@@ -219,12 +338,19 @@ class PrefillMethod(Method):
         return drops if "attention" in self.reads or "keys" in self.reads else ()
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
-        """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored)."""
+        """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored). A hot path: a fixed
+        burst of kernels, no host sync beyond what the method's definition needs (see `kept_counts`)."""
         raise NotImplementedError
+
+    def kept_counts(self, tokens: LayerTokens) -> list[int] | None:
+        """How many visual tokens each row keeps at this drop (merged tokens not counted), from the host counts in
+        `tokens` and the method's budget; `keep_mask` keeps exactly these. None: only the data says (a threshold):
+        the adapter then reads the counts back, the one host sync such a drop makes."""
+        return None
 
     def merge(self, tokens: LayerTokens, keep: torch.Tensor) -> Merged | None:
         """Tokens to add right after each row's kept visual tokens, made from what `keep` [B, V] drops (None:
-        nothing added). They count as visual tokens at later drops."""
+        nothing added). They count as visual tokens at later drops; `Merged.known` holds their count per row."""
         return None
 
     def choose_rows(
@@ -242,11 +368,16 @@ class PrefillMethod(Method):
         return None
 
     def decode_keep(
-        self, attention: torch.Tensor, valid: torch.Tensor, previous: torch.Tensor | None
+        self,
+        attention: torch.Tensor,
+        valid: torch.Tensor,
+        previous: torch.Tensor | None,
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode stage (with `select_layer`): from the new token's attention [B, V] over each row's visual tokens
         (`valid` [B, V]) and the previous step's (None on the first step), which tokens the step keeps [B, V] and
-        which rows restrict this step at all [B]."""
+        which rows restrict this step at all [B]; counts [B]: `decode_count` of each row's tokens, on the device
+        (the adapter's, so the step needs no host sync)."""
         raise NotImplementedError
 
     def decode_count(self, n: int) -> int:

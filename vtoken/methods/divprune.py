@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from vtoken.kernels.diversity import max_min_diversity
 
 from ..budget import Budget
-from ..registry import register_method
 from ..tokens import Selection, VisualTokens
 from .base import EncoderMethod, valid_mask
 
 
-@register_method
 @dataclass
 class DivPrune(EncoderMethod):
     """`budget`: tokens kept per image or video, a fraction of its placed tokens (official 0.098: 56 of LLaVA-1.5's

@@ -12,18 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import register_method
 from ..tokens import VisualTokens
 from .base import ScoreMethod
 
 
-@register_method
 @dataclass
 class FasterVLM(ScoreMethod):
     """[CLS]-attention top-k. `budget`: fraction kept or tokens per crop (official runs: 288/144/58/29 of 576)."""
 
     name = "fastervlm"
     requires = ("cls_attention",)
+    layouts = ("native", "official")
 
     def score(self, tokens: VisualTokens) -> torch.Tensor:
         return tokens.signals["cls_attention"]

@@ -13,17 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..budget import Budget, check_budget, tokens_to_keep
+from ..budget import Budget, tokens_to_keep
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Kept, Layer
 from ..tokens import LayerTokens
-from ..validation import choice, integer
-from .base import PrefillMethod, topk_mask
+from .base import PrefillMethod, keep_top
 
 POSITIONS = ("original", "renumber")
 
 
-@register_method
 @dataclass
 class FastV(PrefillMethod):
     """`layer`: the drop point K (0-based; the paper's K = 2). `keep`: fraction of visual tokens kept, or a count."""
@@ -34,11 +32,9 @@ class FastV(PrefillMethod):
 
     name = "fastv"
     query_rows = "last"
-
-    def __post_init__(self) -> None:
-        self.keep = check_budget(self.keep, "fastv: keep")
-        self.layer = integer(self.name, "layer", self.layer, 0, hint="an LLM layer index")
-        self.positions = choice(self.name, "positions", self.positions, POSITIONS)
+    params = {"keep": Kept(), "layer": Layer(), "positions": Choice(POSITIONS)}
+    budget_param = "keep"
+    controls = ("layer", "keep")
 
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.layer >= num_layers - 1:
@@ -48,6 +44,9 @@ class FastV(PrefillMethod):
             )
         return (self.layer,)
 
+    def kept_counts(self, tokens: LayerTokens) -> list[int]:
+        return [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts]
+
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
-        return topk_mask(scores, [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts])
+        return keep_top(scores, self.kept_counts(tokens))

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Int, OrNone, Real
 from ..tokens import Selection, VisualTokens
-from ..validation import integer, real
 from .base import EncoderMethod
 
 
@@ -60,7 +59,6 @@ def dct_lowpass(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return idct(idct(coefficients, dim=-3), dim=-2).to(grid.dtype)
 
 
-@register_method
 @dataclass
 class FourierDCT(EncoderMethod):
     """DCT low-pass of every crop's grid to h x w tokens.
@@ -78,13 +76,18 @@ class FourierDCT(EncoderMethod):
     scopes = ("crop",)
     # needs a full grid, and a model that takes a grid of any size at contiguous positions
     requires = ("grid", "resized_grid")
+    params = {
+        "reserve": OrNone(Int(1, hint="the side kept on both axes, e.g. 12")),
+        "ratio": OrNone(Real("(0, 1]", hint="the fraction kept per axis, e.g. 2/3")),
+    }
+    merges = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.reserve is not None:
-            self.reserve = integer(self.name, "reserve", self.reserve, 1, hint="the side kept on both axes, e.g. 12")
-        if self.ratio is not None:
-            self.ratio = real(self.name, "ratio", self.ratio, "(0, 1]", hint="the fraction kept per axis, e.g. 2/3")
+    def merged_cells(self, height: int, width: int, k: int) -> list[list[int]]:
+        """The h x w blocks of an H x W crop: each output token of the low-pass is a smooth mix weighted towards
+        its block (the demo draws them)."""
+        h, w = self.output_grid(height, width)
+        block = [(r * h // height) * w + c * w // width for r in range(height) for c in range(width)]
+        return [[cell for cell, b in enumerate(block) if b == out] for out in range(h * w)]
 
     def output_grid(self, height: int, width: int) -> tuple[int, int]:
         if self.reserve is not None:

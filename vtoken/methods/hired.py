@@ -26,16 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from ..budget import Budget, check_budget
-from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Int, Kept, OrNone, Real
 from ..tokens import Selection, VisualTokens
-from ..validation import choice, integer, real
 from .base import EncoderMethod, image_slots, topk_per_crop, valid_mask
 
 PARTITIONS = ("bands", "tiles")
+TOWER_LAYER = "a vision-tower layer index; negative counts from the end"
 
 
-@register_method
 @dataclass
 class HiRED(EncoderMethod):
     """`budget` (alias `rate`): fraction of the image's tokens kept, default 0.2. `alpha`: share of the base view."""
@@ -50,25 +48,32 @@ class HiRED(EncoderMethod):
 
     name = "hired"
     scopes = ("image",)  # HiRED splits each image's budget across its crops by design
+    params = {
+        "budget": Kept(counts=False),
+        "rate": OrNone(Kept(counts=False, hint="another name for budget")),
+        "alpha": Real("[0, 1]", hint="the base view's share of the budget"),
+        "partition": Choice(PARTITIONS),
+        "layer_early": Int(hint=TOWER_LAYER),
+        "layer_final": OrNone(Int(hint=TOWER_LAYER + "; or None")),
+    }
+    layouts = ("native", "official")
+    official_packing = ("unpad after selection",)  # it selects over the padded crops, then unpads
+    controls = ("budget", "alpha", "partition")
 
     def __post_init__(self) -> None:
         if self.rate is not None:
             self.budget = check_budget(self.rate, "hired: rate")
         super().__post_init__()
-        if not isinstance(self.budget, float):
-            raise VTokenError(f"hired: the budget is a rate, a fraction in (0, 1]; got the count {self.budget!r}")
         self.rate = self.budget
-        self.alpha = real(self.name, "alpha", self.alpha, "[0, 1]", hint="the base view's share of the budget")
-        self.partition = choice(self.name, "partition", self.partition, PARTITIONS)
-        layer = "a vision-tower layer index; negative counts from the end"
-        self.layer_early = integer(self.name, "layer_early", self.layer_early, hint=layer)
-        if self.layer_final is not None:
-            self.layer_final = integer(self.name, "layer_final", self.layer_final, hint=layer + "; or None")
 
     @property
     def requires(self) -> tuple[str, ...]:
         final = "cls_attention" if self.layer_final is None else f"cls_attention@{self.layer_final}"
         return (f"cls_attention@{self.layer_early}", final)
+
+    def single_crop_requires(self) -> tuple[str, ...]:
+        """The signals it needs on images of one crop each: the final layer's only (no budget split)."""
+        return self.requires[-1:]
 
     def planned_count(self, n: int) -> int | None:
         return None

@@ -33,9 +33,8 @@ from torch.nn.utils.rnn import pad_sequence
 from vtoken.kernels.coverage import greedy_max_coverage as coverage_picks
 
 from ..budget import Budget
-from ..registry import register_method
+from ..params import Choice, OrNone, Real, Texts
 from ..tokens import Selection, VisualTokens
-from ..validation import choice, real, texts
 from .base import EncoderMethod, valid_mask
 
 LMMS_EVAL_SUFFIXES = (
@@ -99,7 +98,6 @@ def greedy_max_coverage(coverage: torch.Tensor, k: int, excluded: torch.Tensor |
     return coverage_picks(coverage, excluded, counts, k)
 
 
-@register_method
 @dataclass
 class MMTok(EncoderMethod):
     """`budget`: tokens kept per crop (video frame, Qwen image), a fraction or a count. `alpha`: weight of the
@@ -117,17 +115,16 @@ class MMTok(EncoderMethod):
     name = "mmtok"
     requires = ("question", "projected", "vision_features")
     scopes = ("crop",)
+    params = {
+        "alpha": Real("[0, inf)", hint="the weight of vision coverage"),
+        "tau_tv": OrNone(Real("(0, inf)", hint="a temperature, or None")),
+        "tau_vv": Real("(0, inf)", hint="a temperature"),
+        "question": OrNone(Texts()),
+        "text": Choice(TEXT_MODES),
+    }
+    layouts = ("native", "official")
+    controls = ("budget", "scope", "alpha")
     excludes_pad_border = True  # LLaVA-1.5: patches wholly in the pad-to-square border are never picked
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.alpha = real(self.name, "alpha", self.alpha, "[0, inf)", hint="the weight of vision coverage")
-        if self.tau_tv is not None:
-            self.tau_tv = real(self.name, "tau_tv", self.tau_tv, "(0, inf)", hint="a temperature, or None")
-        self.tau_vv = real(self.name, "tau_vv", self.tau_vv, "(0, inf)", hint="a temperature")
-        if self.question is not None:
-            self.question = texts(self.name, "question", self.question)
-        self.text = choice(self.name, "text", self.text, TEXT_MODES)
 
     def planned_count(self, n: int) -> int | None:
         return None  # valid tokens (pad border) are known only from the pixels

@@ -14,7 +14,6 @@ from functools import lru_cache
 import torch
 
 from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
-from ..registry import register_method
 from ..tokens import Selection, VisualTokens
 from .base import EncoderMethod
 
@@ -99,7 +98,6 @@ def rectangle_cells(height: int, width: int, budget: Budget, device: torch.devic
     return device_cells(h, w, tokens_to_keep_tensor(budget, h * w), tokens_to_keep(budget, height * width))
 
 
-@register_method
 @dataclass
 class Pool(EncoderMethod):
     """Average-pool the H x W grid of every crop to k tokens (merging: no kept indices)."""
@@ -107,6 +105,14 @@ class Pool(EncoderMethod):
     name = "pool"
     scopes = ("crop",)  # pools each crop to its own budget
     requires = ("grid",)  # tokens on an H x W grid whose valid part is a rectangle
+    layouts = ("native", "official")
+    merges = True
+
+    def merged_cells(self, height: int, width: int, k: int) -> list[list[int]]:
+        """The grid cells (raster indices) averaged into each of the k output tokens of an H x W crop."""
+        return [
+            [r * width + c for r in range(r0, r1) for c in range(c0, c1)] for r0, r1, c0, c1 in _cells(height, width, k)
+        ]
 
     def select(self, tokens: VisualTokens) -> Selection:
         if tokens.valid is not None:

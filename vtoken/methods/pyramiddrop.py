@@ -18,15 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Fractions, Layers
 from ..tokens import LayerTokens
-from ..validation import choice, layer_indices, real
-from .base import PrefillMethod, topk_mask
+from ..validation import real
+from .base import PrefillMethod, keep_top, nearest_layers
 
 POSITIONS = ("renumber", "original")
 
 
-@register_method
 @dataclass
 class PyramidDrop(PrefillMethod):
     """`layers`: the layers before which each stage drops (the paper's 8, 16, 24 on a 32-layer LLM); `ratios`: the
@@ -39,9 +38,26 @@ class PyramidDrop(PrefillMethod):
     name = "pyramiddrop"
     query_rows = "last"
     reads = ("next_attention",)
+    params = {
+        "layers": Layers("(8, 16, 24)", hint="a stage drops before each, scored by it"),
+        "ratios": Fractions(hint="non-increasing, in (0, 1]: the share each stage keeps"),
+        "positions": Choice(POSITIONS),
+    }
+
+    @classmethod
+    def fit(cls, model) -> dict:
+        """The official layers on a 32+-layer LLM, else scaled to its depth; each stage scored by the
+        softmax-attention layer it drops before, after the first one (a hybrid LLM reads its cache length there)."""
+        depth, attention, official = model.llm_layers, model.attention_layers, cls.defaults()
+        if depth < 2:
+            return {}
+        first = min(attention, default=0)
+        fits = [k for k in range(1, depth) if k in attention and k - 1 >= first]
+        layers = nearest_layers(fits, official["layers"], depth) if fits else [1]
+        return {"layers": tuple(layers), "ratios": official["ratios"][: len(layers)]}
 
     def __post_init__(self) -> None:
-        self.layers = layer_indices(self.name, "layers", self.layers, "(8, 16, 24)")
+        super().__post_init__()
         if self.layers[0] < 1:
             raise VTokenError(
                 f"pyramiddrop: layers={self.layers}; a stage drops before a layer and is scored by it, after the "
@@ -54,7 +70,6 @@ class PyramidDrop(PrefillMethod):
         self.ratios = tuple(real(self.name, "ratios", r, "(0, 1]", hint=expected) for r in ratios)
         if list(self.ratios) != sorted(self.ratios, reverse=True):
             raise VTokenError(f"pyramiddrop: ratios={ratios!r} are not non-increasing; expected {expected}")
-        self.positions = choice(self.name, "positions", self.positions, POSITIONS)
 
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.layers[-1] > num_layers - 1:
@@ -71,4 +86,7 @@ class PyramidDrop(PrefillMethod):
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
-        return topk_mask(scores, self.keep_counts(tokens))
+        return keep_top(scores, self.keep_counts(tokens))
+
+    def kept_counts(self, tokens: LayerTokens) -> list[int]:
+        return self.keep_counts(tokens)

@@ -7,9 +7,8 @@ from functools import lru_cache
 
 import torch
 
-from ..registry import register_method
+from ..params import Int
 from ..tokens import VisualTokens
-from ..validation import integer
 from .base import ScoreMethod, image_slots
 
 
@@ -22,7 +21,6 @@ def crop_noise(seed: int, n: int, crops: int, device: torch.device) -> torch.Ten
     return torch.stack(rows).to(device)
 
 
-@register_method
 @dataclass
 class Random(ScoreMethod):
     """Uniform random keep-k per crop: the top-k of seeded uniform noise, i.e. a uniformly random k-subset.
@@ -34,11 +32,9 @@ class Random(ScoreMethod):
     seed: int = 0
 
     name = "random"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # the noise of crop w is seeded with seed + 7919 * w, which torch.Generator takes below 2**64
-        self.seed = integer(self.name, "seed", self.seed, 0, 2**62)
+    # the noise of crop w is seeded with seed + 7919 * w, which torch.Generator takes below 2**64
+    params = {"seed": Int(0, 2**62)}
+    layouts = ("native", "official")
 
     def score(self, tokens: VisualTokens) -> torch.Tensor:
         # noise per crop index *within its image* (its index minus its image's first crop's), on the device:

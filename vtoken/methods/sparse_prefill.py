@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from vtoken.kernels import block_mask_from_plan, causal_rows_probs
 
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Choice, Int, OrNone, Param, Real
 from .base import Method
 
 PATTERNS = ("a_shape", "vertical_slash", "grid")
@@ -48,7 +48,6 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-@register_method
 @dataclass
 class SparsePrefill(Method):
     """Block-sparse attention in the LLM prefill (see the module docstring for the patterns).
@@ -77,11 +76,25 @@ class SparsePrefill(Method):
 
     name = "sparse_prefill"
     stages: ClassVar[tuple[str, ...]] = ("sparse",)
+    params = {
+        "pattern": Choice(PATTERNS),
+        "density": OrNone(Real("(0, 1]", hint="vertical_slash's fraction of causal key blocks per query block")),
+        "vertical": OrNone(Int(0, hint="vertical lines kept per head")),
+        "slash": OrNone(Int(0, hint="slashes kept per head")),
+        "sink": Int(0, hint="leading tokens every query sees"),
+        "window": OrNone(Int(1, hint="the local band in tokens; None: the pattern's default")),
+        "block_size": Choice((16, 32, 64, 128, 256), hint="the tile in tokens"),
+        "min_length": Int(1, hint="prompts shorter than this run dense"),
+        "layers": OrNone(Param(hint="LLM layer indices made sparse; None: all")),
+        "backend": Choice(BACKENDS),
+    }
+    controls = ("pattern", "density", "sink", "block_size", "min_length")
+    # its defaults run dense below 32k tokens: a demo prompt is far shorter
+    demo_params = {"sink": 4, "block_size": 16, "min_length": 64}
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         where = "sparse_prefill"
-        if self.pattern not in PATTERNS:
-            raise VTokenError(f"{where}: pattern={self.pattern!r}; accepted: {', '.join(PATTERNS)}")
         lines = self.vertical is not None or self.slash is not None
         if self.pattern != "vertical_slash" and (lines or self.density is not None):
             raise VTokenError(
@@ -90,24 +103,8 @@ class SparsePrefill(Method):
             )
         if lines and self.density is not None:
             raise VTokenError(f"{where}: give either density or vertical/slash counts, not both")
-        if self.density is not None and (
-            isinstance(self.density, bool) or not isinstance(self.density, (int, float)) or not 0 < self.density <= 1
-        ):
-            raise VTokenError(f"{where}: density={self.density!r}; expected a fraction of key blocks in (0, 1]")
-        for field_name in ("vertical", "slash"):
-            value = getattr(self, field_name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise VTokenError(f"{where}: {field_name}={value!r}; expected a count >= 0")
         if lines and not (self.vertical or self.slash):
             raise VTokenError(f"{where}: vertical={self.vertical!r}, slash={self.slash!r}; keep at least one line")
-        if not _is_int(self.sink) or self.sink < 0:
-            raise VTokenError(f"{where}: sink={self.sink!r}; expected a token count >= 0")
-        if self.window is not None and (not _is_int(self.window) or self.window < 1):
-            raise VTokenError(f"{where}: window={self.window!r}; expected a token count >= 1 (or None: default)")
-        if not _is_int(self.block_size) or self.block_size not in (16, 32, 64, 128, 256):
-            raise VTokenError(f"{where}: block_size={self.block_size!r}; accepted: 16, 32, 64, 128, 256")
-        if not _is_int(self.min_length) or self.min_length < 1:
-            raise VTokenError(f"{where}: min_length={self.min_length!r}; expected a token count >= 1")
         if self.layers is not None:
             layers = self.layers
             if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence | range):
@@ -115,8 +112,6 @@ class SparsePrefill(Method):
             if not layers or not all(_is_int(i) and i >= 0 for i in layers):
                 raise VTokenError(f"{where}: layers={list(layers)!r}; expected layer indices >= 0")
             self.layers = tuple(sorted(set(layers)))
-        if self.backend not in BACKENDS:
-            raise VTokenError(f"{where}: backend={self.backend!r}; accepted: {', '.join(BACKENDS)}")
         if self.backend == "triton":
             try:
                 import triton  # noqa: F401

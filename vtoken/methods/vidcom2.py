@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 from ..budget import Budget
 from ..errors import VTokenError
-from ..registry import register_method
 from ..tokens import Selection, VisualTokens
 from .base import EncoderMethod, image_slots, topk_per_crop
 
@@ -63,7 +62,6 @@ def video_scores(tokens: torch.Tensor, rate: float) -> tuple[torch.Tensor, list[
     return to_video + to_frame, kept
 
 
-@register_method
 @dataclass
 class VidCom2(EncoderMethod):
     """`budget`: the retention ratio R of each video (official default 0.25), or tokens per frame on average."""

@@ -32,17 +32,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..budget import Budget, check_budget, tokens_to_keep, tokens_to_keep_tensor
+from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
 from ..errors import VTokenError
-from ..registry import register_method
+from ..params import Int, Kept, OrNone
 from ..tokens import CLS, MERGED, Selection, VisualTokens
-from ..validation import choice, integer
 from .base import EncoderMethod, valid_mask
 
 OFFICIAL = (54, 10)  # dominant, contextual
 
 
-@register_method
 @dataclass
 class VisionZip(EncoderMethod):
     """`dominant` (D, [CLS] included) and `contextual` (C) tokens per crop; or `budget`: D + C per crop."""
@@ -55,24 +53,29 @@ class VisionZip(EncoderMethod):
     requires = ("cls_attention", "keys")
     uses = ("cls_token",)  # sent first where the model can take it
     scopes = ("crop",)
+    params = {
+        "budget": OrNone(Kept(hint="D + C per crop, split 54:10 as the official settings")),
+        "dominant": OrNone(Int(1, hint="tokens kept by [CLS] attention per crop, [CLS] included")),
+        "contextual": OrNone(Int(0, hint="merged tokens per crop")),
+    }
+    layouts = ("native", "official")
+    official_packing = ("newline after base-only image",)
+    merges = True
+    controls = ("budget",)
     budget_alternatives = ("dominant", "contextual")  # the CLI sets no default budget when one is given
 
     def __post_init__(self) -> None:
-        self.scope = choice(self.name, "scope", self.scope, self.scopes)
-        if self.budget is not None:
-            if self.dominant is not None or self.contextual is not None:
-                raise VTokenError(
-                    f"visionzip: budget={self.budget!r} with dominant={self.dominant!r}, "
-                    f"contextual={self.contextual!r}; give either the budget (D + C per crop, split 54:10 as the "
-                    "official settings) or dominant/contextual"
-                )
-            self.budget = check_budget(self.budget, "visionzip: budget")
-            return
-        dominant, contextual = OFFICIAL
-        self.dominant = integer(self.name, "dominant", dominant if self.dominant is None else self.dominant, 1,
-                                hint="tokens kept by [CLS] attention per crop, [CLS] included")  # fmt: skip
-        self.contextual = integer(self.name, "contextual", contextual if self.contextual is None else self.contextual,
-                                  0, hint="merged tokens per crop")  # fmt: skip
+        if self.budget is not None and (self.dominant is not None or self.contextual is not None):
+            raise VTokenError(
+                f"visionzip: budget={self.budget!r} with dominant={self.dominant!r}, "
+                f"contextual={self.contextual!r}; give either the budget (D + C per crop, split 54:10 as the "
+                "official settings) or dominant/contextual"
+            )
+        super().__post_init__()
+        if self.budget is None:
+            dominant, contextual = OFFICIAL
+            self.dominant = dominant if self.dominant is None else self.dominant
+            self.contextual = contextual if self.contextual is None else self.contextual
 
     def split(self, n: int) -> tuple[int, int]:
         """(D, C) of a crop of n tokens."""

@@ -29,15 +29,13 @@ import torch
 from vtoken.kernels.duplicates import deduplicate, duplicate_removal
 
 from ..budget import Budget
-from ..registry import register_method
+from ..params import Real
 from ..tokens import Selection, VisualTokens
-from ..validation import real
 from .base import EncoderMethod, valid_mask
 
 __all__ = ["VisPruner", "deduplicate"]
 
 
-@register_method
 @dataclass
 class VisPruner(EncoderMethod):
     """`budget`: tokens kept per crop (a count, official 64/128/192 of 576) or a fraction. `important_ratio`: the
@@ -49,13 +47,9 @@ class VisPruner(EncoderMethod):
     name = "vispruner"
     requires = ("cls_attention", "vision_features")
     scopes = ("crop",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.important_ratio = real(
-            self.name, "important_ratio", self.important_ratio, "[0, 1]",
-            hint="the share of the budget kept by [CLS] attention",
-        )  # fmt: skip
+    params = {"important_ratio": Real("[0, 1]", hint="the share of the budget kept by [CLS] attention")}
+    layouts = ("native", "official")
+    controls = ("budget", "important_ratio")
 
     def select(self, tokens: VisualTokens) -> Selection:
         scores = tokens.signals["cls_attention"].float()

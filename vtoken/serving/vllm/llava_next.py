@@ -23,7 +23,7 @@ from vllm.model_executor.models.llava_next import (
     LlavaNextProcessingInfo,
 )
 
-from vtoken.adapters.llava_next import LlavaNextAdapter
+from vtoken.adapters.llava_next import official_layout_methods
 from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
 
 from .config import ServingConfig, error, serving_config
@@ -91,11 +91,10 @@ class LlavaNextFamily(LlavaFamily):
                 "tokens, no unpadding or newlines, as the seed methods' own LLaVA-NeXT code; what "
                 "vtoken.patch(model, method, layout='official') does)"
             )
-        if layout == "official" and method.name not in LlavaNextAdapter.official_layout_methods:
+        if layout == "official" and "official" not in method.layouts:
             raise error(
-                f"layout='official' on {self.name} is implemented for "
-                f"{', '.join(LlavaNextAdapter.official_layout_methods)}; {method.name!r} has no official "
-                "LLaVA-NeXT layout"
+                f"layout='official' on {self.name} is implemented for {', '.join(official_layout_methods())}; "
+                f"{method.name!r} declares no official layout (its `layouts` are {method.layouts})"
             )
         n = self.side * self.side
         grid, crops = ((1, n), 1) if placed else (self.grid, 2)  # anyres: at least a base view and one sub-image
@@ -108,7 +107,7 @@ class LlavaNextFamily(LlavaFamily):
 
 def _base_newline(method, crops: int) -> int:
     """1 where the official packing ends a base-only image with a newline (VisionZip's), else 0."""
-    return int(crops == 1 and method.name in LlavaNextAdapter.newline_after_base_only)
+    return int(crops == 1 and "newline after base-only image" in method.official_packing)
 
 
 def checked_config(hf_config: Any) -> ServingConfig | None:
