@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -12,12 +12,14 @@ import torch
 from vtoken.errors import InputError
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
+from vtoken.methods.base import device_ints
 from vtoken.records import Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
 from .base import Adapter, EncodedImages, Modality
+from .llm.records import Deferred, LazyRecord
 from .probes import ClsAttentionProbe
 
 
@@ -100,10 +102,12 @@ class LlavaAdapter(Adapter):
         vision_feature_select_strategy: str | None = None,
         tower: Any = None,
         with_cls: bool = False,
+        key_valid: Any = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
         [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need ("cls_token": the [CLS]
-        feature, [C, Dv], for methods that send it to the LLM)."""
+        feature, [C, Dv], for methods that send it to the LLM). key_valid: a callable giving [C, S] the tokens
+        that are real after a merge inside the tower, for the [CLS] rows' softmax (None: all)."""
         tower = tower or self.tower
         self.check_select_strategy(vision_feature_select_strategy)
         layers = self._feature_layers(vision_feature_layer)
@@ -117,7 +121,7 @@ class LlavaAdapter(Adapter):
             else:
                 continue
             layer %= len(tower.encoder.layers)
-            probes.setdefault(layer, ClsAttentionProbe(tower.encoder.layers[layer].self_attn))
+            probes.setdefault(layer, ClsAttentionProbe(tower.encoder.layers[layer].self_attn, key_valid=key_valid))
             wanted[name] = (layer, "patch_keys" if name == "keys" else "scores")
         with ExitStack() as stack:
             for probe in probes.values():
@@ -139,40 +143,36 @@ class LlavaAdapter(Adapter):
         vision_feature_select_strategy: str | None,
         groups: list[int],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """`vision_tokens` for a method that merges inside the tower (MustDrop): it decides how many tokens merge
-        per image, so images are run one by one (`groups`: crops per image) and their features padded to the
-        longest. Returns features [C, N', Dv], signals [C, N'] and which tokens are real [C, N']."""
-        method = self.encoder_method
-        merge_layer = self.tower.encoder.layers[method.merge_after_layer]
+        """`vision_tokens` for a method that merges inside the tower (MustDrop): the method supplies the merge
+        (`tower_merge`: what it does to the output of one tower layer, and the key padding of the later ones); every
+        crop runs in one tower call (`groups`: crops per image). Returns features [C, N', Dv], signals [C, N'] and
+        which tokens are real [C, N']."""
+        merge = self.encoder_method.tower_merge(self.grid, groups)
+        layers = self.tower.encoder.layers
         thread = threading.get_ident()
 
-        def merge(module, args, output: torch.Tensor) -> torch.Tensor | None:  # [c, 1 + N, D], [CLS] first
-            if threading.get_ident() != thread:  # another thread's call through the same tower
+        def merged(module, args, output: torch.Tensor) -> torch.Tensor | None:  # [c, 1 + N, D], [CLS] first
+            return merge(output) if threading.get_ident() == thread else None  # not another thread's call
+
+        def padded(module, args, kwargs):  # later layers: the key padding of crops that merged less
+            if threading.get_ident() != thread or merge.attention_mask is None:
                 return None
-            plan = method.plan_merge(output[:, 1:], self.grid)
-            return torch.cat([output[:, :1], plan.apply(output[:, 1:])], dim=1)
+            if len(args) > 1:
+                return (args[0], merge.attention_mask, *args[2:]), kwargs
+            return args, {**kwargs, "attention_mask": merge.attention_mask}
 
-        parts, scores = [], {}
-        hook = merge_layer.register_forward_hook(merge)
+        hooks = [layers[merge.after_layer].register_forward_hook(merged)]
+        hooks += [
+            layer.register_forward_pre_hook(padded, with_kwargs=True) for layer in layers[merge.after_layer + 1 :]
+        ]
         try:
-            for image_crops in crops.split(groups):
-                features, signals = self.vision_tokens(
-                    image_crops, vision_feature_layer, vision_feature_select_strategy
-                )
-                parts.append(features)
-                for name, compute in signals.items():
-                    scores.setdefault(name, []).append(compute())
+            features, signals = self.vision_tokens(
+                crops, vision_feature_layer, vision_feature_select_strategy, key_valid=lambda: merge.key_valid
+            )
         finally:
-            hook.remove()
-        lengths = [p.shape[1] for p in parts for _ in range(p.shape[0])]
-        width = max(lengths)
-
-        def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
-                              for t in tensors])  # fmt: skip
-
-        valid = torch.arange(width, device=crops.device)[None] < torch.tensor(lengths, device=crops.device)[:, None]
-        return padded(parts), {name: padded(values) for name, values in scores.items()}, valid
+            for hook in hooks:
+                hook.remove()
+        return features, {name: compute() for name, compute in signals.items()}, merge.valid.to(crops.device)
 
     def encode_merged(
         self,
@@ -186,10 +186,10 @@ class LlavaAdapter(Adapter):
         features, signals, valid = self.merged_vision_tokens(
             crops, vision_feature_layer, vision_feature_select_strategy, groups
         )
-        image_index = torch.arange(len(groups)).repeat_interleave(torch.tensor(groups))
+        image_index = device_ints([image for image, n in enumerate(groups) for _ in range(n)], "cpu")
         crop_index = [c for n in groups for c in range(n)]
         tokens = VisualTokens(features, (1, features.shape[1]), signals, image_index, valid,
-                              torch.tensor(crop_index))  # fmt: skip
+                              device_ints(crop_index, "cpu"))  # fmt: skip
         selection, timer = self.select(tokens)
         records = self.merge_records(self.crop_records(tokens, selection, timer, crop_index), selection)
         embeds = self.kept_embeddings(tokens, selection)
@@ -228,9 +228,16 @@ class LlavaAdapter(Adapter):
         """A merging method's crop records as two stages: "encoder.merge" (N -> N') and "encoder.keyset" (the
         tokens it protects from later stages)."""
         height, width = self.grid
-        out = []
+        counts = selection.protected.sum(1).tolist()  # one read for every crop; the indices when read
+        out, shared = [], {}
+
+        def keys() -> list[torch.Tensor]:
+            return [selection.protected[c, : r.tokens_out].nonzero().squeeze(1) for c, r in enumerate(records)]
+
         for c, record in enumerate(records):
             merged = replace(record, stage="encoder.merge", tokens_in=height * width, kept=None, grid=(height, width))
-            keys = selection.protected[c, : record.tokens_out].nonzero().squeeze(1)
-            out += [merged, replace(record, stage="encoder.keyset", tokens_out=len(keys), kept=keys, share=0.0)]
+            keyset = LazyRecord(**{f.name: getattr(record, f.name) for f in fields(record)})
+            keyset.stage, keyset.tokens_out, keyset.share = "encoder.keyset", counts[c], 0.0
+            keyset.kept = Deferred(keys, c, shared)
+            out += [merged, keyset]
         return out
