@@ -213,6 +213,11 @@ def build_model(cfg: dict, device, dtype):
     return _build(tiny_qwen2_5_vl, {"text_config": text, "vision_config": vision}, device, dtype)
 
 
+def gpu_models() -> dict:
+    """What `--device cuda` builds (see bench_families.gpu_models)."""
+    return {"qwen2.5-vl-7b": lambda device, dtype: build_model(settings(True), device, dtype)}
+
+
 def video_inputs(processor, tokens: int, side: int):
     per_group = (side // 28) ** 2
     frames = 2 * max(tokens // per_group, 1)  # two frames per temporal patch
