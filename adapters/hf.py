@@ -122,15 +122,19 @@ def causal_mask(
     cache: Any,
     position_ids: torch.Tensor,
     layer_idx: int,
+    allow_is_causal_skip: bool = True,
 ) -> Any:
     """The causal + padding mask of a decoder layer in its attention implementation's format
-    (`masking_utils.create_causal_mask`); its cache argument is `cache` from 5.24, `past_key_values` before."""
+    (`masking_utils.create_causal_mask`); its cache argument is `cache` from 5.24, `past_key_values` before.
+    `allow_is_causal_skip=False` when the caller knows the mask is padded: transformers then skips its own check
+    (a host sync) of whether it could return None (unchanged 5.19-5.24)."""
     return create_causal_mask(
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
         position_ids=position_ids,
         layer_idx=layer_idx,
+        allow_is_causal_skip=allow_is_causal_skip,
         **cache_kwargs(cache),
     )
 

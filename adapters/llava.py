@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, ClassVar
 
 import torch
 
 from vtoken.errors import InputError
+from vtoken.geometry.kept import kept_rows
+from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
+from vtoken.methods.base import device_ints
 from vtoken.records import Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
 from .base import Adapter, EncodedImages, Modality
+from .llm.records import Deferred, LazyRecord
 from .probes import ClsAttentionProbe
 
 
@@ -39,9 +43,7 @@ class LlavaAdapter(Adapter):
 
     @property
     def grid(self) -> tuple[int, int]:
-        config = self.tower.config
-        side = config.image_size // config.patch_size
-        return side, side
+        return token_grid(self.tower.config.image_size, self.tower.config.patch_size)
 
     def _feature_layers(self, vision_feature_layer: Any = None) -> list[int]:
         layer = self.model.config.vision_feature_layer if vision_feature_layer is None else vision_feature_layer
@@ -49,9 +51,7 @@ class LlavaAdapter(Adapter):
 
     def _attention_layer(self, hidden_state_index: int) -> int | None:
         """Index of the encoder layer whose output is `hidden_states[hidden_state_index]` (None = embeddings)."""
-        num_layers = len(self.tower.encoder.layers)
-        layer = hidden_state_index % (num_layers + 1) - 1
-        return None if layer < 0 else layer
+        return encoder_layer(hidden_state_index, len(self.tower.encoder.layers))
 
     def validate(self) -> None:
         super().validate()
@@ -79,14 +79,13 @@ class LlavaAdapter(Adapter):
         return self.inner.multi_modal_projector(features)
 
     def kept_embeddings(self, tokens: VisualTokens, selection: Selection) -> list[torch.Tensor]:
-        """Per crop, [k_c, D] projected kept tokens: gathered from the "projected" signal when a method already
-        projected every token (MMTok), else projected now (only the kept ones)."""
-        projected = tokens.signals.get("projected")
-        if projected is not None and selection.kept is not None:
-            return [projected[c, selection.kept_of(c)] for c in range(tokens.num_crops)]
-        if selection.counts is None:
-            return list(self.project(selection.gather(tokens.features)))
-        return list(self.project(selection.gather_flat(tokens.features)).split(selection.counts))
+        """Per crop, [k_c, D] projected kept tokens (views of `kept_flat`)."""
+        return list(self.kept_flat(tokens, selection).split(selection.counts_per_crop()))
+
+    def kept_flat(self, tokens: VisualTokens, selection: Selection) -> torch.Tensor:
+        """[sum of kept, D] every crop's projected output rows, crop after crop: gathered from the "projected"
+        signal when a method already projected every token (MMTok), else projected now (only the kept ones)."""
+        return kept_rows(selection, tokens.features, tokens.signals, self.project)
 
     def _check_crops(self, crops: torch.Tensor, what: str) -> None:
         size = self.tower.config.image_size
@@ -109,10 +108,12 @@ class LlavaAdapter(Adapter):
         vision_feature_select_strategy: str | None = None,
         tower: Any = None,
         with_cls: bool = False,
+        key_valid: Any = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
         [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need ("cls_token": the [CLS]
-        feature, [C, Dv], for methods that send it to the LLM)."""
+        feature, [C, Dv], for methods that send it to the LLM). key_valid: a callable giving [C, S] the tokens
+        that are real after a merge inside the tower, for the [CLS] rows' softmax (None: all)."""
         tower = tower or self.tower
         self.check_select_strategy(vision_feature_select_strategy)
         layers = self._feature_layers(vision_feature_layer)
@@ -126,7 +127,7 @@ class LlavaAdapter(Adapter):
             else:
                 continue
             layer %= len(tower.encoder.layers)
-            probes.setdefault(layer, ClsAttentionProbe(tower.encoder.layers[layer].self_attn))
+            probes.setdefault(layer, ClsAttentionProbe(tower.encoder.layers[layer].self_attn, key_valid=key_valid))
             wanted[name] = (layer, "patch_keys" if name == "keys" else "scores")
         with ExitStack() as stack:
             for probe in probes.values():
@@ -150,40 +151,36 @@ class LlavaAdapter(Adapter):
         vision_feature_select_strategy: str | None,
         groups: list[int],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """`vision_tokens` for a method that merges inside the tower (MustDrop): it decides how many tokens merge
-        per image, so images are run one by one (`groups`: crops per image) and their features padded to the
-        longest. Returns features [C, N', Dv], signals [C, N'] and which tokens are real [C, N']."""
-        method = self.encoder_method
-        merge_layer = self.tower.encoder.layers[method.merge_after_layer]
+        """`vision_tokens` for a method that merges inside the tower (MustDrop): the method supplies the merge
+        (`tower_merge`: what it does to the output of one tower layer, and the key padding of the later ones); every
+        crop runs in one tower call (`groups`: crops per image). Returns features [C, N', Dv], signals [C, N'] and
+        which tokens are real [C, N']."""
+        merge = self.encoder_method.tower_merge(self.grid, groups)
+        layers = self.tower.encoder.layers
         thread = threading.get_ident()
 
-        def merge(module, args, output: torch.Tensor) -> torch.Tensor | None:  # [c, 1 + N, D], [CLS] first
-            if threading.get_ident() != thread:  # another thread's call through the same tower
+        def merged(module, args, output: torch.Tensor) -> torch.Tensor | None:  # [c, 1 + N, D], [CLS] first
+            return merge(output) if threading.get_ident() == thread else None  # not another thread's call
+
+        def padded(module, args, kwargs):  # later layers: the key padding of crops that merged less
+            if threading.get_ident() != thread or merge.attention_mask is None:
                 return None
-            plan = method.plan_merge(output[:, 1:], self.grid)
-            return torch.cat([output[:, :1], plan.apply(output[:, 1:])], dim=1)
+            if len(args) > 1:
+                return (args[0], merge.attention_mask, *args[2:]), kwargs
+            return args, {**kwargs, "attention_mask": merge.attention_mask}
 
-        parts, scores = [], {}
-        hook = merge_layer.register_forward_hook(merge)
+        hooks = [layers[merge.after_layer].register_forward_hook(merged)]
+        hooks += [
+            layer.register_forward_pre_hook(padded, with_kwargs=True) for layer in layers[merge.after_layer + 1 :]
+        ]
         try:
-            for image_crops in crops.split(groups):
-                features, signals = self.vision_tokens(
-                    image_crops, vision_feature_layer, vision_feature_select_strategy
-                )
-                parts.append(features)
-                for name, compute in signals.items():
-                    scores.setdefault(name, []).append(compute())
+            features, signals = self.vision_tokens(
+                crops, vision_feature_layer, vision_feature_select_strategy, key_valid=lambda: merge.key_valid
+            )
         finally:
-            hook.remove()
-        lengths = [p.shape[1] for p in parts for _ in range(p.shape[0])]
-        width = max(lengths)
-
-        def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
-                              for t in tensors])  # fmt: skip
-
-        valid = torch.arange(width, device=crops.device)[None] < torch.tensor(lengths, device=crops.device)[:, None]
-        return padded(parts), {name: padded(values) for name, values in scores.items()}, valid
+            for hook in hooks:
+                hook.remove()
+        return features, {name: compute() for name, compute in signals.items()}, merge.valid.to(crops.device)
 
     def encode_merged(
         self,
@@ -197,10 +194,10 @@ class LlavaAdapter(Adapter):
         features, signals, valid = self.merged_vision_tokens(
             crops, vision_feature_layer, vision_feature_select_strategy, groups
         )
-        image_index = torch.arange(len(groups)).repeat_interleave(torch.tensor(groups))
+        image_index = device_ints([image for image, n in enumerate(groups) for _ in range(n)], "cpu")
         crop_index = [c for n in groups for c in range(n)]
         tokens = VisualTokens(features, (1, features.shape[1]), signals, image_index, valid,
-                              torch.tensor(crop_index))  # fmt: skip
+                              device_ints(crop_index, "cpu"))  # fmt: skip
         selection, timer = self.select(tokens)
         records = self.merge_records(self.crop_records(tokens, selection, timer, crop_index), selection)
         embeds = self.kept_embeddings(tokens, selection)
@@ -225,50 +222,31 @@ class LlavaAdapter(Adapter):
             groups = [1] * pixel_values.shape[0]
             return self.encode_merged(pixel_values, vision_feature_layer, vision_feature_select_strategy, groups)
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
-        num_images = features.shape[0]
+        num_images, device = features.shape[0], features.device
         valid = None
-        if getattr(self.encoder_method, "excludes_pad_border", False):
-            valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(features.device)
-        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid,
+        if getattr(self.encoder_method, "excludes_pad_border", False):  # read from the pixels: the method counts
+            valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(device)
+        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images, device=device), valid,
                               image_of_crop=list(range(num_images)))  # fmt: skip
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
-        keep_offsets = [selection.offsets_of(i) for i in range(num_images)]
-        records = self.crop_records(tokens, selection, timer, [0] * num_images)
-        return EncodedImages(embeds, keep_offsets, records)
+        records = self.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
+        return EncodedImages(embeds, None, records)  # renumbered positions: the first placeholders stay
 
     def merge_records(self, records: list[Record], selection: Selection) -> list[Record]:
         """A merging method's crop records as two stages: "encoder.merge" (N -> N') and "encoder.keyset" (the
         tokens it protects from later stages)."""
         height, width = self.grid
-        out = []
+        counts = selection.protected.sum(1).tolist()  # one read for every crop; the indices when read
+        out, shared = [], {}
+
+        def keys() -> list[torch.Tensor]:
+            return [selection.protected[c, : r.tokens_out].nonzero().squeeze(1) for c, r in enumerate(records)]
+
         for c, record in enumerate(records):
             merged = replace(record, stage="encoder.merge", tokens_in=height * width, kept=None, grid=(height, width))
-            keys = selection.protected[c, : record.tokens_out].nonzero().squeeze(1)
-            out += [merged, replace(record, stage="encoder.keyset", tokens_out=len(keys), kept=keys, share=0.0)]
+            keyset = LazyRecord(**{f.name: getattr(record, f.name) for f in fields(record)})
+            keyset.stage, keyset.tokens_out, keyset.share = "encoder.keyset", counts[c], 0.0
+            keyset.kept = Deferred(keys, c, shared)
+            out += [merged, keyset]
         return out
-
-
-def outside_pad_border(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
-    """[C, N] bool: False for patches lying wholly in a pad-to-square border of crops [C, 3, H, W].
-
-    The border is what `LlavaImageProcessor(do_pad=True)` (the original LLaVA-1.5 preprocessing) adds: whole
-    pixel rows (or columns) at the edges, all of the corner pixel's colour. It is read from the pixels, since
-    the model never sees the image size: the resize after padding blends the innermost pad row with the photo,
-    so a patch straddling that row is kept as content. A crop without a border (e.g. center cropped, or an
-    image of a single colour) has every patch valid.
-    """
-    same = (pixel_values == pixel_values[:, :, :1, :1]).all(1)  # [C, H, W] pixels of the corner's colour
-    rows, cols = same.all(-1), same.all(-2)  # [C, H], [C, W] uniform pixel rows / columns
-
-    def edge_run(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return flags.long().cumprod(-1).sum(-1), flags.flip(-1).long().cumprod(-1).sum(-1)
-
-    (top, bottom), (left, right) = edge_run(rows), edge_run(cols)
-    height, width = pixel_values.shape[-2:]
-    start_y = torch.arange(0, height, patch, device=pixel_values.device)
-    start_x = torch.arange(0, width, patch, device=pixel_values.device)
-    pad_y = (start_y + patch <= top[:, None]) | (start_y >= height - bottom[:, None])  # [C, H/p]
-    pad_x = (start_x + patch <= left[:, None]) | (start_x >= width - right[:, None])  # [C, W/p]
-    pad = (pad_y[:, :, None] | pad_x[:, None, :]).flatten(1)
-    return ~pad | pad.all(1, keepdim=True)

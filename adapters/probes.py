@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,16 +19,24 @@ class ClsAttentionProbe:
     [CLS] query row: O(S * d) per head instead of the S x S map. Use as a context manager around the tower call;
     `scores` is then [B, S - 1]. `projections`: the submodules whose outputs are the query and key the attention
     uses, e.g. ("q_norm", "k_norm") for towers that normalise q and k after projecting them (QK-norm). Only the
-    thread that entered it is captured (another thread may run the same tower at the same time).
+    thread that entered it is captured (another thread may run the same tower at the same time). `key_valid`: a
+    callable giving the real keys [B, S] of a padded batch (a merge inside the tower), or None.
     """
 
-    def __init__(self, attention: nn.Module, cls_index: int = 0, projections: tuple[str, str] = ("q_proj", "k_proj")):
+    def __init__(
+        self,
+        attention: nn.Module,
+        cls_index: int = 0,
+        projections: tuple[str, str] = ("q_proj", "k_proj"),
+        key_valid: Callable[[], torch.Tensor | None] | None = None,
+    ):
         for name in projections:
             if not isinstance(getattr(attention, name, None), nn.Module):
                 raise TypeError(f"{type(attention).__name__} has no {name}; cannot probe [CLS] attention")
         self.attention = attention
         self.projections = projections
         self.cls_index = cls_index
+        self.key_valid = key_valid  # [B, S] real keys after a merge inside the tower (padded batches), read late
         self.num_heads = attention.num_heads
         self.head_dim = attention.head_dim
         self.scale = getattr(attention, "scale", self.head_dim**-0.5)
@@ -66,7 +75,8 @@ class ClsAttentionProbe:
         batch, seq = self._keys.shape[:2]
         query = self._query.reshape(batch, self.num_heads, self.head_dim)
         keys = self._keys.reshape(batch, seq, self.num_heads, self.head_dim)
-        return attention_row_probs(query, keys, self.scale)
+        valid = self.key_valid() if self.key_valid is not None else None
+        return attention_row_probs(query, keys, self.scale, valid)
 
     @property
     def patch_keys(self) -> torch.Tensor:

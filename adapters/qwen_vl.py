@@ -20,11 +20,14 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError, VTokenError
+from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid, window_index
+from vtoken.geometry.tables import on_device
+from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
-from .base import Adapter, EncodedImages, Modality
+from .base import Adapter, EncodedImages, Modality, flat_kept, output_places
 from .probes import ReceivedAttentionProbe
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
@@ -36,8 +39,8 @@ class QwenVLAdapter(Adapter):
     model_types = ("qwen2_vl",)
     model_classes = ("Qwen2VLForConditionalGeneration", "Qwen2VLModel")
     modalities = (
-        Modality("image", "pixel_values", "image_token_id", ("image_grid_thw",)),
-        Modality("video", "pixel_values_videos", "video_token_id", ("video_grid_thw",)),
+        Modality("image", "pixel_values", "image_token_id", ("image_grid_thw",), host=("image_grid_thw",)),
+        Modality("video", "pixel_values_videos", "video_token_id", ("video_grid_thw",), host=("video_grid_thw",)),
     )
     positions = "original"
     token_columns = {"mm_token_type_ids": 0}
@@ -65,21 +68,23 @@ class QwenVLAdapter(Adapter):
     def _vision_rotary(self):
         return hf.modeling_function(self.received_block().attn, "apply_rotary_pos_emb_vision")
 
-    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
+    def raster_order(self, per_group: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order
+        (`grids`: every item's (t, h, w) patches)."""
         return per_group  # Qwen2-VL's encoder keeps merge groups in raster order
 
-    def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> torch.Tensor:
+    def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> list[tuple[int, int, int]]:
+        """The (t, h, w) patches of every item, as host integers (read once per call with the prompt's layout)."""
         key = GRID_KEYS[modality.name]
         if grid_thw is None:
             raise InputError(f"{type(self.model).__name__} needs `{key}` next to `{modality.pixel_key}` "
                              "(its processor returns both)")  # fmt: skip
-        grid_thw = torch.as_tensor(grid_thw)
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or pixel_values.dim() != 2:
+        grids = self.on_host(key, grid_thw)
+        if pixel_values.dim() != 2 or any(len(g) != 3 for g in grids):
+            shape = tuple(grid_thw.shape) if isinstance(grid_thw, torch.Tensor) else (len(grids), "?")
             raise InputError(
                 f"{modality.pixel_key} of shape {tuple(pixel_values.shape)} with {key} of shape "
-                f"{tuple(grid_thw.shape)}; expected [total_patches, channels * patch volume] and "
-                f"[num_{modality.name}s, 3]"
+                f"{shape}; expected [total_patches, channels * patch volume] and [num_{modality.name}s, 3]"
             )
         vision = self.model.config.vision_config
         volume = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -88,16 +93,16 @@ class QwenVLAdapter(Adapter):
                 f"{modality.pixel_key} of shape {tuple(pixel_values.shape)}; each row must hold one patch of "
                 f"{volume} values (channels x temporal patch x patch x patch), as the processor makes them"
             )
-        if int(grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
+        patches = sum(t * h * w for t, h, w in grids)
+        if patches != pixel_values.shape[0]:
             raise InputError(
-                f"{key} {grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())} patches, but "
-                f"{modality.pixel_key} holds {pixel_values.shape[0]}"
+                f"{key} {grids} describes {patches} patches, but {modality.pixel_key} holds {pixel_values.shape[0]}"
             )
-        return grid_thw
+        return [tuple(g) for g in grids]
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
-        grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
-        return (grid_thw.prod(-1) // self.merge**2).tolist()
+        grids = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
+        return [item_tokens(g, self.merge) for g in grids]
 
     def _rope_positions(self, kwargs: dict[str, Any], grids: dict[str, Any]) -> torch.Tensor:
         """[4, B, L] positions of the prompt in `kwargs` as the stock model builds them: text row + t/h/w rows."""
@@ -141,8 +146,9 @@ class QwenVLAdapter(Adapter):
         mask = kwargs.get("attention_mask")
         if self.resizes_grids:
             extras = self._state.family
+            device = kwargs["input_ids"].device
             grids = {
-                f"{name}_grid_thw": torch.tensor(sizes) if sizes else None
+                f"{name}_grid_thw": on_device([n for thw in sizes for n in thw], device).view(-1, 3) if sizes else None
                 for name, sizes in extras["new_grids"].items()
             }
             grids["second_per_grid_ts"] = extras["seconds_per_grid"]
@@ -189,29 +195,30 @@ class QwenVLAdapter(Adapter):
         return torch.cat([text[None], rope])
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
-        grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
+        given = encoder_kwargs.get(GRID_KEYS[modality.name])
+        grids = self._grids(modality, pixel_values, given)
+        grid_thw = torch.as_tensor(given)
         visual = self.inner.visual
         probe = None
         if "received_attention" in self.encoder_method.requires:  # one segment per frame, h * w patches each
-            segments = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+            segments = [h * w for t, h, w in grids for _ in range(t)]
             probe = ReceivedAttentionProbe(self.received_block().attn, segments, self._vision_rotary())
         with probe if probe is not None else contextlib.nullcontext():
             out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
         merged = out.pooler_output
-        sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
+        device = merged.device
+        sizes = [item_tokens(g, self.merge) for g in grids]
         if probe is not None:  # per merged token: the mean over its merge group's patches, in raster order
             received = probe.received().view(merged.shape[0], self.merge**2).mean(dim=1)
-            received = self.raster_order(received[:, None], grid_thw)[:, 0].split(sizes)
+            received = self.raster_order(received[:, None], grids)[:, 0].split(sizes)
         wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
-            groups = self.raster_order(groups, grid_thw).split(sizes)
+            groups = self.raster_order(groups, grids).split(sizes)
         companions = [c.split(sizes) for c in self.companion_features(out)]
-        features, offsets, records, followers = [], [], [], []
-        for index, (tokens, (frames, height, width)) in enumerate(
-            zip(merged.split(sizes), grid_thw.tolist(), strict=True)
-        ):
-            grid = (height // self.merge, width // self.merge)
+        features, offsets, parts, followers, checks = [], [], [], [], []
+        for index, (tokens, thw) in enumerate(zip(merged.split(sizes), grids, strict=True)):
+            frames, grid = thw[0], token_grid(thw, self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
             signals = {}
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
@@ -219,17 +226,20 @@ class QwenVLAdapter(Adapter):
                 signals = {"merge_features": pooled, "vision_features": pooled}
             if probe is not None:
                 signals["received_attention"] = received[index].view(frames, grid[0] * grid[1])
-            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
+            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device))
             selection, timer = self.select(crops)
-            out_grid = selection.grid or grid
             self._state.family["new_grids"][modality.name].append(
-                (frames, out_grid[0] * self.merge, out_grid[1] * self.merge)
+                resized_grid_thw(frames, selection.grid or grid, self.merge)
             )
-            features.append(selection.gather_flat(per_frame))
-            offsets.append(torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)]))
-            records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)
-            followers.append([same_selection(self.encoder_method, selection, crops, c[index]) for c in companions])
-        return EncodedImages(features, offsets, records, companions=followers if companions else None)
+            features.append(flat_kept(selection, per_frame))
+            offsets.append(run_offsets(output_places(selection), selection.counts, per_frame.shape[1]))
+            parts.append(self.crop_records(crops, selection, timer, list(range(frames)), modality.name,
+                                           [index] * frames))  # fmt: skip
+            followed = [follow_selection(self.encoder_method, selection, crops, c[index]) for c in companions]
+            followers.append([rows for rows, _ in followed])
+            checks += [agrees for _, agrees in followed]
+        check_followed(self.encoder_method, checks)  # a merge's anchors on DeepStack levels: one read, if any
+        return EncodedImages(features, offsets, LazyRecords.chain(parts), companions=followers if companions else None)
 
     def companion_features(self, out: Any) -> list[torch.Tensor]:
         """Further [N, D'] tensors of the encoder's output, one row per merged token, that must follow the
@@ -245,10 +255,13 @@ class Qwen25VLAdapter(QwenVLAdapter):
     model_types = ("qwen2_5_vl",)
     model_classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
 
-    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def raster_order(self, per_group: torch.Tensor, grids: Any) -> torch.Tensor:
         """Undo the encoder's window permutation, as the model does for its merger output."""
-        window_index = hf.vision_window_index(grid_thw.to(per_group.device), self.inner.visual)
-        return per_group[torch.argsort(window_index)]
+        visual = self.inner.visual
+        grids = grids.tolist() if isinstance(grids, torch.Tensor) else grids
+        order = window_index(grids, visual.spatial_merge_size, visual.window_size, visual.patch_size,
+                             per_group.device)  # fmt: skip
+        return per_group[torch.argsort(order)]
 
 
 def same_selection(method, selection: Selection, tokens: VisualTokens, companion: torch.Tensor) -> torch.Tensor:
@@ -257,19 +270,43 @@ def same_selection(method, selection: Selection, tokens: VisualTokens, companion
     Kept indices are gathered; a merge (pool, fourier) is the method's own merge run on the companion grid, which
     is the same merge when it does not depend on the features (both are fixed linear maps of the grid); a merge
     that comes out different (anchors or grid) is refused rather than mixed."""
+    rows, agrees = follow_selection(method, selection, tokens, companion)
+    check_followed(method, [agrees])
+    return rows
+
+
+def follow_selection(
+    method, selection: Selection, tokens: VisualTokens, companion: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`same_selection` without reading the device: the rows, and for a merge with anchors a 0-d bool tensor
+    saying whether the companion's merge stood at the same anchors (None: nothing left to check); a merge that
+    comes out different on the host (grid, counts) is refused here. `check_followed` reads the flags once."""
     per_crop = companion.view(tokens.num_crops, tokens.num_tokens, -1)
     if selection.kept is not None:
-        return selection.gather_flat(per_crop)
+        return flat_kept(selection, per_crop), None
     again = method.select(VisualTokens(per_crop, tokens.grid, {}, tokens.image_index, tokens.valid))
     same = again.grid == selection.grid and again.counts == selection.counts
+    agrees = None
     if selection.anchors is not None:
-        same = same and again.anchors is not None and torch.equal(again.anchors, selection.anchors)
+        same = same and again.anchors is not None and again.anchors.shape == selection.anchors.shape
+        agrees = (again.anchors == selection.anchors).all() if same else None
     if again.features is None or not same:
-        raise VTokenError(
-            f"{method.name} merges tokens depending on their features, so the same merge cannot be applied to the "
-            "DeepStack features; use a selecting method (random, mmtok) or a fixed merge (pool, fourier)"
-        )
-    return again.gather_flat(per_crop)
+        _refuse_merge(method)
+    return flat_kept(again, per_crop), agrees
+
+
+def check_followed(method, flags: list[torch.Tensor | None]) -> None:
+    """Refuse a merge whose anchors differed on a companion (`follow_selection`'s flags: one read for them all)."""
+    flags = [f for f in flags if f is not None]
+    if flags and not bool(torch.stack(flags).all()):
+        _refuse_merge(method)
+
+
+def _refuse_merge(method) -> None:
+    raise VTokenError(
+        f"{method.name} merges tokens depending on their features, so the same merge cannot be applied to the "
+        "DeepStack features; use a selecting method (random, mmtok) or a fixed merge (pool, fourier)"
+    )
 
 
 def _text_positions(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:

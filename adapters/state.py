@@ -44,8 +44,10 @@ class CallState:
     filled: the map of a pruned model(...) prompt, left on the cache the forward returns (`conversation.py`).
     questions: the prompt question of every image of the call (methods that read the question).
     labels: labels of a plain forward with an LLM stage, applied to the kept columns after the forward.
-    prefill / decode / step / prompt_length / final_columns: the LLM stages' state (see `adapters/llm.py`).
+    prefill / decode / step / prompt_length / final_columns: the LLM stages' state (see `adapters/llm/stages.py`):
+    a prefill's `PrefillState`, a decoding step's `DecodeStep`, a decode-time selection's pending step.
     family: per-family extras (e.g. Qwen's resized grids).
+    host: while `prepare` runs, the call's inputs read to the host once (image sizes, the prompt's ids), by name.
     """
 
     def __init__(self) -> None:
@@ -58,12 +60,13 @@ class CallState:
         self.questions: list[str] = []
         self.labels = None
         self.prefill = None
-        self.decode: dict = {}
+        self.decode = None
         self.step = None  # a decode-time selection's step between the LLM's input and layer L - 1
         self.beams = False  # inside a beam-search generate (a decode-time selection follows the reordered rows)
         self.prompt_length = 0
         self.final_columns = None
         self.family: dict[str, Any] = {}
+        self.host: dict[str, Any] = {}
 
 
 class PatchedGenerate:

@@ -10,13 +10,19 @@ stock model on a shorter prompt). It reports each one's TTFT, its speedup agains
 halved (PyramidDrop 4/8/12, SparseVLM 1/3/7; DART's layer 2 stays), and both tables time the process's CPU time
 with one torch thread: on a shared machine the wall clock mostly measures the wait for a core.
 
+A batch table (`--batches`, default 1, 8 and 32 on a GPU, 1 and 2 on a CPU) runs every LLM-stage method at its
+issue-31 setting (FastV layer 2 at 25 %, DART 128, PyramidDrop, SparseVLM 192, MustDrop (0.011, 0.01)) on a batch of
+the same image and prompt, next to the unpatched model and the oracle at the method's layer-averaged visual tokens,
+at each batch size: TTFT and the two ratios the targets are stated in (>= 0.97x of unpatched at batch 1, >= 0.9x of
+the oracle at batch 8 and 32).
+
 A third table (its own results file, `llm_stages_video_*`) runs DyCoke on a LLaVA-OneVision-7B-shaped model and a
 video (`--frames`, 196 pooled tokens a frame + 1 newline): the official settings, the same with p = 0 (its stage 1
 and the decode stage's per-step row, nothing masked: what the decode stage costs), VidCom2 at DyCoke's retention and
 the oracle (the first tokens of every frame at that retention, zero selection cost); TTFT, decode tokens/s and
-selection time (the encoder and decode records' seconds). vtoken's decode stage masks the cache per step rather
-than gathering it, so it saves no attention work in decoding: its effect is on what the model attends to, and its
-cost is the row it reads each step.
+selection time (the encoder and decode records' seconds). A selecting step gathers the kept entries of layers
+L and later (as the official code does), so its attention reads only them; a step whose row did not move attends to
+everything, and every step reads one attention row.
 
 On a GPU: CLIP ViT-L/14-336 + Vicuna-7B at full depth, bf16. On a CPU the widths and depths are cut (the table
 says how): the LLM keeps 16 layers so that MustDrop's drop points 2, 6, 10, 14 all exist; the tower keeps 4
@@ -94,10 +100,12 @@ def fastv_at_average(first_drop: int, average: float, layers: int, visual: int) 
 
 def oracle_call(model, inputs, k: int):
     """The stock model on the prompt with its placeholder run cut to k and the first k image features: the LLM
-    fed k visual tokens from its first layer, with no selection at all (the cut prompt is made before timing)."""
+    fed k visual tokens from its first layer, with no selection at all (the cut prompt is made before timing).
+    Every row of a batch holds the same prompt."""
     ids = inputs["input_ids"][0]
     placeholders = (ids == model.config.image_token_id).nonzero().squeeze(1)
     cut = torch.cat([ids[: placeholders[0] + k], ids[placeholders[-1] + 1 :]])[None]
+    cut = cut.expand(inputs["input_ids"].shape[0], -1).contiguous()
     mask = torch.ones_like(cut)
 
     @torch.inference_mode()
@@ -176,6 +184,69 @@ def equal_average_table(model, inputs, device, repeats: int, clock) -> tuple[dic
             f"{fact['fastv']} ({row['fastv_ttft_ms']:.1f} ms) | {versus_fastv} | {row['oracle_ttft_ms']:.1f} "
             f"({fact['oracle']}) | {row['vs_oracle_text']} | {row['selection_ms']:.1f} | {row['selection_share']:.1%} |"
         )
+    return results, lines
+
+
+def batch_methods(cuda: bool) -> dict:
+    """Every LLM-stage method at the setting issue 31 states its targets for (drop layers halved on the CPU)."""
+
+    def layers(*official: int) -> tuple[int, ...]:
+        return official if cuda else tuple(k // 2 for k in official)
+
+    return {
+        "fastv L2 25%": lambda: vtoken.FastV(layer=2, keep=0.25),
+        "dart 128": lambda: vtoken.DART(layer=2, keep=0.222),
+        "pyramiddrop": lambda: vtoken.PyramidDrop(layers=layers(8, 16, 24)),
+        "sparsevlm 192": lambda: vtoken.SparseVLM(budget=192, layers=layers(2, 6, 15)),
+        "mustdrop (0.011, 0.01)": lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01),
+    }
+
+
+def batch_table(model, processor, device, dtype, repeats: int, clock, batches: list[int]) -> tuple[dict, list[str]]:
+    """Every LLM-stage method against the unpatched model and the oracle at its layer-averaged visual tokens, at
+    each batch size (the same image and prompt in every row): TTFT of one token and the targets' two ratios."""
+    prompt = build_prompt(processor, QUESTION)
+    layers = model.config.text_config.num_hidden_layers
+    results, lines = (
+        {},
+        [
+            "",
+            f"Every LLM-stage method by batch size (the same image and prompt in every row; {layers} LLM layers): "
+            "TTFT of one token against the unpatched model (target at batch 1: >= 0.97x) and against the oracle fed "
+            "the method's layer-averaged visual tokens from layer 0 (target at batch 8 and 32: >= 0.9x).",
+            "",
+            "| batch | config | layer-averaged | TTFT ms (median, min-max) | vs unpatched | oracle (k) ms "
+            "| vs oracle |",
+            "|---:|---|---:|---:|---|---:|---|",
+        ],
+    )
+    for batch in batches:
+        inputs = processor(images=[example_image()] * batch, text=[prompt] * batch, return_tensors="pt").to(device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+
+        def ttft(inputs=inputs):
+            return model.generate(**inputs, max_new_tokens=1, do_sample=False)
+
+        runs, contexts, averages = {"unpatched": ttft}, {}, {}
+        for name, make in batch_methods(device.type == "cuda").items():
+            with vtoken.patched(model, make()) as handle, torch.no_grad():
+                model(**inputs)
+                prefill = [r for r in handle.records if r.stage.startswith("prefill") and r.image == 0]
+            averages[name] = prefill[0].extra["layer_average"]
+            runs[name] = ttft
+            contexts[name] = functools.partial(vtoken.patched, model, make())
+            runs[f"{name}/oracle"] = oracle_call(model, inputs, round(averages[name]))
+        timed = common.interleaved(runs, repeats, device, contexts=contexts, clock=clock)
+        results[batch] = {"unpatched": common.timing_row(timed["unpatched"], timed["unpatched"])}
+        for name, average in averages.items():
+            row = common.timing_row(timed["unpatched"], timed[name], oracle=timed[f"{name}/oracle"])
+            row.update(layer_average=average, oracle_tokens=round(average),
+                       oracle_ttft_ms=timed[f"{name}/oracle"]["timing"].median * 1e3)  # fmt: skip
+            results[batch][name] = row
+            lines.append(
+                f"| {batch} | {name} | {average:.1f} | {common.ttft_cell(row)} | {row['speedup_text']} | "
+                f"{row['oracle_ttft_ms']:.1f} ({round(average)}) | {row['vs_oracle_text']} |"
+            )
     return results, lines
 
 
@@ -267,6 +338,14 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
     return results, lines
 
 
+def gpu_models() -> dict:
+    """What `--device cuda` builds (see bench_families.gpu_models)."""
+    return {
+        "llava-1.5-7b": lambda device, dtype: _build(tiny_llava, shapes(True), device, dtype),
+        "llava-onevision-7b": lambda device, dtype: _build(tiny_onevision, video_shapes(True), device, dtype),
+    }
+
+
 def cache_bytes(model, inputs) -> int:
     """Bytes of the KV cache after a prefill of `inputs`."""
     with torch.no_grad():
@@ -280,6 +359,8 @@ def main() -> None:
     parser.add_argument("--skip-equal-average", action="store_true", help="only the MustDrop/FastV table")
     parser.add_argument("--video-only", action="store_true", help="only the DyCoke table")
     parser.add_argument("--skip-video", action="store_true", help="no DyCoke table")
+    parser.add_argument("--batches", default=None, help="batch sizes of the batch table (default: 1,8,32 on a GPU, "
+                        "1,2 on a CPU); 'none' skips it")  # fmt: skip
     parser.add_argument("--frames", type=int, default=None, help="video frames (default: 32 on a GPU, 8 on a CPU)")
     args = parser.parse_args()
     device, dtype, _, repeats = common.run_settings(args)
@@ -368,6 +449,12 @@ def main() -> None:
         equal, equal_lines = equal_average_table(model, inputs, device, repeats, clock)
         results["equal_average"] = equal
         lines += equal_lines
+    batches = args.batches or ("1,8,32" if device.type == "cuda" else "1,2")
+    if batches != "none":
+        by_batch, batch_lines = batch_table(model, processor, device, dtype, repeats, clock,
+                                            [int(b) for b in batches.split(",")])  # fmt: skip
+        results["by_batch"] = by_batch
+        lines += batch_lines
     lines += ["", "CPU runs share a busy machine (2 cores, many processes): the tables give CPU time, not wall time; "
               "still noisy, compare ratios within one run."] * (device.type == "cpu")  # fmt: skip
     common.report("llm_stages", device, dtype, repeats, results, lines, args.out)

@@ -95,8 +95,14 @@ def attention_row_probs_triton(query: torch.Tensor, keys: torch.Tensor, scale: f
     return out
 
 
-def attention_row_probs(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dispatching entry point: Triton on CUDA, the PyTorch reference elsewhere."""
+def attention_row_probs(
+    query: torch.Tensor, keys: torch.Tensor, scale: float, key_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dispatching entry point: Triton on CUDA, the PyTorch reference elsewhere. `key_valid` [B, S] (a padded
+    batch): keys outside it get no probability (the reference with a masked softmax, on every device)."""
+    if key_valid is not None:
+        logits = (query.float()[:, None] * keys.float()).sum(-1).transpose(1, 2) * scale
+        return logits.masked_fill(~key_valid[:, None, :], float("-inf")).softmax(dim=-1)
     if query.is_cuda and triton is not None:
         return attention_row_probs_triton(query, keys, scale)
     return attention_row_probs_reference(query, keys, scale)

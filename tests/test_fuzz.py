@@ -7,6 +7,13 @@ LLM's input shrinks by exactly the dropped tokens), keeping everything is the un
 batch equals its rows run one by one, `unpatch` restores parameters, hooks and outputs exactly, and whatever goes
 wrong is a `vtoken.VTokenError`, raised at `patch` exactly where the tables of docs/guide/methods.md say "n/a".
 
+Decisions across code paths (docs/versions.md, "the tolerance policy"): a padded batch's logits equal its rows'
+within 1e-4 at the last real token (no greedy ids are compared here), and its records equal theirs exactly: an
+encoder method selects one crop at a time on features that the towers compute bit for bit the same in a batch and
+alone (AVX2 and AVX-512 alike), so its picks cannot differ by rounding. (An LLM stage's picks are compared exactly
+too, though its scores come from the LLM, which rounds a padded row differently: no drawn example ties within
+rounding on either instruction set; one that did would fail naming its record.)
+
 Derandomised and time-bounded: every tiny model is built once per module, images are small, no shrinking phase (a
 failure prints its falsifying example), no example database on disk.
 """

@@ -246,7 +246,7 @@ def test_fastv_matches_the_layer_by_layer_reference(text_model):
 
 def test_fastv_on_a_qwen3_llm_runs(ivl):
     """FastV on InternVL3.5's Qwen3 LLM (QK-norm) runs and keeps its count; its scores read q/k as the LLM
-    probe hooks them (see the QK-norm probe fix in adapters/llm.py)."""
+    probe hooks them (see the QK-norm probe fix in adapters/llm/probe.py)."""
     model, processor = tiny_internvl(text_model="qwen3")
     inputs = _image(processor, (800, 300))
     assert_identity(model, vtoken.FastV(layer=0, keep=1.0), inputs, max_new_tokens=2)

@@ -2,7 +2,7 @@
 
 The reference runs the tiny LLaVA's language model one decoder layer at a time with eager attention, on explicit
 Python lists of prompt columns: it reads the full attention map, applies each method's rule with loops, drops
-hidden states, cuts caches and decodes greedily, so it shares no index arithmetic with `adapters/llm.py`.
+hidden states, cuts caches and decodes greedily, so it shares no index arithmetic with `adapters/llm/`.
 """
 
 import math

@@ -49,9 +49,15 @@ class VisualTokens:
     crop_index: [C] index of each crop within its image (anyres: 0 = base view, then sub-images in raster order).
     crop_grid: anyres only: image index -> (rows, cols) of its sub-image grid.
     question: the prompt's text, for methods that require "question".
-    image_of_crop, valid_counts: host-side copies of `image_index` and of every crop's valid token count, set by
-        adapters that know them without reading the device, so that a selection can size its output with no
-        host-device sync (None: `host_image_index` / `host_valid_counts` read the tensors back).
+    valid_counts: host-side, per crop, how many of its tokens are valid (the True entries of `valid`), given by an
+        adapter that knows them without reading `valid` back from the device (from the layout: LLaVA-NeXT's
+        unpadding, the lengths of placed runs). Methods size their outputs from it; without it a method reads
+        `valid`'s counts back once (one host sync). None with `valid` None: every crop has N valid tokens.
+    image_of_crop: host-side `image_index` (image of every crop), set by adapters that know it without reading the
+        device (None: `host_image_index` reads it back).
+
+    Tensors live on the features' device (`image_index` and `crop_index` too, for a selection without host-device
+    copies); the host-side fields (`grid`, `crop_grid`, `valid_counts`) are what methods size their outputs from.
     """
 
     features: torch.Tensor
@@ -77,17 +83,18 @@ class VisualTokens:
             return list(range(self.num_crops))
         return self.image_index.tolist()
 
-    def host_valid_counts(self) -> list[int]:
-        """Every crop's valid tokens, on the host (one read of `valid` where no adapter gave them)."""
-        if self.valid_counts is not None:
-            return list(self.valid_counts)
-        if self.valid is None:
-            return [self.num_tokens] * self.num_crops
-        return self.valid.sum(1).tolist()
-
     @property
     def num_tokens(self) -> int:
         return self.features.shape[1]
+
+    def host_valid_counts(self) -> list[int]:
+        """Valid tokens of every crop, on the host: `valid_counts` when the adapter gave it, N per crop without
+        `valid`, else read back from `valid` (one host-device sync, the only one this costs)."""
+        if self.valid_counts is not None:
+            return self.valid_counts
+        if self.valid is None:
+            return [self.num_tokens] * self.num_crops
+        return self.valid.sum(1).tolist()
 
 
 @dataclass
@@ -188,6 +195,7 @@ class TextTokens:
     index: torch.Tensor
     keys: torch.Tensor | None = None
     normed: torch.Tensor | None = None
+    known: list[int] | None = None  # text tokens of every row, counted on the host
 
 
 @dataclass
@@ -204,6 +212,8 @@ class LayerTokens:
     keys / normed / hidden: [B, V, H*d] post-RoPE keys (as `TextTokens.keys`), [B, V, D] the layer's output
         through the final norm, [B, V, D] the layer's output itself; None unless the method reads them.
     text: the text tokens after the first visual token (`TextTokens`), for methods that read "keys" or "normed".
+    known: visual tokens of every row, counted on the host (`counts`), so a method sizes what it keeps without
+        reading the device.
     """
 
     layer: int
@@ -217,11 +227,12 @@ class LayerTokens:
     normed: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     text: TextTokens | None = None
+    known: list[int] | None = None
 
     @property
     def counts(self) -> list[int]:
-        """Visual tokens of every row."""
-        return self.valid.sum(1).tolist()
+        """Visual tokens of every row (`known`: the adapter's host counts; else read from `valid`, a host sync)."""
+        return self.known if self.known is not None else self.valid.sum(1).tolist()
 
 
 @dataclass
@@ -236,7 +247,9 @@ class Merged:
     features: torch.Tensor
     valid: torch.Tensor
     anchors: torch.Tensor
+    known: list[int] | None = None
 
     @property
     def counts(self) -> list[int]:
-        return self.valid.sum(1).tolist()
+        """Merged tokens of every row (`known`: counted on the host; else read from `valid`, a host sync)."""
+        return self.known if self.known is not None else self.valid.sum(1).tolist()

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vtoken.kernels import greedy_least_similar
+
 from ..budget import Budget
 from ..errors import VTokenError
 from ..params import Choice, Int, Kept, Layer
 from ..tokens import LayerTokens
-from .base import PrefillMethod
+from .base import PrefillMethod, device_ints
 
 POSITIONS = ("original", "renumber")
 
@@ -111,19 +113,72 @@ class DART(PrefillMethod):
     def keeps_all(self, n: int) -> bool:
         return self.keep >= n if isinstance(self.keep, int) else self.keep == 1.0
 
-    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
-        kept = torch.zeros_like(tokens.valid)
-        text = tokens.text
-        for row, n in enumerate(tokens.counts):
-            mine = tokens.valid[row].nonzero().squeeze(1)  # this row's visual slots (rows are padded)
+    def kept_counts(self, tokens: LayerTokens) -> list[int]:
+        """Image pivots plus each pivot's picks (capped by what the pool has left), per row: known on the host."""
+        return [plan[0] for plan in self._plans(tokens)]
+
+    def _plans(self, tokens: LayerTokens) -> list[tuple[int, int, int, list[int]]]:
+        """Per row: (tokens kept, image pivots, text pivots, tokens each visited pivot takes)."""
+        words = tokens.text.known if tokens.text.known is not None else tokens.text.valid.sum(1).tolist()
+        plans = []
+        for n, t in zip(tokens.counts, words, strict=True):
             if n == 0 or self.keeps_all(n):
-                kept[row, mine] = True
+                plans.append((n, 0, 0, []))
                 continue
-            words = text.valid[row]
-            picks = dart_pick(
-                tokens.keys[row, mine], tokens.normed[row, mine], tokens.index[row, mine].tolist(),
-                text.keys[row, words], text.normed[row, words], text.index[row, words].tolist(),
-                self.image_pivots, self.text_pivots, self.per_pivot(n),
-            )  # fmt: skip
-            kept[row, mine[picks]] = True
+            image, text = min(self.image_pivots, n), min(self.text_pivots, t)
+            pool, per, takes = n - image, self.per_pivot(n), []
+            for _ in range(image + text):
+                takes.append(min(per, pool))
+                pool -= takes[-1]
+            plans.append((image + sum(takes), image, text, takes))
+        return plans
+
+    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+        """`dart_pick` for every row at once: pivots by key norm, then the pivots' greedy picks in the official
+        visiting order, which is Python's set order over the pivots' sequence indices: read back once per drop
+        (the method's one host sync), every other step a fixed burst on the device."""
+        valid, text = tokens.valid, tokens.text
+        plans = self._plans(tokens)
+        if all(image == 0 for _, image, _, _ in plans):  # nothing dropped in any row
+            return valid.clone()
+        device, (batch, length) = valid.device, valid.shape
+        norms = tokens.keys.float().abs().sum(-1).masked_fill(~valid, float("-inf"))
+        image = torch.sort(-norms, dim=1, stable=True).indices[:, : self.image_pivots]  # [B, <= ip], largest first
+        text_norms = text.keys.float().abs().sum(-1).masked_fill(~text.valid, float("-inf"))
+        words = torch.sort(-text_norms, dim=1, stable=True).indices[:, : self.text_pivots]  # [B, <= tp]
+        where = torch.cat([tokens.index.gather(1, image), text.index.gather(1, words)], 1).tolist()  # the one read
+        order, takes = [], []
+        steps = max(len(plan[3]) for plan in plans)
+        for row, (_, ip, tp, take) in enumerate(plans):  # the official visiting order, on the host
+            candidates = where[row][:ip] + where[row][image.shape[1] : image.shape[1] + tp]
+            position = {index: k if k < ip else image.shape[1] + k - ip for k, index in enumerate(candidates)}
+            visits = [position[index] for index in list(set(candidates))]  # noqa: C405 - Python's set order
+            order += visits + [0] * (steps - len(visits))
+            takes += take + [0] * (steps - len(take))
+        vectors = torch.cat(
+            [
+                tokens.normed.gather(1, image[:, :, None].expand(-1, -1, tokens.normed.shape[-1])),
+                text.normed.gather(1, words[:, :, None].expand(-1, -1, text.normed.shape[-1])),
+            ],
+            1,
+        )
+        pivots = vectors.gather(1, device_ints(order, device).view(batch, steps)[:, :, None].expand(
+            -1, -1, vectors.shape[-1]))  # fmt: skip
+        similarity = unit(pivots) @ unit(tokens.normed).transpose(1, 2)  # [B, steps, V] cosine similarities
+        counts = [plan[1] for plan in plans]
+        if any(n != image.shape[1] for n in counts):  # rows with fewer tokens than pivots, or keeping all
+            pivot_rank = torch.arange(image.shape[1], device=device)
+            image = image.masked_fill(pivot_rank >= device_ints(counts, device)[:, None], length)
+        kept = torch.zeros(batch, length + 1, dtype=torch.bool, device=device).scatter_(1, image, True)[:, :length]
+        takes = device_ints(takes, device).view(batch, steps)
+        kept |= greedy_least_similar(similarity, valid & ~kept, takes)  # one op: the pivots' greedy
+        everything = [plan[1] == 0 for plan in plans]
+        if any(everything):
+            kept |= valid & device_ints([int(e) for e in everything], device).bool()[:, None]
         return kept
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] in fp32 divided by its L2 norm (clamped at 1e-8), as `F.cosine_similarity` normalises."""
+    x = x.float()
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-8)

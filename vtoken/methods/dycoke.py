@@ -140,17 +140,23 @@ class DyCoke(PrefillMethod):
         return int(n * (1 - self.p))  # the official float expression, truncated
 
     def decode_keep(
-        self, attention: torch.Tensor, valid: torch.Tensor, previous: torch.Tensor | None
+        self,
+        attention: torch.Tensor,
+        valid: torch.Tensor,
+        previous: torch.Tensor | None,
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoding step: attention [B, V] of each row's new token over its V video tokens (0 where `valid`
-        [B, V] is False), previous [B, V] the last step's (None: the first step). Returns which tokens the step
-        keeps [B, V] and which rows re-select [B] (the others attend to everything)."""
+        [B, V] is False), previous [B, V] the last step's (None: the first step), counts [B] what a re-selecting
+        row keeps (`decode_count` of its tokens; None: counted here from `valid`, a host sync). Returns which
+        tokens the step keeps [B, V] and which rows re-select [B] (the others attend to everything)."""
         attention = attention.float()
         if previous is None:
             reselect = torch.ones(attention.shape[0], dtype=torch.bool, device=attention.device)
         else:  # zero padding changes no dot product or norm
             reselect = F.cosine_similarity(attention, previous.float(), dim=1) < self.threshold
-        counts = torch.tensor([self.decode_count(n) for n in valid.sum(1).tolist()], device=attention.device)
+        if counts is None:
+            counts = torch.tensor([self.decode_count(n) for n in valid.sum(1).tolist()], device=attention.device)
         order = attention.masked_fill(~valid, float("-inf")).argsort(dim=1, descending=True, stable=True)
         places = torch.arange(order.shape[1], device=order.device).expand_as(order)
         rank = torch.empty_like(order).scatter_(1, order, places)  # each token's place in that order

@@ -17,7 +17,7 @@ from ..budget import Budget, tokens_to_keep
 from ..errors import VTokenError
 from ..params import Choice, Kept, Layer
 from ..tokens import LayerTokens
-from .base import PrefillMethod, topk_mask
+from .base import PrefillMethod, keep_top
 
 POSITIONS = ("original", "renumber")
 
@@ -44,6 +44,9 @@ class FastV(PrefillMethod):
             )
         return (self.layer,)
 
+    def kept_counts(self, tokens: LayerTokens) -> list[int]:
+        return [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts]
+
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
-        return topk_mask(scores, [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts])
+        return keep_top(scores, self.kept_counts(tokens))

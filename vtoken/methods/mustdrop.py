@@ -18,6 +18,7 @@ The threshold defaults (1.0, 0.0) drop nothing in the prefill.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,9 +28,54 @@ import torch.nn.functional as F
 from ..errors import VTokenError
 from ..params import Choice, Layers, Real
 from ..tokens import LayerTokens, Selection, VisualTokens
-from .base import PrefillMethod, droppable_layers, topk_mask
+from .base import PrefillMethod, device_ints, droppable_layers, keep_top
 
 POSITIONS = ("renumber", "original")
+
+
+class TowerMerge:
+    """MustDrop's merge inside a vision tower, for one call's crops (`groups`: crops per image, in order), as the
+    method supplies it: the adapter calls it on the output [C, 1 + N, D] ([CLS] first) of tower layer
+    `after_layer`, runs the later layers with `attention_mask` (the key padding of images that merged less than the
+    longest; None when every crop has the same length), and reads `valid` [C, N'] (real patch tokens) and
+    `key_valid` [C, 1 + N'] afterwards. Every crop of the call runs in one tower batch: the counts per image (r, the
+    windows at or above the threshold) are the stage's one host read."""
+
+    def __init__(self, method: MustDrop, grid: tuple[int, int], groups: list[int]):
+        method.check_grid(grid)
+        self.method, self.grid, self.groups = method, grid, groups
+        self.after_layer = method.merge_after_layer
+        self.attention_mask: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.key_valid: torch.Tensor | None = None
+        self.lengths: list[int] = []
+
+    def __call__(self, output: torch.Tensor) -> torch.Tensor:
+        """[C, 1 + N, D] -> [C, 1 + N', D]: [CLS, merged windows by descending score, the others' tokens ascending],
+        right-padded with zeros to the longest crop."""
+        cls, patches = output[:, :1], output[:, 1:]
+        crops, device = patches.shape[0], patches.device
+        plan = self.method.plan_merge(patches, self.grid, self.groups)
+        size = plan.window_tokens.shape[1]
+        merged, unmerged = plan.merged, plan.unmerged
+        windows = patches[:, plan.window_tokens]  # [C, W, 9, D]
+        means = windows.gather(1, merged[:, :, None, None].expand(-1, -1, size, patches.shape[-1])).mean(dim=2)
+        real = torch.arange(merged.shape[1], device=device) < device_ints(plan.counts, device)[:, None]
+        flags = torch.cat([torch.ones(crops, 1, dtype=torch.bool, device=device), real, unmerged >= 0], 1)
+        self.lengths = [1 + patches.shape[1] - (size - 1) * r for r in plan.counts]
+        width = max(self.lengths)
+        sources = packed_rows(flags, width, self.lengths)  # [C, 1 + N'] (-1: padding)
+        rest = patches.gather(1, unmerged.clamp(min=0)[:, :, None].expand(-1, -1, patches.shape[-1]))
+        candidates = torch.cat([cls, means, rest], 1)
+        out = candidates.gather(1, sources.clamp(min=0)[:, :, None].expand(-1, -1, candidates.shape[-1]))
+        self.key_valid = sources >= 0
+        self.valid = self.key_valid[:, 1:]
+        if any(n != width for n in self.lengths):
+            out = out.masked_fill(~self.key_valid[:, :, None], 0.0)
+            blocked = torch.zeros(crops, 1, 1, width, dtype=output.dtype, device=device)
+            blocked = blocked.masked_fill(~self.key_valid[:, None, None, :], torch.finfo(output.dtype).min)
+            self.attention_mask = blocked.expand(-1, 1, width, width)
+        return out
 
 
 @dataclass
@@ -37,13 +83,16 @@ class WindowMerge:
     """The encoder-stage merge of a batch of crops.
 
     merged: [C, r] merged windows, by descending score (window w covers grid rows 3*(w // cols)...);
-    unmerged: [C, N - 9r] ascending token indices of the windows left alone; scores: [C, num_windows].
+    unmerged: [C, N - 9r] ascending token indices of the windows left alone; scores: [C, num_windows]. Crops of
+    images that merge different numbers (`counts`: windows merged per crop) pad both on the right (merged: with
+    their next windows by score, unmerged: with -1); `apply` needs one count for all.
     """
 
     merged: torch.Tensor
     unmerged: torch.Tensor
     scores: torch.Tensor
     window_tokens: torch.Tensor  # [num_windows, window*window] token indices of every window
+    counts: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,17 +122,41 @@ def window_similarity(patches: torch.Tensor, windows: torch.Tensor) -> torch.Ten
     return off_diagonal / (n * (n - 1))
 
 
-def plan_merge(patches: torch.Tensor, grid: tuple[int, int], window: int, threshold: float) -> WindowMerge:
-    """Which windows of crops [C, N, D] merge (one r for every crop)."""
-    windows = window_tokens(grid, window, patches.device)
+def plan_merge(
+    patches: torch.Tensor, grid: tuple[int, int], window: int, threshold: float, groups: list[int] | None = None
+) -> WindowMerge:
+    """Which windows of crops [C, N, D] merge: one r for the crops of each image (`groups`: crops per image; None:
+    every crop is one image's), the smallest count of windows at or above `threshold` among them. The counts are
+    read back once (the merge's one host sync); everything else is a fixed burst."""
+    crops, count = patches.shape[:2]
+    device = patches.device
+    windows = window_tokens(grid, window, device)
     scores = window_similarity(patches, windows)
-    r = int((scores >= threshold).sum(dim=1).min())
-    merged = scores.topk(r, dim=1).indices  # descending score
-    taken = torch.zeros_like(scores, dtype=torch.bool).scatter(1, merged, True)  # [C, W]
-    token_taken = torch.zeros(patches.shape[:2], dtype=torch.bool, device=patches.device)
-    token_taken[:, windows.flatten()] = taken.repeat_interleave(windows.shape[1], dim=1)
-    unmerged = (~token_taken).nonzero()[:, 1].view(patches.shape[0], -1)
-    return WindowMerge(merged, unmerged, scores, windows)
+    above = (scores >= threshold).sum(dim=1).tolist()  # the one host read
+    counts, first = [], 0
+    for n in groups if groups is not None else [crops]:
+        counts += [min(above[first : first + n])] * n
+        first += n
+    most = max(counts, default=0)
+    merged = scores.topk(most, dim=1).indices  # descending score
+    real = torch.arange(most, device=device) < device_ints(counts, device)[:, None]
+    taken = torch.zeros(crops, scores.shape[1] + 1, dtype=torch.bool, device=device)
+    taken = taken.scatter_(1, merged.masked_fill(~real, scores.shape[1]), True)[:, :-1]  # [C, W]
+    size = windows.shape[1]
+    token_taken = torch.zeros(crops, count, dtype=torch.bool, device=device)
+    token_taken[:, windows.flatten()] = taken.repeat_interleave(size, dim=1, output_size=taken.shape[1] * size)
+    left = [count - size * r for r in counts]
+    unmerged = packed_rows(~token_taken, max(left, default=0), left)
+    return WindowMerge(merged, unmerged, scores, windows, counts)
+
+
+def packed_rows(flags: torch.Tensor, width: int, counts: list[int]) -> torch.Tensor:
+    """[C, width] ascending indices of each row's set `flags` [C, N], right-padded with -1 (`counts`: set per row)."""
+    rank = flags.long().cumsum(1) - 1
+    target = rank.masked_fill(~flags, width)
+    slots = torch.full((flags.shape[0], width + 1), -1, dtype=torch.long, device=flags.device)
+    source = torch.arange(flags.shape[1], device=flags.device).expand(flags.shape[0], -1)
+    return slots.scatter_(1, target, source)[:, :width]
 
 
 def dual_attention_filter(tokens: LayerTokens, global_thr: float, individual_thr: float) -> torch.Tensor:
@@ -146,10 +219,15 @@ class MustDrop(PrefillMethod):
                 "CLIP-L/14 at 336 px: 24x24)"
             )
 
-    def plan_merge(self, patches: torch.Tensor, grid: tuple[int, int]) -> WindowMerge:
-        """The merge after ViT layer 0 for crops [C, N, D] on `grid`."""
+    def plan_merge(self, patches: torch.Tensor, grid: tuple[int, int], groups: list[int] | None = None) -> WindowMerge:
+        """The merge after ViT layer 0 for crops [C, N, D] on `grid` (`groups`: crops per image, one r each)."""
         self.check_grid(grid)
-        return plan_merge(patches, grid, self.window, self.merge_threshold)
+        return plan_merge(patches, grid, self.window, self.merge_threshold, groups)
+
+    def tower_merge(self, grid: tuple[int, int], groups: list[int]) -> TowerMerge:
+        """The merge inside the vision tower for one call's crops (`groups`: crops per image), for the adapter to
+        apply after tower layer `merge_after_layer` (see `TowerMerge`)."""
+        return TowerMerge(self, grid, groups)
 
     def planned_count(self, n: int) -> None:
         return None  # the merge decides from the data
@@ -158,13 +236,13 @@ class MustDrop(PrefillMethod):
         """Keep every (merged) token; mark the key set by the last ViT layer's [CLS] attention."""
         scores = tokens.signals["cls_attention@-1"].float()  # [C, N'] (crops of other images: padded)
         valid = tokens.valid if tokens.valid is not None else torch.ones_like(scores, dtype=torch.bool)
-        lengths = valid.sum(1)
-        counts = torch.ceil(self.key_rate * lengths.double()).long().tolist()
-        protected = topk_mask(scores.masked_fill(~valid, float("-inf")), counts)
+        lengths = valid.sum(1).tolist() if tokens.valid is not None else [tokens.num_tokens] * tokens.num_crops
+        counts = [math.ceil(self.key_rate * n) for n in lengths]  # as torch.ceil of the float64 product
+        protected = keep_top(scores.masked_fill(~valid, float("-inf")), counts)
         kept = torch.arange(tokens.num_tokens, device=scores.device).expand(tokens.num_crops, -1)
         if tokens.valid is None:
             return Selection(kept=kept, protected=protected)
-        return Selection(kept=kept, counts=lengths.tolist(), protected=protected)
+        return Selection(kept=kept, counts=lengths, protected=protected)
 
     # ----------------------------------------------------------------- prefill and decode
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from ..errors import VTokenError
 from ..params import Choice, Fractions, Layers
 from ..tokens import LayerTokens
 from ..validation import real
-from .base import PrefillMethod, nearest_layers, topk_mask
+from .base import PrefillMethod, keep_top, nearest_layers
 
 POSITIONS = ("renumber", "original")
 
@@ -86,4 +86,7 @@ class PyramidDrop(PrefillMethod):
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
-        return topk_mask(scores, self.keep_counts(tokens))
+        return keep_top(scores, self.keep_counts(tokens))
+
+    def kept_counts(self, tokens: LayerTokens) -> list[int]:
+        return self.keep_counts(tokens)

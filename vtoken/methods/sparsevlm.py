@@ -29,7 +29,7 @@ from ..errors import VTokenError
 from ..params import Choice, Counts, Int, Layers, OrNone
 from ..tokens import LayerTokens, Merged
 from ..validation import integer
-from .base import PrefillMethod, droppable_layers, nearest_layers, topk_mask
+from .base import PrefillMethod, device_ints, droppable_layers, keep_top, nearest_layers
 
 # the official settings: visual tokens kept after layers 2, 6 and 15 for an average of ~192/128/96/64 per layer
 BUDGETS = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
@@ -70,6 +70,49 @@ def dpc_knn_merge(x: torch.Tensor, clusters: int, noise: torch.Tensor) -> tuple[
     sums = x.new_zeros(clusters, x.shape[1]).index_add_(0, assign, x)
     counts = torch.bincount(assign, minlength=clusters).to(x)
     return (sums / (counts[:, None] + 1e-6)).float(), centres
+
+
+def dpc_knn_merge_rows(
+    x: torch.Tensor, counts: list[int], clusters: list[int], noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dpc_knn_merge` for every row of x [B, N, C] at once: row b clusters its first counts[b] tokens into
+    clusters[b] (0: none); noise [N] (row b adds its first counts[b]). Returns merged tokens [B, K, C] (fp32, K =
+    max clusters, rows padded with zeros) and the centres' indices into each row [B, K] (padding: 0). Padding
+    tokens sit at infinite distance, so each row's numbers are its own; no host sync."""
+    batch, width = x.shape[:2]
+    device = x.device
+    most = max(clusters, default=0)
+    x = x.double()
+    real = torch.arange(width, device=device) < device_ints(counts, device)[:, None]  # [B, N]
+    pair = real[:, :, None] & real[:, None, :]
+    distance = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") / x.shape[2] ** 0.5
+    distance = distance.masked_fill(~pair, float("inf"))
+    nearest = distance.topk(most, dim=-1, largest=False).values  # [B, N, K] ascending
+    even = len(set(clusters)) == 1
+    squared = nearest**2
+    if even:
+        mean = squared.mean(-1)
+    else:
+        limit = device_ints(clusters, device)
+        used = torch.arange(most, device=device) < limit[:, None, None]
+        mean = squared.masked_fill(~used, 0.0).sum(-1) / limit[:, None].clamp(min=1)
+    density = (-mean).exp() + noise[:width].to(x)
+    denser = density[:, None, :] > density[:, :, None]  # [b, i, j]: token j is denser than token i
+    top = distance.masked_fill(~pair, float("-inf")).amax(dim=(1, 2), keepdim=True)  # each row's largest distance
+    parent = torch.where(denser & real[:, None, :], distance, top).min(-1).values
+    score = (parent * density).masked_fill(~real, float("-inf"))
+    centres = score.topk(most, dim=-1).indices  # [B, K] by descending score
+    centre_real = torch.arange(most, device=device) < device_ints(clusters, device)[:, None]
+    to_centre = distance.gather(1, centres[:, :, None].expand(-1, -1, width))  # [B, K, N]
+    assign = to_centre.masked_fill(~centre_real[:, :, None], float("inf")).argmin(1)  # nearest centre, first on ties
+    own = torch.cat([assign, torch.zeros_like(assign[:, :1])], 1)  # every centre is its own cluster's (a row's
+    own = own.scatter(1, centres.masked_fill(~centre_real, width), torch.arange(most, device=device).expand(batch, -1))
+    assign = own[:, :width].masked_fill(~real, most)  # centres beyond its count write a dump column; padding: cluster
+    # `most`, a dump too
+    sums = x.new_zeros(batch, most + 1, x.shape[2]).scatter_add_(1, assign[:, :, None].expand_as(x), x)
+    sizes = x.new_zeros(batch, most + 1).scatter_add_(1, assign, real.to(x))
+    merged = (sums / (sizes[:, :, None] + 1e-6))[:, :most].float()
+    return merged.masked_fill(~centre_real[:, :, None], 0.0), centres.masked_fill(~centre_real, 0)
 
 
 @dataclass
@@ -142,37 +185,36 @@ class SparseVLM(PrefillMethod):
         raters = tokens.row_valid.sum(1, keepdim=True).clamp(min=1)
         return (tokens.attention.float().sum(1) / raters).masked_fill(~tokens.valid, float("-inf"))
 
-    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+    def kept_counts(self, tokens: LayerTokens) -> list[int]:
         k = self.counts[self.layers.index(tokens.layer)]
-        return topk_mask(self.scores(tokens), [min(k, n - 1) if n else 0 for n in tokens.counts])
+        return [min(k, n - 1) if n else 0 for n in tokens.counts]
+
+    def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
+        return keep_top(self.scores(tokens), self.kept_counts(tokens))
+
+    def recycled(self, dropped: int) -> tuple[int, int]:
+        """Of `dropped` tokens, how many are recycled and into how many clusters (0, 0: none dropped)."""
+        if dropped == 0:
+            return 0, 0
+        recycled = int(dropped * RECYCLED_SHARE) + 1
+        return recycled, recycled // TOKENS_PER_CLUSTER + 1
 
     def merge(self, tokens: LayerTokens, keep: torch.Tensor) -> Merged | None:
-        scores = self.scores(tokens)
-        dropped = tokens.valid & ~keep
-        rows = []
-        for row in range(dropped.shape[0]):
-            candidates = dropped[row].nonzero().squeeze(1)
-            if len(candidates) == 0:
-                rows.append(None)
-                continue
-            recycled = int(len(candidates) * RECYCLED_SHARE) + 1
-            best = candidates[torch.sort(-scores[row, candidates], stable=True).indices[:recycled]]
-            noise = torch.rand(recycled, generator=torch.Generator().manual_seed(self.seed)) * NOISE
-            merged, centres = dpc_knn_merge(tokens.hidden[row, best], recycled // TOKENS_PER_CLUSTER + 1, noise)
-            rows.append((merged, best[centres]))
-        width = max((len(r[1]) for r in rows if r is not None), default=0)
-        if width == 0:
+        """Recycling for every row at once; the counts come from the host (`recycled`), so nothing waits."""
+        kept = self.kept_counts(tokens)
+        plans = [self.recycled(n - k) for n, k in zip(tokens.counts, kept, strict=True)]
+        counts, clusters = [p[0] for p in plans], [p[1] for p in plans]
+        if max(clusters, default=0) == 0:
             return None
-        batch, dim = dropped.shape[0], tokens.hidden.shape[-1]
-        features = tokens.hidden.new_zeros(batch, width, dim, dtype=torch.float32)
-        valid = torch.zeros(batch, width, dtype=torch.bool, device=dropped.device)
-        anchors = torch.zeros(batch, width, dtype=torch.long, device=dropped.device)
-        for row, found in enumerate(rows):
-            if found is not None:
-                merged, centre = found
-                features[row, : len(centre)], valid[row, : len(centre)], anchors[row, : len(centre)] = (
-                    merged,
-                    True,
-                    centre,
-                )
-        return Merged(features, valid, anchors)
+        scores = self.scores(tokens).masked_fill(~(tokens.valid & ~keep), float("-inf"))
+        best = torch.sort(-scores, dim=1, stable=True).indices[:, : max(counts)]  # dropped, best first
+        noise = self._noise(max(counts), scores.device)
+        hidden = tokens.hidden.gather(1, best[:, :, None].expand(-1, -1, tokens.hidden.shape[-1]))
+        merged, centres = dpc_knn_merge_rows(hidden, counts, clusters, noise)
+        valid = torch.arange(merged.shape[1], device=best.device) < device_ints(clusters, best.device)[:, None]
+        return Merged(merged, valid, best.gather(1, centres), known=clusters)
+
+    def _noise(self, count: int, device: torch.device) -> torch.Tensor:
+        """The density noise: the seed's generator's first `count` draws (the same for every row and drop)."""
+        noise = torch.rand(count, generator=torch.Generator().manual_seed(self.seed)) * NOISE
+        return noise if torch.device(device).type == "cpu" else noise.pin_memory().to(device, non_blocking=True)

@@ -21,7 +21,8 @@ from vllm.model_executor.models.llava import (
     _build_llava_or_pixtral_hf_processor,
 )
 
-from vtoken.adapters.llava import outside_pad_border
+from vtoken.geometry.kept import kept_rows
+from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
@@ -40,13 +41,14 @@ class LlavaFamily:
     def __init__(self, hf_config: Any):
         self.hf_config = hf_config
         vision = hf_config.vision_config
-        self.side = vision.image_size // vision.patch_size
+        self.side = token_grid(vision.image_size, vision.patch_size)[0]
         self.patch = vision.patch_size
         layer = hf_config.vision_feature_layer
         if isinstance(layer, (list, tuple)):
             raise error("LLaVA with several vision_feature_layer values is not supported (one feature layer)")
         self.num_layers = vision.num_hidden_layers
-        self.feature_layer = layer % (self.num_layers + 1) - 1  # encoder layer whose output is the feature
+        layer = encoder_layer(layer, self.num_layers)  # the encoder layer whose output is the feature
+        self.feature_layer = -1 if layer is None else layer
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -287,14 +289,8 @@ def encode_crops(model, family: LlavaFamily, method, crops: torch.Tensor) -> tup
 
 
 def kept_embeddings(tokens: VisualTokens, selection: Selection, project) -> list[torch.Tensor]:
-    """Per crop, [k_c, D] projected kept tokens: from the "projected" signal when the method already projected
-    every token (MMTok), else only the kept ones are projected (as vtoken's LLaVA adapter)."""
-    projected = tokens.signals.get("projected")
-    if projected is not None and selection.kept is not None:
-        return [projected[c, selection.kept_of(c)] for c in range(tokens.num_crops)]
-    if selection.counts is None:
-        return list(project(selection.gather(tokens.features)))
-    return list(project(selection.gather_flat(tokens.features)).split(selection.counts))
+    """Per crop, [k_c, D] projected kept tokens (`vtoken.geometry.kept.kept_rows`, as vtoken's LLaVA adapter)."""
+    return list(kept_rows(selection, tokens.features, tokens.signals, project).split(selection.counts_per_crop()))
 
 
 PROCESSOR = dict(processor=build_processor, info=_build_llava_or_pixtral_hf_info)

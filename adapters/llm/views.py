@@ -1,0 +1,170 @@
+"""What a group of decoder layers runs on after visual tokens were dropped: a `LayerView` of the prompt, and the
+index arithmetic that makes the next view from a keep mask in a fixed burst of kernels and no host sync.
+
+Every count (tokens per row, visual tokens per row, the view's width) lives on the host: the layout is read once
+per prefill (`Layout`), and a method's budget says how many tokens each row keeps at every drop. Tensors hold only
+what the device needs (which slot holds which prompt column), and shapes come from the host counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vtoken.methods.base import device_ints
+from vtoken.tokens import Merged
+
+
+def take_columns(x: torch.Tensor, column: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with its sequence axis `dim` (batch axis just before it, maybe broadcast) gathered by column [B, C]
+    (-1 reads column 0: mask it where it matters)."""
+    x = x.expand(*x.shape[: dim - 1], column.shape[0], *x.shape[dim:])
+    index = column.clamp(min=0).view(*[1] * (dim - 1), *column.shape, *[1] * (x.dim() - dim - 1))
+    return x.gather(dim, index.expand(*x.shape[: dim - 1], *column.shape, *x.shape[dim + 1 :]))
+
+
+def packed(flags: torch.Tensor, width: int, counts: list[int], right: bool = True, extra: int = 0) -> torch.Tensor:
+    """[B, width] indices of each row's set `flags` [B, C] in ascending order, padded with -1 on the right (or the
+    left: `right=False`); `counts`: the set flags per row (host), width >= max(counts). A scatter, not a sort."""
+    batch, length = flags.shape
+    rank = flags.long().cumsum(1) - 1
+    if not right and any(n != width for n in counts):
+        rank = rank + (width - flags.sum(1, keepdim=True))
+    target = rank.masked_fill(~flags, width)
+    slots = torch.full((batch, width + 1), -1, dtype=torch.long, device=flags.device)
+    source = torch.arange(length, device=flags.device).expand(batch, -1)
+    return slots.scatter_(1, target, source)[:, :width]
+
+
+@dataclass
+class Layout:
+    """A prompt's shape per row, read from the device once per prefill (the one host sync a prefill stage makes,
+    right after the stock model's own placeholder check synced): real tokens, visual tokens, text tokens after
+    the row's first visual token, whether the batch is padded on the right, and placeholder runs per row."""
+
+    lengths: list[int]
+    visual: list[int]
+    text: list[int]
+    right: bool
+    runs: list[int]
+
+    @classmethod
+    def read(cls, mask: torch.Tensor, visual: torch.Tensor, text: torch.Tensor) -> Layout:
+        starts = visual & ~torch.nn.functional.pad(visual, (1, 0))[:, :-1]  # each placeholder run's first token
+        counts = torch.stack([mask.sum(1), visual.sum(1), text.sum(1), (mask[:, -1] == 0).long(), starts.sum(1)], 1)
+        rows = counts.tolist()  # the prefill's one host read
+        lengths, seen, words, right, runs = (list(c) for c in zip(*rows, strict=True)) if rows else ([],) * 5
+        return cls(lengths, seen, words, any(right), runs)
+
+    def frame_tokens(self, trailer: int) -> list[int]:
+        """Visual tokens of every row less the `trailer` separators closing each of its placeholder runs."""
+        return [max(n - runs * trailer, 0) for n, runs in zip(self.visual, self.runs, strict=True)]
+
+
+def text_after_image(mask: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """[B, C] bool: real, non-visual slots after each row's first visual slot."""
+    return (mask != 0) & ~visual & (visual.long().cumsum(1) > 0)
+
+
+@dataclass
+class LayerView:
+    """The sequence one group of decoder layers holds, relative to the L-column prompt the LLM received.
+
+    column: [B, C] prompt column of each slot (-1 = padding slot); mask: [B, C] 1 for real tokens; positions: [B, C]
+    each slot's position in a renumbered view (None when positions stay the prompt's); visual: [B, C] bool;
+    protected: [B, C] bool, visual tokens no drop may remove, or None; merged: [B, C] bool, tokens a method added
+    (holding the column of a token dropped where they were made), or None. Host counts per row: lengths (real
+    tokens), visual_counts, lost (tokens dropped before this view; merged tokens count back).
+    """
+
+    column: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor | None
+    visual: torch.Tensor
+    protected: torch.Tensor | None
+    merged: torch.Tensor | None
+    lengths: list[int]
+    visual_counts: list[int]
+    lost: list[int]
+
+    @property
+    def width(self) -> int:
+        return self.column.shape[1]
+
+    @property
+    def padded(self) -> bool:
+        """Some row holds fewer real tokens than the view is wide (host-known)."""
+        return any(n != self.width for n in self.lengths)
+
+    def visual_slots(self) -> torch.Tensor:
+        """[B, V] each row's visual slots, ascending, right-padded with -1 (V = most visual tokens of a row)."""
+        return packed(self.visual, max(self.visual_counts, default=0), self.visual_counts)
+
+    def lost_tensor(self) -> torch.Tensor:
+        """[B] `lost` on the device, made once per view (every decoding step reads it)."""
+        made = self.__dict__.get("_lost")
+        if made is None:
+            made = self.__dict__["_lost"] = device_ints(self.lost, self.column.device)
+        return made
+
+
+def narrowed(
+    view: LayerView,
+    keep: torch.Tensor,
+    lengths: list[int],
+    visual_counts: list[int],
+    right: bool,
+    renumber: bool,
+    merged: Merged | None = None,
+    merged_columns: torch.Tensor | None = None,
+) -> tuple[LayerView, torch.Tensor]:
+    """The view of the slots `keep` [B, C] marks (plus `merged` tokens, placed right after each row's last visual
+    slot, holding prompt columns `merged_columns` [B, M]), and [B, C'] the source of each new slot (an index into
+    the view's slots, C + j for merged token j; -1 padding). Host counts per row of the result: `lengths`,
+    `visual_counts`. Left padding unless `right`; contiguous positions from each row's first one if `renumber`."""
+    batch, length = keep.shape
+    width = max(lengths, default=0)
+    device = keep.device
+    rank = keep.long().cumsum(1) - 1
+    flags = keep
+    if merged is not None:
+        count = merged.valid.shape[1]
+        slot = torch.arange(length, device=device)
+        last_visual = slot.masked_fill(~view.visual, -1).amax(1, keepdim=True)  # [B, 1]
+        after = slot > last_visual
+        rank = rank + after * merged.valid.sum(1, keepdim=True)
+        before = (keep & ~after).sum(1, keepdim=True)  # kept slots up to the last visual one
+        rank = torch.cat([rank, before + torch.arange(count, device=device)], 1)
+        flags = torch.cat([keep, merged.valid], 1)
+    if not right and any(n != width for n in lengths):
+        rank = rank + (width - flags.sum(1, keepdim=True))
+    target = rank.masked_fill(~flags, width)
+    sources = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
+    sources = sources.scatter_(1, target, torch.arange(flags.shape[1], device=device).expand(batch, -1))[:, :width]
+    padded = any(n != width for n in lengths)
+
+    def take(x: torch.Tensor | None, extra: torch.Tensor | None, fill) -> torch.Tensor:
+        if merged is not None:
+            x = torch.cat([x, extra], 1)
+        out = x.gather(1, sources.clamp(min=0))
+        return out.masked_fill(sources < 0, fill) if padded else out
+
+    no_merge = None if merged is None else torch.zeros_like(merged.valid)
+    column = take(view.column, merged_columns, -1)
+    mask = (column >= 0).to(view.mask.dtype)
+    visual = take(view.visual, None if merged is None else merged.valid, False)
+    protected = None if view.protected is None else take(view.protected, no_merge, False)
+    was_merged = view.merged
+    if merged is not None:
+        was_merged = take(torch.zeros_like(keep) if was_merged is None else was_merged, merged.valid, False)
+    elif was_merged is not None:
+        was_merged = take(was_merged, None, False)
+    positions = None
+    if renumber:  # contiguous from each row's first real position
+        start = view.positions.gather(1, view.mask.argmax(1, keepdim=True))
+        positions = (start + mask.cumsum(1) - 1).clamp(min=0)
+        positions = positions.masked_fill(mask == 0, 0) if padded else positions
+    lost = [was + held - now for was, held, now in zip(view.lost, view.lengths, lengths, strict=True)]
+    new = LayerView(column, mask, positions, visual, protected, was_merged, lengths, visual_counts, lost)
+    return new, sources

@@ -1,0 +1,153 @@
+"""The LLM stages at GPU speed, counted on the CPU (`vtoken.launches`): every LLM-stage method patched on a LLaVA-1.5
+with 576 visual tokens launches a short fixed burst per drop, the same at 16 and 32 LLM layers, forces no host
+sync beyond its documented allowance, and its decoding steps add a few kernels and no sync. On CUDA the same drops
+run under `no_host_syncs()` (sync debug mode "error")."""
+
+import contextlib
+
+import pytest
+import torch
+from conftest import video_inputs
+from vtoken.adapters import hf
+from vtoken.adapters.llm import prefill
+
+import vtoken
+from vtoken.launches import count_launches, no_host_syncs
+from vtoken.zoo import build_prompt, tiny_llava
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# method, its drop layers on both depths, the most kernels one drop may launch, the syncs one drop may force
+# (DART: its pivots' visiting order; MustDrop: its threshold counts), and the most kernels a decoding step adds
+METHODS = {
+    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, 10),
+    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, 10),
+    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 120, 0, 20),
+    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 230, 0, 20),
+    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 130, 1, 30),
+}
+PREFILL_READS = 1  # the prompt's layout, read once per prefill (after the stock model's own placeholder check)
+
+
+@pytest.fixture(scope="module", params=[16, 32], ids=lambda n: f"{n}-layers")
+def llava(request):
+    model, processor = tiny_llava(text_layers=request.param)
+    model.to(DEVICE)
+    from PIL import Image
+    from skimage import data
+
+    prompt = build_prompt(processor, "what is in the image? answer with one word.")
+    inputs = processor(images=[Image.fromarray(data.astronaut())], text=[prompt], return_tensors="pt").to(DEVICE)
+    return model, inputs
+
+
+@contextlib.contextmanager
+def counted_drops(monkeypatch, check=None):
+    """Count every drop's launches (`prefill.drop` wrapped); `check`: a context around each drop (no_host_syncs)."""
+    seen = []
+    drop = prefill.drop
+
+    def counting(stages, layer, hidden):
+        with count_launches() as counted, check() if check else contextlib.nullcontext():
+            out = drop(stages, layer, hidden)
+        seen.append(counted)
+        return out
+
+    monkeypatch.setattr(prefill, "drop", counting)
+    yield seen
+
+
+@contextlib.contextmanager
+def llm_segment(model):
+    """Count what the language model's forward launches (its own layers and every LLM-stage hook inside it)."""
+    lm = model.model.language_model
+    found = []
+
+    def start(module, args, kwargs):
+        found.append(count_launches(sites=True))
+        found[-1].counted = found[-1].__enter__()
+
+    def stop(module, args, output):
+        found[-1].__exit__(None, None, None)
+
+    hooks = [lm.register_forward_pre_hook(start, with_kwargs=True), lm.register_forward_hook(stop)]
+    try:
+        yield found
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def prefill_and_step(model, inputs, first=False):
+    """(the LLM's prefill launches, a decoding step's launches: the second, or the `first`) of a forward with a
+    cache and two more tokens."""
+    with torch.no_grad(), llm_segment(model) as found:
+        out = model(**inputs, use_cache=True)
+        cache = hf.cache_out(out)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], 1)
+        out = model(input_ids=token, attention_mask=mask, **hf.cache_kwargs(cache), use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        model(input_ids=token, attention_mask=mask, **hf.cache_kwargs(cache), use_cache=True)
+    return found[0].counted, found[1 if first else 2].counted
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_each_drop_is_a_short_fixed_burst(llava, name, monkeypatch):
+    """Per drop: at most the method's bound of kernels (tens), its allowance of syncs; per prefill, the layout
+    read on top; a decoding step adds a few kernels and no sync. The drops are the same at 16 and 32 layers."""
+    model, inputs = llava
+    make, most, syncs, step_kernels = METHODS[name]
+    with torch.no_grad():
+        model(**inputs)  # warm: transformers' own first-call work
+    base_prefill, base_step = prefill_and_step(model, inputs)
+    with vtoken.patched(model, make()), counted_drops(monkeypatch) as drops:
+        model(**inputs)
+        drops.clear()
+        patched_prefill, patched_step = prefill_and_step(model, inputs)
+    method = make()
+    layers = model.config.text_config.num_hidden_layers
+    assert len(drops) == len(method.drop_layers(layers))
+    for counted in drops:
+        assert counted.kernels <= most, counted.describe()
+        assert counted.syncs <= syncs, counted.describe()
+    added = patched_prefill.syncs - base_prefill.syncs
+    assert added <= PREFILL_READS + syncs * len(drops), patched_prefill.describe()
+    assert patched_step.syncs <= base_step.syncs, patched_step.describe()
+    assert patched_step.kernels - base_step.kernels <= step_kernels, patched_step.describe()
+    BURSTS.setdefault(name, {})[layers] = [c.kernels for c in drops]
+    if len(BURSTS[name]) == 2:  # both depths seen: the bursts do not grow with the LLM
+        assert BURSTS[name][16] == BURSTS[name][32]
+
+
+BURSTS: dict = {}
+
+
+def test_dycoke_decoding_step_reads_the_row_once(monkeypatch):
+    """DyCoke's decoding steps: the row at layer L - 1 is one fused op; its one host read per step is whether a row
+    re-selects (it sizes the gathered cache), and a re-selecting step gathers the kept entries of layers >= L."""
+    from vtoken.zoo import TINY_MODELS
+
+    model, processor = TINY_MODELS["tiny-onevision"]()
+    inputs = video_inputs(processor, 6)
+    with torch.no_grad():
+        model(**inputs)
+    base = prefill_and_step(model, inputs, first=True)[1]
+    with vtoken.patched(model, vtoken.DyCoke(k=0.0, layer=1, p=0.5)):
+        step = prefill_and_step(model, inputs, first=True)[1]  # a first step always selects
+    assert step.ops["vtoken::visual_attention"] == 1, step.describe()
+    assert step.syncs - base.syncs <= 1, step.describe()
+    layers = model.config.text_config.num_hidden_layers
+    assert step.ops["gather"] >= 2 * (layers - 1), step.describe()  # keys and values of every layer >= L
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (sync debug mode)")
+@pytest.mark.parametrize("name", ["fastv", "pyramiddrop", "sparsevlm"])
+def test_no_sync_inside_a_drop_on_cuda(llava, name, monkeypatch):
+    """Under `torch.cuda.set_sync_debug_mode("error")` every drop of the sync-free methods runs."""
+    model, inputs = llava
+    make = METHODS[name][0]
+    with vtoken.patched(model, make()), counted_drops(monkeypatch, no_host_syncs) as drops, torch.no_grad():
+        model(**inputs)
+    assert drops
