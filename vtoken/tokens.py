@@ -68,8 +68,8 @@ class VisualTokens:
     crop_index: torch.Tensor | None = None
     crop_grid: dict[int, tuple[int, int]] | None = None
     question: TextQuery | None = None
-    image_of_crop: list[int] | None = None
     valid_counts: list[int] | None = None
+    image_of_crop: list[int] | None = None
 
     @property
     def num_crops(self) -> int:
