@@ -37,7 +37,7 @@ PYTEST_ARGS ?= -q
 # stamps are written as new files (rm, then touch): a venv may be a hard-linked copy of another, whose stamps touch
 # would update too
 
-.PHONY: setup test-setup test-min-setup browser run test test-min lint bench lock compat docs vllm-venv
+.PHONY: setup test-setup test-min-setup browser run test test-min lint bench bench-gpu lock compat docs vllm-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -121,6 +121,21 @@ lint: setup
 # change only with ARGS="--out benchmarks/results"
 bench: setup
 	$(BIN)/python benchmarks/bench_llava.py $(ARGS)
+
+# every GPU benchmark on one CUDA GPU at full depth, bf16 (about 6 minutes on an H100/H200, under 8), results into
+# benchmarks/results/*_cuda.*: the encoder methods (issue 30's targets), LLaVA-1.5 at batch 1/8/32 (FasterVLM at
+# every budget; every encoder method at 25 % in batches of 8 and 32), the LLM stages, sparse prefill, and the Qwen
+# families; tests/test_gpu_benchmarks.py builds each one's models on the meta device
+GPU_BENCH := --device cuda --repeats 5 --out benchmarks/results
+bench-gpu: setup
+	$(BIN)/python benchmarks/bench_methods.py $(GPU_BENCH) --budgets 0.5 0.25 0.1 $(ARGS)
+	$(BIN)/python benchmarks/bench_llava.py $(GPU_BENCH) $(ARGS)
+	$(BIN)/python benchmarks/bench_llava.py $(GPU_BENCH) --batch 8 32 --budgets 0.25 --methods all \
+		--name llava15_batch_cuda $(ARGS)
+	$(BIN)/python benchmarks/bench_llm_stages.py $(GPU_BENCH) $(ARGS)
+	$(BIN)/python benchmarks/bench_sparse_prefill.py $(GPU_BENCH) $(ARGS)
+	$(BIN)/python benchmarks/bench_families.py $(GPU_BENCH) --budgets 0.25 $(ARGS)
+	$(BIN)/python benchmarks/bench_qwen3_vl.py $(GPU_BENCH) --budgets 0.25 $(ARGS)
 
 # the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, anchor or API reference fails
 docs: setup

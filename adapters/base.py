@@ -12,6 +12,7 @@ is in `calls.py` (`CallPath`, mixed in here); this file holds validation, instal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -19,9 +20,11 @@ import torch
 from torch import nn
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
-from vtoken.methods.base import Method, topk_per_crop, unmet
+from vtoken.geometry.kept import flat_kept, output_places  # noqa: F401 - used by the family adapters
+from vtoken.geometry.tables import on_device, padded_rows, stack_padded
+from vtoken.methods.base import Method, unmet
 from vtoken.question import prompt_questions, tokenizer_for
-from vtoken.records import Record
+from vtoken.records import LazyRecords, Record
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
@@ -29,7 +32,7 @@ from . import hf
 from .calls import CallPath
 from .frames import FrameLayout
 from .llm import LanguageModelStages, QueryKeyProbe
-from .prompt import run_rows
+from .prompt import PromptRuns
 from .sparse_prefill import SparseAttention
 from .state import CallState, PatchedGenerate, PerThread
 
@@ -40,9 +43,19 @@ def keep_all(tokens: VisualTokens) -> Selection:
         index = torch.arange(tokens.num_tokens, device=tokens.features.device)
         return Selection(kept=index.expand(tokens.num_crops, -1))
     valid = tokens.valid.to(tokens.features.device)
-    counts = valid.sum(1).tolist()
-    rank = torch.arange(tokens.num_tokens, 0, -1, device=valid.device).expand_as(valid).float()
-    return topk_per_crop(rank.masked_fill(~valid, float("-inf")), counts)
+    counts = valid_counts(tokens)
+    index = torch.arange(tokens.num_tokens, device=valid.device)
+    kept = index.masked_fill(~valid, tokens.num_tokens).sort(dim=-1).values[:, : max(max(counts), 1)]
+    return Selection(kept=kept, counts=counts)
+
+
+def valid_counts(tokens: VisualTokens) -> list[int]:
+    """Valid tokens of every crop: the host counts the adapter gave (`VisualTokens.valid_counts`), else read."""
+    if tokens.valid_counts is not None:
+        return list(tokens.valid_counts)
+    if tokens.valid is None:
+        return [tokens.num_tokens] * tokens.num_crops
+    return tokens.valid.sum(1).tolist()
 
 
 # signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
@@ -56,13 +69,15 @@ class Modality:
 
     name: its key in `mm_encoder_outputs` ("image" or "video"); pixel_key: the forward argument with its pixels;
     placeholder_attr: the config attribute holding its placeholder token id; encoder_kwargs: other forward
-    arguments its encoder consumes (e.g. `image_sizes`, `image_grid_thw`).
+    arguments its encoder consumes (e.g. `image_sizes`, `image_grid_thw`); host: those of them the adapter needs
+    as host integers (sizes that decide crop grids and counts), read once per call with the prompt's layout.
     """
 
     name: str
     pixel_key: str
     placeholder_attr: str
     encoder_kwargs: tuple[str, ...] = ()
+    host: tuple[str, ...] = ()
 
 
 @dataclass
@@ -70,15 +85,16 @@ class EncodedImages:
     """Result of the encoder stage for all images of a call.
 
     features: per image, [k_i, D] embeddings in the LLM's space, in the order the LLM receives them.
-    keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain.
+    keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain; None:
+    every image keeps the first len(features[i]) of its run (renumbered positions: which ones does not matter).
     protected: per image, [k_i] bool over its remaining tokens: tokens no later stage may drop; None if none.
     companions: per image, further [k_i, D'] features that followed the same selection (e.g. Qwen3-VL's DeepStack
     levels), for `Adapter.encoder_output`; None if none.
     """
 
     features: list[torch.Tensor]
-    keep_offsets: list[torch.Tensor]
-    records: list[Record]
+    keep_offsets: list[torch.Tensor] | None
+    records: Sequence[Record]
     protected: list[torch.Tensor] | None = None
     companions: list[list[torch.Tensor]] | None = None
 
@@ -108,6 +124,9 @@ class Adapter(CallPath, FrameLayout):
     # separator tokens closing every video's placeholder run (OneVision's newline): no frame's, so a decode-time
     # selection (DyCoke) does not choose among them
     video_run_trailer: ClassVar[int] = 0
+    # the prompt's ids are needed on the host to tell its visual items apart (InternVL's "FrameN:" labels): read
+    # once per call with the rest of its layout
+    reads_prompt: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
@@ -132,12 +151,12 @@ class Adapter(CallPath, FrameLayout):
     @property
     def records(self) -> list[Record]:
         """The records of the calling thread's most recent call (a thread that made none: the most recent call of
-        any thread)."""
+        any thread). A call leaves them unbuilt (`LazyRecords`): they are built on the first read."""
         state = self._state
-        return state.records if state.called else self._latest
+        return list(state.records if state.called else self._latest)  # built now, if they were not yet
 
     @records.setter
-    def records(self, value: list[Record]) -> None:
+    def records(self, value: Sequence[Record]) -> None:
         state = self._state
         state.records, state.called = value, True
         self._latest = value  # one reference swap: readers see either list, whole
@@ -202,11 +221,19 @@ class Adapter(CallPath, FrameLayout):
 
     def planned_offsets(
         self, modality: Modality, run_lengths: list[int], planned: list[int]
-    ) -> list[torch.Tensor] | None:
+    ) -> list[int | torch.Tensor] | None:
         """Per image, the placeholders that remain when only their count is known (renumbered positions): the first
-        ones, unless an image's placeholders lie in several runs (see InternVL's videos; None: where they stay is
-        known only after selecting)."""
-        return [torch.arange(k) for k in planned]
+        `planned[i]` ones (an int), unless an image's placeholders lie in several runs (see InternVL's videos; None:
+        where they stay is known only after selecting)."""
+        return list(planned)
+
+    def on_host(self, name: str, value: Any) -> Any:
+        """A call input the geometry needs as host integers (`Modality.host`, e.g. `image_sizes`), as lists: what
+        this call read once with its prompt's layout (`read_call_layout`), else `value` read now."""
+        known = self._state.host.get(name)
+        if known is not None:
+            return known
+        return value.tolist() if isinstance(value, torch.Tensor) else value
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         """Run the vision side with the encoder-stage method and return what reaches the LLM."""
@@ -238,28 +265,39 @@ class Adapter(CallPath, FrameLayout):
         timer: Stopwatch,
         crop_index: list[int],
         modality: str = "image",
-    ) -> list[Record]:
-        """One record per crop; `crop_index[c]` is crop c's index within its image (or frame within its video)."""
-        num_crops = tokens.num_crops
-        valid = tokens.valid.sum(1).tolist() if tokens.valid is not None else [tokens.num_tokens] * num_crops
-        kept_counts = selection.counts_per_crop()
-        images = tokens.image_index.tolist()
-        return [
-            Record(
-                "encoder",
-                self.encoder_method.name,
-                image=images[c],
-                crop=crop_index[c],
-                tokens_in=valid[c],
-                tokens_out=kept_counts[c],
-                kept=selection.unchanged_of(c),
-                grid=tokens.grid,
-                timer=timer,
-                share=1 / num_crops,
-                modality=modality,
-            )
-            for c in range(num_crops)
-        ]
+        images: list[int] | None = None,
+    ) -> LazyRecords:
+        """One record per crop; `crop_index[c]` is crop c's index within its image (or frame within its video),
+        `images` (if the caller knows them on the host) the image of every crop. Built when first read: the
+        forward keeps only the small tensors they need (kept indices, which tokens were valid)."""
+        name, grid, num_crops, num_tokens = self.encoder_method.name, tokens.grid, tokens.num_crops, tokens.num_tokens
+        valid, given, image_index = tokens.valid, tokens.valid_counts, tokens.image_index
+        kept, origin, counts, padded = selection.kept, selection.origin, selection.counts_per_crop(), selection.counts
+        crop_index = list(crop_index)
+
+        def build() -> list[Record]:
+            if given is not None:
+                tokens_in = list(given)
+            elif valid is not None:
+                tokens_in = valid.sum(1).tolist()
+            else:
+                tokens_in = [num_tokens] * num_crops
+            owners = images if images is not None else image_index.tolist()
+            if kept is not None:
+                unchanged = [kept[c] if padded is None else kept[c, : counts[c]] for c in range(num_crops)]
+            elif origin is not None:
+                rows = [origin[c] if padded is None else origin[c, : counts[c]] for c in range(num_crops)]
+                unchanged = [row[row >= 0] for row in rows]
+            else:
+                unchanged = [None] * num_crops
+            return [
+                Record("encoder", name, image=owners[c], crop=crop_index[c], tokens_in=tokens_in[c],
+                       tokens_out=counts[c], kept=unchanged[c], grid=grid, timer=timer, share=1 / num_crops,
+                       modality=modality)
+                for c in range(num_crops)
+            ]  # fmt: skip
+
+        return LazyRecords(build)
 
     def select_placed(self, modality: Modality, encoded: EncodedImages) -> EncodedImages:
         """The encoder method on every image's (video's) tokens as placed: `encoded` holds them all (see `select`);
@@ -269,29 +307,39 @@ class Adapter(CallPath, FrameLayout):
         if not placed or not max(lengths):
             return encoded
         width = max(lengths)
-        features = torch.stack([torch.nn.functional.pad(p, (0, 0, 0, width - len(p))) for p in placed])
-        valid = (
-            torch.arange(width, device=features.device)[None] < torch.tensor(lengths, device=features.device)[:, None]
-        )
-        tokens = VisualTokens(features, (1, width), {}, torch.arange(len(placed)), valid)
-        timer = Stopwatch(features.device).start()
+        features = stack_padded(placed, width)
+        device = features.device
+        valid = torch.arange(width, device=device)[None] < on_device(lengths, device)[:, None]
+        tokens = VisualTokens(features, (1, width), {}, torch.arange(len(placed), device=device), valid,
+                              valid_counts=lengths)  # fmt: skip
+        timer = Stopwatch(device).start()
         selection = method.select(tokens)
         timer.stop()
-        kept = [selection.kept_of(i) for i in range(len(placed))]
-        records = [
-            Record("encoder", method.name, image=i, crop=0, tokens_in=lengths[i], tokens_out=len(k), kept=k,
-                   grid=(1, lengths[i]), timer=timer, share=1 / len(placed), modality=modality.name)
-            for i, k in enumerate(kept)
-        ]  # fmt: skip
-        offsets = [o.to(k.device)[k] for o, k in zip(encoded.keep_offsets, kept, strict=True)]
-        protected = None if encoded.protected is None else [
-            p.to(k.device)[k] for p, k in zip(encoded.protected, kept, strict=True)
-        ]  # fmt: skip
-        companions = None if encoded.companions is None else [
-            [c[k.to(c.device)] for c in item] for item, k in zip(encoded.companions, kept, strict=True)
-        ]  # fmt: skip
-        features = [p[k.to(p.device)] for p, k in zip(placed, kept, strict=True)]
-        return EncodedImages(features, offsets, records, protected, companions)
+        counts = selection.counts_per_crop()
+        picked = padded_rows(counts, max(selection.num_kept, 1), device)  # real entries of [items, k]
+        kept = selection.kept.flatten()[picked]  # each item's kept indices, item after item
+        flat = picked // max(selection.num_kept, 1) * width + kept  # into the items padded to `width`
+
+        def take(items: list[torch.Tensor]) -> list[torch.Tensor]:
+            return list(stack_padded([t.to(device) for t in items], width).flatten(0, 1)[flat].split(counts))
+
+        offsets = None if encoded.keep_offsets is None else take(encoded.keep_offsets)  # None: still the first ones
+        protected = None if encoded.protected is None else take(encoded.protected)
+        companions = None
+        if encoded.companions is not None:
+            levels = [take(list(level)) for level in zip(*encoded.companions, strict=True)]
+            companions = [list(item) for item in zip(*levels, strict=True)] if levels else [[] for _ in placed]
+        name, kept_rows = method.name, list(kept.split(counts))
+
+        def build() -> list[Record]:
+            return [
+                Record("encoder", name, image=i, crop=0, tokens_in=lengths[i], tokens_out=counts[i], kept=k,
+                       grid=(1, lengths[i]), timer=timer, share=1 / len(placed), modality=modality.name)
+                for i, k in enumerate(kept_rows)
+            ]  # fmt: skip
+
+        features = list(features.flatten(0, 1)[flat].split(counts))
+        return EncodedImages(features, offsets, LazyRecords(build), protected, companions)
 
     def encoder_output(self, encoded: EncodedImages, features: Any) -> Any:
         """Hook: what the stock forward receives in `mm_encoder_outputs` for one modality."""
@@ -392,9 +440,10 @@ class Adapter(CallPath, FrameLayout):
                     else f"it provides {sorted(provided | COMMON_SIGNALS)}"
                 )
                 note = f" ({method.signals_note})" if method.signals_note else ""
+                hint = method.missing_signal_hint(missing) if hasattr(method, "missing_signal_hint") else ""
                 raise MissingSignalError(
                     f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
-                    f"({self.family}) cannot provide{note}; {why}"
+                    f"({self.family}) cannot provide{note}; {why}" + (f". {hint}" if hint else "")
                 )
             if "question" in method.requires:
                 self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate
@@ -431,20 +480,22 @@ class Adapter(CallPath, FrameLayout):
     # ----------------------------------------------------------------- the prompt's text
     _tokenizer = None
 
-    def item_questions(self, kwargs: dict[str, Any], modality: Modality, run_lengths: list[int]) -> list[str]:
-        """The question of every image (or video) of `modality`: the text of its prompt row, or the method's
-        explicit `question=` (one string, or one per row)."""
+    def item_questions(self, kwargs: dict[str, Any], runs: PromptRuns, prompt: Any = None) -> list[str]:
+        """The question of every image (or video) of a modality's `runs`: the text of its prompt row, or the
+        method's explicit `question=` (one string, or one per row). `prompt`: the call's (input_ids, mask) as host
+        lists when the call read them already (else read here, once)."""
         ids = kwargs["input_ids"]
         given = getattr(self.encoder_method, "question", None)
         if given is None:
-            per_row = prompt_questions(ids, kwargs.get("attention_mask"), self._tokenizer)
+            ids, mask = prompt if prompt is not None else (ids, kwargs.get("attention_mask"))
+            per_row = prompt_questions(ids, mask, self._tokenizer)
         elif isinstance(given, str):
             per_row = [given] * ids.shape[0]
         elif len(given) == ids.shape[0]:
             per_row = list(given)
         else:
             raise InputError(f"{self.encoder_method.name}: {len(given)} questions given for {ids.shape[0]} prompts")
-        return [per_row[row] for row in run_rows(ids, self.placeholder_id(modality), run_lengths)]
+        return [per_row[row] for row in runs.rows]
 
     def embed_text(self, text: str) -> torch.Tensor:
         """[T, D] LLM input embeddings of `text`, tokenized without special tokens (by the tokenizer `validate`

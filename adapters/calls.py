@@ -19,14 +19,27 @@ from torch import nn
 from transformers import DynamicCache
 
 from vtoken.errors import InputError
+from vtoken.records import LazyRecords
 
 from . import hf
 from .compiled import eager
 from .conversation import ConversationPath, cached_length, forget, remember_prompt
-from .prompt import compress_prompt, gather_columns
+from .prompt import HostLayout, gather_columns, read_layout, shrink_prompt
+
+# names of the prompt's ids and mask among the values a call reads to the host (methods that read the question)
+PROMPT_IDS, PROMPT_MASK = "prompt.input_ids", "prompt.attention_mask"
 
 # generate arguments (or generation-config fields) that switch on assisted decoding
 ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def scatter_into_placeholders(is_placeholder: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: `values` [P] (one per placeholder, row-major) at the True places of `is_placeholder`, False
+    elsewhere, without reading the mask's count back."""
+    flat = is_placeholder.flatten()
+    ordinal = (flat.long().cumsum(0) - 1).clamp(0, max(len(values) - 1, 0))
+    placed = values.to(flat.device)[ordinal] if len(values) else torch.zeros_like(flat)
+    return (flat & placed).view_as(is_placeholder)
 
 
 class CallPath(ConversationPath):
@@ -35,87 +48,116 @@ class CallPath(ConversationPath):
     # ----------------------------------------------------------------- the shared encode + shrink step
     def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Encode every visual input in `kwargs`, shrink the prompt, and return model kwargs for the stock code
-        path with whether the prompt changed."""
+        path with whether the prompt changed.
+
+        Host-device syncs: at most one read before the encoder runs (`read_call_layout`: which row holds which
+        image, for a batch of several rows; the sizes a family's crop grids follow; the prompt's words for a
+        method that reads the question); after it, only where a layout's or method's definition makes a count
+        depend on the data (LLaVA-NeXT's native newlines)."""
         kwargs = dict(kwargs)
         if kwargs.get("input_ids") is None:
             raise InputError(
                 "a patched model needs `input_ids` (with the image placeholders) next to the images, to know where "
                 "visual tokens go; inputs_embeds alone are not supported"
             )
-        kwargs = self.before_shrinking(kwargs)
-        mm = hf.encoder_outputs(kwargs)
-        records, changed, protected_parts = [], False, {}
+        parts, changed, protected_parts = [], False, {}
         method = self.encoder_method
-        for modality in self.present(kwargs):
+        present = self.present(kwargs)
+        for modality in present:
             frames = self.videos_as_image_runs and "video" in method.modalities  # the adapter tells them apart
             if modality.name not in method.modalities and not frames:  # e.g. images given to a video method
                 raise InputError(
                     f"{method.name} acts on {' and '.join(method.modalities)} inputs only; this call passes "
                     f"{modality.name}s (`{modality.pixel_key}`): call the model without them, or use another method"
                 )
-        for modality in self.present(kwargs):
-            pixel_values = kwargs.pop(modality.pixel_key)
-            encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
-            run_lengths = self.plan(modality, pixel_values, **encoder_kwargs)
-            if "question" in self.encoder_method.requires:
-                self._state.questions = self.item_questions(kwargs, modality, run_lengths)
-            shrink = functools.partial(
-                compress_prompt,
-                kwargs["input_ids"],
-                self.placeholder_id(modality),
-                run_lengths,
-                attention_mask=kwargs.get("attention_mask"),
-                position_ids=kwargs.get("position_ids"),
-                labels=kwargs.get("labels"),
-                pad_token_id=self.pad_token_id,
-                positions=self.positions,
-            )
-            # "How many" before the encoder, "which" after: with contiguous positions only the count matters to
-            # the prompt, so for fixed-count methods it is shrunk while the accelerator is still idle.
-            placed = method.acts_on == "placed"  # selects among the packed tokens (DivPrune), after `encode`
-            planned = [method.planned_count(n) for n in run_lengths] if placed else \
-                self.planned_counts(modality, run_lengths)  # fmt: skip
-            early = self.positions == "renumber" and None not in planned
-            offsets = self.planned_offsets(modality, run_lengths, planned) if early else None
-            early = offsets is not None  # (None: where they stay is known only after selecting)
-            if early:
-                compressed = shrink(offsets)
-            encoded = self.encode(modality, pixel_values, **encoder_kwargs)
-            if placed:
-                encoded = self.select_placed(modality, encoded)
-            if early:
-                produced = [len(f) for f in encoded.features]
-                if produced != planned:
-                    raise RuntimeError(f"{self.encoder_method.name} kept {produced} tokens, planned {planned}")
-            else:
-                compressed = shrink(encoded.keep_offsets)
-            records += encoded.records
-            if encoded.protected is not None:
-                protected_parts[modality] = torch.cat(encoded.protected)
-            # a list where items differ in length: `_join_ragged` joins them for the forward
-            stack = modality.name in self.stacked_features and len({len(f) for f in encoded.features}) == 1
-            features = torch.stack(encoded.features) if stack else encoded.features
-            mm[modality.name] = self.encoder_output(encoded, features)
-            if compressed.changed:
-                changed = True
-                kwargs["input_ids"] = compressed.input_ids
-                for key in ("attention_mask", "position_ids", "labels"):
-                    value = getattr(compressed, key)
-                    if value is not None or key in kwargs:
-                        kwargs[key] = value
-                for key, fill in self.token_columns.items():
-                    if kwargs.get(key) is not None:
-                        kwargs[key] = gather_columns(kwargs[key], compressed.index, fill)
-        self.records = records
+        layout = self.read_call_layout(kwargs, present)
         state = self._state
+        state.host = layout.values
+        try:
+            kwargs = self.before_shrinking(kwargs)
+            mm = hf.encoder_outputs(kwargs)
+            for modality in present:
+                pixel_values = kwargs.pop(modality.pixel_key)
+                encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
+                run_lengths = self.plan(modality, pixel_values, **encoder_kwargs)
+                runs = layout.runs(self.placeholder_id(modality), run_lengths, modality.name)
+                if "question" in method.requires:
+                    prompt = layout.values.get(PROMPT_IDS), layout.values.get(PROMPT_MASK)
+                    state.questions = self.item_questions(kwargs, runs, prompt if prompt[0] is not None else None)
+                shrink = functools.partial(
+                    shrink_prompt,
+                    kwargs["input_ids"],
+                    self.placeholder_id(modality),
+                    runs,
+                    attention_mask=kwargs.get("attention_mask"),
+                    position_ids=kwargs.get("position_ids"),
+                    labels=kwargs.get("labels"),
+                    pad_token_id=self.pad_token_id,
+                    positions=self.positions,
+                )
+                # "How many" before the encoder, "which" after: with contiguous positions only the count matters to
+                # the prompt, so for fixed-count methods it is shrunk while the accelerator is still idle.
+                placed = method.acts_on == "placed"  # selects among the packed tokens (DivPrune), after `encode`
+                planned = [method.planned_count(n) for n in run_lengths] if placed else \
+                    self.planned_counts(modality, run_lengths)  # fmt: skip
+                early = self.positions == "renumber" and None not in planned
+                offsets = self.planned_offsets(modality, run_lengths, planned) if early else None
+                early = offsets is not None  # (None: where they stay is known only after selecting)
+                if early:
+                    compressed = shrink(offsets)
+                encoded = self.encode(modality, pixel_values, **encoder_kwargs)
+                if placed:
+                    encoded = self.select_placed(modality, encoded)
+                if early:
+                    produced = [len(f) for f in encoded.features]
+                    if produced != planned:
+                        raise RuntimeError(f"{self.encoder_method.name} kept {produced} tokens, planned {planned}")
+                else:
+                    kept = encoded.keep_offsets
+                    compressed = shrink([len(f) for f in encoded.features] if kept is None else kept)
+                parts.append(encoded.records)
+                if encoded.protected is not None:
+                    protected_parts[modality] = torch.cat(encoded.protected)
+                # a list where items differ in length: `_join_ragged` joins them for the forward
+                stack = modality.name in self.stacked_features and len({len(f) for f in encoded.features}) == 1
+                features = torch.stack(encoded.features) if stack else encoded.features
+                mm[modality.name] = self.encoder_output(encoded, features)
+                if compressed.changed:
+                    changed = True
+                    layout.padded = compressed.padded
+                    kwargs["input_ids"] = compressed.input_ids
+                    for key in ("attention_mask", "position_ids", "labels"):
+                        value = getattr(compressed, key)
+                        if value is not None or key in kwargs:
+                            kwargs[key] = value
+                    for key, fill in self.token_columns.items():
+                        if kwargs.get(key) is not None:
+                            kwargs[key] = gather_columns(kwargs[key], compressed.index, fill)
+        finally:
+            state.host = {}
+        self.records = LazyRecords.chain(parts)
         state.protected = None
         if protected_parts:
             ids = kwargs["input_ids"]
             state.protected = torch.zeros_like(ids, dtype=torch.bool)
             for modality, flags in protected_parts.items():
-                state.protected[ids == self.placeholder_id(modality)] = flags.to(ids.device)
+                state.protected |= scatter_into_placeholders(ids == self.placeholder_id(modality), flags)
         kwargs[hf.ENCODER_OUTPUTS] = mm
         return self.after_shrinking(kwargs), changed
+
+    def read_call_layout(self, kwargs: dict[str, Any], present: list) -> HostLayout:
+        """What the host must know of this call's device inputs, read in one read before the encoder runs (when
+        the device queue is idle): for a batch of several rows, which row holds which image (only `input_ids` says);
+        the inputs the family's geometry needs as integers (`Modality.host`, e.g. image sizes); the prompt's ids
+        for a method that reads its question. A one-row call of a fixed-size family reads nothing."""
+        values = {k: kwargs[k] for m in present for k in m.host if kwargs.get(k) is not None}
+        method = self.encoder_method
+        if self.reads_prompt or "question" in method.requires and getattr(method, "question", None) is None:
+            values[PROMPT_IDS] = kwargs["input_ids"]
+            if kwargs.get("attention_mask") is not None:
+                values[PROMPT_MASK] = kwargs["attention_mask"]
+        ids = sorted({self.placeholder_id(m) for m in present})
+        return read_layout(kwargs["input_ids"], kwargs.get("attention_mask"), ids, values)
 
     # ----------------------------------------------------------------- what the LLM stages read
     def _note_visual(self, kwargs: dict[str, Any]) -> None:

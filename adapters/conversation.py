@@ -288,9 +288,10 @@ class ConversationPath:
     def _cached_prompt(self, caller_ids, caller_mask, kwargs: dict[str, Any]) -> CachedPrompt:
         """The map a call leaves on its cache: the caller's prompt and what the LLM received for it."""
         ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
-        changed = ids.shape != caller_ids.shape or not torch.equal(ids, caller_ids)
+        # the same tensors when nothing was shrunk (compared by identity first: no read of the device)
+        changed = ids is not caller_ids and (ids.shape != caller_ids.shape or not torch.equal(ids, caller_ids))
         changed = changed or ((mask is None) != (caller_mask is None)) or (
-            mask is not None and not torch.equal(mask, caller_mask))  # fmt: skip
+            mask is not None and mask is not caller_mask and not torch.equal(mask, caller_mask))  # fmt: skip
         columns = {key: kwargs[key] for key in self.token_columns if kwargs.get(key) is not None}
         return CachedPrompt(caller_ids, caller_mask, ids, mask, columns, self.position_offset(kwargs), changed)
 

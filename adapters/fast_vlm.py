@@ -23,6 +23,7 @@ from .llava import LlavaAdapter
 @register_adapter
 class FastVlmAdapter(LlavaAdapter):
     family = "fastvlm"
+    clip_tower = False  # FastViTHD, not a CLIP checkpoint's tower
     model_types = ("fast_vlm",)
     model_classes = ("FastVlmForConditionalGeneration", "FastVlmModel")
     modalities = (
@@ -75,9 +76,8 @@ class FastVlmAdapter(LlavaAdapter):
         feature_map = self.tower(pixel_values, return_dict=True).last_hidden_state  # [B, C, H/64, W/64]
         features = feature_map.flatten(2).transpose(1, 2)  # raster order, as the model flattens it
         num_images = features.shape[0]
-        tokens = VisualTokens(features, grid, {}, torch.arange(num_images))
+        tokens = VisualTokens(features, grid, {}, torch.arange(num_images, device=features.device))
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
-        keep_offsets = [selection.offsets_of(i) for i in range(num_images)]
-        records = self.crop_records(tokens, selection, timer, [0] * num_images)
-        return EncodedImages(embeds, keep_offsets, records)
+        records = self.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
+        return EncodedImages(embeds, None, records)

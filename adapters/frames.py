@@ -20,6 +20,20 @@ def placeholder_runs(is_placeholder: torch.Tensor) -> list[tuple[int, int, int]]
     return [(row, start, end) for (row, start), (_, end) in zip(starts, ends, strict=True)]
 
 
+def host_placeholder_runs(rows: list[list[int]], placeholder_id: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every contiguous run of `placeholder_id` in a prompt read to the host, row-major."""
+    runs = []
+    for row, ids in enumerate(rows):
+        start = None
+        for column, token in enumerate([*ids, None]):
+            if token == placeholder_id and start is None:
+                start = column
+            elif token != placeholder_id and start is not None:
+                runs.append((row, start, column))
+                start = None
+    return runs
+
+
 class FrameLayout:
     """Adapter mixin: the frames of a call's videos, and where they sit in the LLM's input."""
 

@@ -24,7 +24,7 @@ from vtoken.errors import InputError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import Adapter, EncodedImages, Modality
+from .base import Adapter, EncodedImages, Modality, flat_kept
 from .flat_features import FlatFeatures
 
 
@@ -84,13 +84,13 @@ class Gemma3Adapter(FlatFeatures, Adapter):
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         features = self.pooled(pixel_values)
         crops = features.shape[0]
-        tokens = VisualTokens(features, self.grid, {}, torch.arange(crops))
+        tokens = VisualTokens(features, self.grid, {}, torch.arange(crops, device=features.device))
         selection, timer = self.select(tokens)
         projected = tokens.signals.get("projected")
         if projected is not None and selection.kept is not None:  # a method already projected every token (MMTok)
-            embeds = torch.cat([projected[c, selection.kept_of(c)] for c in range(crops)])
+            embeds = flat_kept(selection, projected)
         else:
-            embeds = self.project(selection.gather_flat(features))
+            embeds = self.project(flat_kept(selection, features))
         per_crop = list(embeds.split(selection.counts_per_crop()))
-        records = self.crop_records(tokens, selection, timer, [0] * crops)
-        return EncodedImages(per_crop, [torch.arange(len(e)) for e in per_crop], records)
+        records = self.crop_records(tokens, selection, timer, [0] * crops, images=list(range(crops)))
+        return EncodedImages(per_crop, None, records)

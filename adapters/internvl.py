@@ -31,14 +31,17 @@ import torch
 import torch.nn.functional as F
 
 from vtoken.errors import InputError, VTokenError
+from vtoken.geometry.tables import on_device, repeated, segment_aranges
 from vtoken.question import tokenizer_for
+from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from . import hf
-from .base import Adapter, EncodedImages, Modality
+from .base import Adapter, EncodedImages, Modality, flat_kept
+from .calls import PROMPT_IDS
 from .flat_features import FlatFeatures
-from .frames import placeholder_runs
+from .frames import host_placeholder_runs
 from .probes import ClsAttentionProbe
 
 FRAME_LABEL = re.compile(r"Frame(\d+):\s*(?:<img>)?\s*$")  # the text the processor puts before a video frame
@@ -50,6 +53,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
     model_types = ("internvl",)
     model_classes = ("InternVLForConditionalGeneration", "InternVLModel")
     videos_as_image_runs = True  # a video's frames: one single-tile run each, after "FrameN: " in the prompt
+    reads_prompt = True  # which tiles make an image or a video is written only in the prompt (its runs and labels)
     modalities = (
         Modality("image", "pixel_values", "image_token_id", ("vision_feature_layer", "vision_feature_select_strategy")),
     )
@@ -134,16 +138,18 @@ class InternVLAdapter(FlatFeatures, Adapter):
                 "(or load the model with vtoken.zoo.load)"
             )
 
-    def items(self, input_ids: torch.Tensor) -> list[tuple[str, int, list[tuple[int, int]]]]:
+    def items(self, input_ids: torch.Tensor | list[list[int]]) -> list[tuple[str, int, list[tuple[int, int]]]]:
         """The prompt's visual items in row-major order: (modality, row, [(start, end) of each placeholder run]):
-        an image is one run (its tiles); a video is the runs labelled Frame1:, Frame2:, ... (one tile each)."""
+        an image is one run (its tiles); a video is the runs labelled Frame1:, Frame2:, ... (one tile each).
+        `input_ids`: [B, L] (read to the host here) or the host lists a call read already."""
+        rows = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
         tokenizer = self._tokenizer_or_none()
         items: list[tuple[str, int, list[tuple[int, int]]]] = []
         expected = None  # the frame number that continues the current video
-        for row, start, end in placeholder_runs(input_ids == self.model.config.image_token_id):
+        for row, start, end in host_placeholder_runs(rows, self.model.config.image_token_id):
             number = None
             if tokenizer is not None and end - start == self.tokens_per_crop:
-                before = input_ids[row, max(0, start - 16) : start].tolist()
+                before = rows[row][max(0, start - 16) : start]
                 found = FRAME_LABEL.search(tokenizer.decode(before, skip_special_tokens=False))
                 number = int(found.group(1)) if found else None
             if number is not None and number == expected and items[-1][1] == row:
@@ -162,7 +168,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
         return spans if videos else None
 
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        self._state.family["items"] = self.items(kwargs["input_ids"])
+        self._state.family["items"] = self.items(self.on_host(PROMPT_IDS, kwargs["input_ids"]))
         return kwargs
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
@@ -192,19 +198,31 @@ class InternVLAdapter(FlatFeatures, Adapter):
 
     def planned_offsets(
         self, modality: Modality, run_lengths: list[int], planned: list[int]
-    ) -> list[torch.Tensor] | None:
+    ) -> list[int | torch.Tensor] | None:
         """An image's kept tokens anywhere in its one run (only the count matters); a video's, each frame's share at
         the start of its own run (frames are runs apart), when the method keeps a count per frame; None otherwise
         (a method choosing over the whole video: where they stay is known after it chose)."""
-        per_crop, offsets = self.tokens_per_crop, []
-        for (_, _, spans), k in zip(self._state.family["items"], planned, strict=True):
-            if len(spans) == 1:
-                offsets.append(torch.arange(k))
-            elif self.encoder_method.acts_on == "placed" or k % len(spans):
-                return None
-            else:
-                offsets.append((torch.arange(len(spans))[:, None] * per_crop + torch.arange(k // len(spans))).flatten())
-        return offsets
+        items = self._state.family["items"]
+        videos = [(spans, k) for (_, _, spans), k in zip(items, planned, strict=True) if len(spans) > 1]
+        if any(self.encoder_method.acts_on == "placed" or k % len(spans) for spans, k in videos):
+            return None
+        return self._frame_offsets(
+            [[k // len(spans)] * len(spans) for (_, _, spans), k in zip(items, planned, strict=True)]
+        )
+
+    def _frame_offsets(self, kept: list[list[int]]) -> list[int | torch.Tensor]:
+        """Per item, the offsets in its placeholders that stay when its crop i keeps `kept[item][i]`: an item of
+        one run keeps its first ones (a count); a video's frame i the first ones of its own run (a few kernels for
+        all videos at once)."""
+        device = self.model.device
+        frames = [counts for counts in kept if len(counts) > 1]
+        if not frames:
+            return [counts[0] for counts in kept]
+        counts = [n for item in frames for n in item]
+        starts = [i * self.tokens_per_crop for item in frames for i in range(len(item))]
+        offsets = (segment_aranges(counts, device) + repeated(starts, counts, device)).split([sum(f) for f in frames])
+        videos = iter(offsets)
+        return [next(videos) if len(counts) > 1 else counts[0] for counts in kept]
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         kept = self.encoder_method.planned_count(self.tokens_per_crop)
@@ -273,28 +291,32 @@ class InternVLAdapter(FlatFeatures, Adapter):
             else:  # for methods, the thumbnail is the base view (crop 0), the tiles follow
                 base_first += [*range(1, tiles), 0]
                 crop_grid[item] = (1, tiles - 1)  # only the tile count is known (HiRED's "bands" need no more)
-        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index), None,
-                              torch.tensor(base_first), crop_grid or None)  # fmt: skip
+        device = features.device
+        tokens = VisualTokens(features, self.grid, signals, repeated(list(range(len(item_tiles))), item_tiles, device),
+                              None, on_device(base_first, device), crop_grid or None)  # fmt: skip
         selection, timer = self.select(tokens)
         projected = tokens.signals.get("projected")
         if projected is not None and selection.kept is not None:  # a method already projected every token (MMTok)
-            embeds = torch.cat([projected[c, selection.kept_of(c)] for c in range(tokens.num_crops)])
+            embeds = flat_kept(selection, projected)
         else:  # the projector acts on every token alone: project only what is kept (or merged)
-            embeds = self.project(selection.gather_flat(features))
+            embeds = self.project(flat_kept(selection, features))
         counts = selection.counts_per_crop()
-        per_crop = list(embeds.split(counts))
-        per_image, offsets, first = [], [], 0
+        # an item's crops are consecutive: its tokens are one stretch of `embeds`; each crop's kept tokens stay in
+        # its own stretch of the placeholders (a video's frames are runs apart)
+        kept, first = [], 0
         for tiles in item_tiles:
-            crops = range(first, first + tiles)
+            kept.append(counts[first : first + tiles])
             first += tiles
-            per_image.append(torch.cat([per_crop[c] for c in crops]))
-            # each crop's kept tokens stay in its own stretch of the placeholders (a video's frames are runs apart)
-            offsets.append(torch.cat([i * self.tokens_per_crop + torch.arange(counts[c]) for i, c in enumerate(crops)]))
+        per_image = list(embeds.split([sum(k) for k in kept]))
+        offsets = self._frame_offsets(kept)
         # records: images and videos numbered on their own, a video's frames its crops
         kinds = [kind for kind, _, _ in items]
         number = [kinds[:item].count(kind) for item, kind in enumerate(kinds)]
-        records = [
-            dataclasses.replace(record, image=number[record.image], modality=kinds[record.image])
-            for record in self.crop_records(tokens, selection, timer, crop_index)
-        ]
+        crop_records = self.crop_records(tokens, selection, timer, crop_index, images=image_index)
+        records = LazyRecords(
+            lambda: [
+                dataclasses.replace(record, image=number[record.image], modality=kinds[record.image])
+                for record in crop_records
+            ]
+        )
         return EncodedImages(per_image, offsets, records)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from vtoken.errors import InputError
+from vtoken.geometry.kept import kept_rows
+from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.methods.base import device_ints
 from vtoken.records import Record
 from vtoken.registry import register_adapter
@@ -26,6 +28,8 @@ class LlavaAdapter(Adapter):
     """Visual tokens = the patch tokens of `vision_feature_layer` (no [CLS]), selected before the projector."""
 
     family = "llava-1.5"
+    # the tower is a CLIP checkpoint's vision tower whose text tower methods may use (CDPruner's "clip_features")
+    clip_tower: ClassVar[bool] = True
     model_types = ("llava",)
     model_classes = ("LlavaForConditionalGeneration", "LlavaModel")
     modalities = (
@@ -39,9 +43,7 @@ class LlavaAdapter(Adapter):
 
     @property
     def grid(self) -> tuple[int, int]:
-        config = self.tower.config
-        side = config.image_size // config.patch_size
-        return side, side
+        return token_grid(self.tower.config.image_size, self.tower.config.patch_size)
 
     def _feature_layers(self, vision_feature_layer: Any = None) -> list[int]:
         layer = self.model.config.vision_feature_layer if vision_feature_layer is None else vision_feature_layer
@@ -49,14 +51,14 @@ class LlavaAdapter(Adapter):
 
     def _attention_layer(self, hidden_state_index: int) -> int | None:
         """Index of the encoder layer whose output is `hidden_states[hidden_state_index]` (None = embeddings)."""
-        num_layers = len(self.tower.encoder.layers)
-        layer = hidden_state_index % (num_layers + 1) - 1
-        return None if layer < 0 else layer
+        return encoder_layer(hidden_state_index, len(self.tower.encoder.layers))
 
     def validate(self) -> None:
         super().validate()
         if "tower_merge" in getattr(self.encoder_method, "requires", ()):
             self.encoder_method.check_grid(self.grid)  # a merge by windows needs a grid they tile (MustDrop)
+        if "clip_features" in getattr(self.encoder_method, "requires", ()):
+            self.encoder_method.check_clip_width(self.tower.config.hidden_size)  # CDPruner's CLIP checkpoint
 
     def available_signals(self) -> set[str]:
         # "resized_grid": positions are renumbered, so a method may hand back a smaller grid of any size
@@ -69,20 +71,21 @@ class LlavaAdapter(Adapter):
             signals |= {"cls_attention", "cls_attention@-1", "keys"}  # keys: the feature layer's
             signals |= {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
             signals.add("tower_merge")  # a merge inside the tower (MustDrop), with [CLS] kept apart
+        if self.clip_tower and hasattr(self.tower, "post_layernorm") and len(self._feature_layers()) == 1:
+            signals.add("clip_features")  # the tower's own final norm on the feature layer's patches
         return signals
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return self.inner.multi_modal_projector(features)
 
     def kept_embeddings(self, tokens: VisualTokens, selection: Selection) -> list[torch.Tensor]:
-        """Per crop, [k_c, D] projected kept tokens: gathered from the "projected" signal when a method already
-        projected every token (MMTok), else projected now (only the kept ones)."""
-        projected = tokens.signals.get("projected")
-        if projected is not None and selection.kept is not None:
-            return [projected[c, selection.kept_of(c)] for c in range(tokens.num_crops)]
-        if selection.counts is None:
-            return list(self.project(selection.gather(tokens.features)))
-        return list(self.project(selection.gather_flat(tokens.features)).split(selection.counts))
+        """Per crop, [k_c, D] projected kept tokens (views of `kept_flat`)."""
+        return list(self.kept_flat(tokens, selection).split(selection.counts_per_crop()))
+
+    def kept_flat(self, tokens: VisualTokens, selection: Selection) -> torch.Tensor:
+        """[sum of kept, D] every crop's projected output rows, crop after crop: gathered from the "projected"
+        signal when a method already projected every token (MMTok), else projected now (only the kept ones)."""
+        return kept_rows(selection, tokens.features, tokens.signals, self.project)
 
     def _check_crops(self, crops: torch.Tensor, what: str) -> None:
         size = self.tower.config.image_size
@@ -137,6 +140,8 @@ class LlavaAdapter(Adapter):
                    for name, (layer, read) in wanted.items()}  # fmt: skip
         if "cls_token" in self.encoder_method.uses:
             signals["cls_token"] = hidden[:, 0]
+        if "clip_features" in self.encoder_method.requires:  # CDPruner: as CLIP's image embedding is made
+            signals["clip_features"] = lambda patches=hidden[:, 1:], norm=tower.post_layernorm: norm(patches)
         return features, signals
 
     def merged_vision_tokens(
@@ -217,16 +222,16 @@ class LlavaAdapter(Adapter):
             groups = [1] * pixel_values.shape[0]
             return self.encode_merged(pixel_values, vision_feature_layer, vision_feature_select_strategy, groups)
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
-        num_images = features.shape[0]
+        num_images, device = features.shape[0], features.device
         valid = None
-        if getattr(self.encoder_method, "excludes_pad_border", False):
-            valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(features.device)
-        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images), valid)
+        if getattr(self.encoder_method, "excludes_pad_border", False):  # read from the pixels: the method counts
+            valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(device)
+        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images, device=device), valid,
+                              image_of_crop=list(range(num_images)))  # fmt: skip
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
-        keep_offsets = [selection.offsets_of(i) for i in range(num_images)]
-        records = self.crop_records(tokens, selection, timer, [0] * num_images)
-        return EncodedImages(embeds, keep_offsets, records)
+        records = self.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
+        return EncodedImages(embeds, None, records)  # renumbered positions: the first placeholders stay
 
     def merge_records(self, records: list[Record], selection: Selection) -> list[Record]:
         """A merging method's crop records as two stages: "encoder.merge" (N -> N') and "encoder.keyset" (the
@@ -245,28 +250,3 @@ class LlavaAdapter(Adapter):
             keyset.kept = Deferred(keys, c, shared)
             out += [merged, keyset]
         return out
-
-
-def outside_pad_border(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
-    """[C, N] bool: False for patches lying wholly in a pad-to-square border of crops [C, 3, H, W].
-
-    The border is what `LlavaImageProcessor(do_pad=True)` (the original LLaVA-1.5 preprocessing) adds: whole
-    pixel rows (or columns) at the edges, all of the corner pixel's colour. It is read from the pixels, since
-    the model never sees the image size: the resize after padding blends the innermost pad row with the photo,
-    so a patch straddling that row is kept as content. A crop without a border (e.g. center cropped, or an
-    image of a single colour) has every patch valid.
-    """
-    same = (pixel_values == pixel_values[:, :, :1, :1]).all(1)  # [C, H, W] pixels of the corner's colour
-    rows, cols = same.all(-1), same.all(-2)  # [C, H], [C, W] uniform pixel rows / columns
-
-    def edge_run(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return flags.long().cumprod(-1).sum(-1), flags.flip(-1).long().cumprod(-1).sum(-1)
-
-    (top, bottom), (left, right) = edge_run(rows), edge_run(cols)
-    height, width = pixel_values.shape[-2:]
-    start_y = torch.arange(0, height, patch, device=pixel_values.device)
-    start_x = torch.arange(0, width, patch, device=pixel_values.device)
-    pad_y = (start_y + patch <= top[:, None]) | (start_y >= height - bottom[:, None])  # [C, H/p]
-    pad_x = (start_x + patch <= left[:, None]) | (start_x >= width - right[:, None])  # [C, W/p]
-    pad = (pad_y[:, :, None] | pad_x[:, None, :]).flatten(1)
-    return ~pad | pad.all(1, keepdim=True)

@@ -22,32 +22,22 @@ so use these layouts to reproduce published numbers, not for best accuracy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vtoken.errors import InputError, VTokenError
+from vtoken.geometry.anyres import AnyresGrid, anyres_grid, crop_valid, pack, sequence_index
+from vtoken.geometry.tables import on_device, repeated
+from vtoken.records import LazyRecords
 from vtoken.registry import available_methods, method_class, register_adapter
-from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
+from vtoken.tokens import VisualTokens
 
-from . import hf
-from .base import EncodedImages, Modality
+from .base import EncodedImages, Modality, output_places
 from .llava import LlavaAdapter
 
-
-@dataclass
-class AnyresLayout:
-    """One image's crops: `rows` x `cols` sub-images after the base view; `unpadded` [h', w'] holds the raster
-    indices, in the stitched (rows*H) x (cols*W) grid, of the tokens that survive unpadding."""
-
-    rows: int
-    cols: int
-    unpadded: torch.Tensor
-
-    @property
-    def num_crops(self) -> int:
-        return 1 + self.rows * self.cols
+# an image's crops (kept for the name tests and tools know; the geometry lives in `vtoken.geometry.anyres`)
+AnyresLayout = AnyresGrid
 
 
 @register_adapter
@@ -57,7 +47,7 @@ class LlavaNextAdapter(LlavaAdapter):
     model_classes = ("LlavaNextForConditionalGeneration", "LlavaNextModel")
     modalities = (
         Modality("image", "pixel_values", "image_token_id",
-                 ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy")),
+                 ("image_sizes", "vision_feature_layer", "vision_feature_select_strategy"), host=("image_sizes",)),
     )  # fmt: skip
 
     # official layouts (the methods declare theirs: `Method.layouts`, `Method.official_packing`): FasterVLM's (also
@@ -91,28 +81,25 @@ class LlavaNextAdapter(LlavaAdapter):
         # stitching and unpadding
         return super().available_signals() - {"resized_grid"}
 
-    def crop_layout(self, image_size: torch.Tensor) -> AnyresLayout:
+    def crop_layout(self, image_size: Any) -> AnyresGrid:
         """The crop grid and unpadded token window of an image of `image_size` (height, width)."""
         config = self.model.config
-        grid_shape = hf.modeling_function("llava_next", "get_anyres_image_grid_shape")
-        unpad = hf.modeling_function("llava_next", "unpad_image")
-        rows, cols = grid_shape(image_size, config.image_grid_pinpoints, config.vision_config.image_size)
-        height, width = self.grid
-        stitched = torch.arange(rows * height * cols * width).view(1, rows * height, cols * width)
-        return AnyresLayout(rows, cols, unpad(stitched, image_size)[0])
+        size = image_size.tolist() if isinstance(image_size, torch.Tensor) else list(image_size)
+        return anyres_grid(size, config.image_grid_pinpoints, config.vision_config.image_size, self.grid)
 
-    def _layouts(self, pixel_values: torch.Tensor, image_sizes: Any) -> list[AnyresLayout]:
+    def _layouts(self, pixel_values: torch.Tensor, image_sizes: Any) -> list[AnyresGrid]:
         if image_sizes is None:
             raise InputError(
                 f"{type(self.model).__name__} needs `image_sizes` next to pixel_values (its processor makes both)"
             )
-        layouts = [self.crop_layout(size) for size in image_sizes]
+        sizes = self.on_host("image_sizes", image_sizes)  # read once per call, with the prompt's layout
+        layouts = [self.crop_layout(size) for size in sizes]
         if pixel_values.dim() == 5:
             self._check_crops(pixel_values[0], "[num_images, num_crops, 3, H, W]")
             if pixel_values.shape[0] != len(layouts) or any(lay.num_crops > pixel_values.shape[1] for lay in layouts):
                 raise InputError(
                     f"pixel_values of shape {tuple(pixel_values.shape)} do not hold the crops of "
-                    f"{len(layouts)} image(s) of sizes {[list(map(int, s)) for s in image_sizes]}"
+                    f"{len(layouts)} image(s) of sizes {[list(map(int, s)) for s in sizes]}"
                 )
         else:
             self._check_crops(pixel_values, "[num_images, num_crops, 3, H, W] or [total_crops, 3, H, W]")
@@ -124,15 +111,7 @@ class LlavaNextAdapter(LlavaAdapter):
     def plan(
         self, modality: Modality, pixel_values: torch.Tensor, image_sizes: Any = None, **encoder_kwargs: Any
     ) -> list[int]:
-        height, width = self.grid
-        runs = []
-        for layout in self._layouts(pixel_values, image_sizes):
-            if layout.num_crops == 1:  # base view only: its tokens and one newline
-                runs.append(height * width + 1)
-            else:
-                rows, cols = layout.unpadded.shape
-                runs.append(height * width + rows * cols + rows)
-        return runs
+        return [layout.native_length() for layout in self._layouts(pixel_values, image_sizes)]
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         return [None] * len(run_lengths)  # newlines follow which rows keep tokens: known only after selection
@@ -153,113 +132,56 @@ class LlavaNextAdapter(LlavaAdapter):
             return self.encode_merged(pixel_values, vision_feature_layer, vision_feature_select_strategy, groups)
         features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         device = features.device
-        height, width = self.grid
-
-        # which tokens of each crop survive unpadding; where each sub-image token sits in the stitched grid
-        valid, stitched_index, image_index, crop_index = [], [], [], []
-        local = torch.arange(height * width)
-        y, x = local // width, local % width
-        for i, layout in enumerate(layouts):
-            keep = torch.zeros(layout.rows * height * layout.cols * width, dtype=torch.bool)
-            keep[layout.unpadded.flatten()] = True
-            for c in range(layout.num_crops):
-                if c == 0:
-                    positions = torch.full_like(local, -1)
-                else:
-                    r, col = divmod(c - 1, layout.cols)
-                    positions = (r * height + y) * (layout.cols * width) + col * width + x
-                valid.append(keep[positions] if c else torch.ones_like(local, dtype=torch.bool))
-                stitched_index.append(positions)
-                image_index.append(i)
-                crop_index.append(c)
-        unpadded = torch.stack(valid).to(device)
         official = self.layout == "official"
+        method = self.encoder_method
+        # host facts of every crop (image after image, base view first), from the image sizes alone
+        crops = [layout.num_crops for layout in layouts]
+        images = [i for i, n in enumerate(crops) for _ in range(n)]
+        crop_index = [c for n in crops for c in range(n)]
+        valid_counts = [n for layout in layouts for n in layout.valid_counts()]
+        # the native packing unpads before any method; the official ones as the method's code does
+        unpads = not official or "unpad before selection" in method.official_packing
+        unpads_after = official and "unpad after selection" in method.official_packing
+        unpadded = crop_valid(layouts, device) if unpads or unpads_after else None
         crop_grid = {i: (layout.rows, layout.cols) for i, layout in enumerate(layouts)}
-        tokens = VisualTokens(features, self.grid, signals, torch.tensor(image_index),
-                              None if official else unpadded, torch.tensor(crop_index), crop_grid)  # fmt: skip
+        if "sequence_index" in method.uses:  # the image's tokens as packed: base view, then the stitched grid
+            signals["sequence_index"] = sequence_index(layouts, device)
+        tokens = VisualTokens(
+            features, self.grid, signals, repeated(list(range(len(crops))), crops, device),
+            unpadded if unpads else None, on_device(crop_index, device), crop_grid,
+            image_of_crop=images, valid_counts=valid_counts if unpads else None,
+        )  # fmt: skip
         selection, timer = self.select(tokens)
-        records = self.crop_records(tokens, selection, timer, crop_index)
+        places = output_places(selection)
+        drop = None
+        if unpads_after:  # HiRED's official packing selects over the padded crops, then unpads: border picks drop
+            drop = ~unpadded.gather(1, places.clamp(max=tokens.num_tokens - 1))
+        packed = pack(layouts, places, selection.counts_per_crop(), self.kept_flat(tokens, selection),
+                      self.inner.image_newline, native=not official, origin=selection.origin, drop=drop,
+                      base_newline="newline after base-only image" in method.official_packing,
+                      whole=method.acts_on == "placed")  # fmt: skip
+        records = self.crop_records(tokens, selection, timer, crop_index, images=images)
+        if drop is not None:
+            records = _after_unpadding(records, packed.reached, places, drop)
+        return EncodedImages(packed.per_image(), None, records)
 
-        kept = [selection.offsets_of(c) for c in range(tokens.num_crops)]
-        if official and "unpad after selection" in self.encoder_method.official_packing:
-            # HiRED's official packing selects over the padded crops, then unpads: border picks are dropped
-            kept = [k[unpadded[c, k]] for c, k in enumerate(kept)]
-            embeds = self.project(torch.cat([features[c, k] for c, k in enumerate(kept)]))
-            embeds = embeds.split([len(k) for k in kept])
-            for record, k in zip(records, kept, strict=True):
-                if len(k) != record.tokens_out:
-                    record.selected, record.tokens_out, record.kept = record.tokens_out, len(k), k
-        else:
-            embeds = self.kept_embeddings(tokens, selection)
-        newline = self.inner.image_newline
 
-        per_image, first = [], 0
-        for layout in layouts:
-            crops = range(first, first + layout.num_crops)
-            first += layout.num_crops
-            base = embeds[crops[0]]
-            if layout.num_crops == 1:
-                bare = official and "newline after base-only image" not in self.encoder_method.official_packing
-                per_image.append(base if bare else torch.cat([base, newline[None].to(base)]))
-                continue
-            if selection.origin is not None:  # tokens with no place on the grid ([CLS], merged) follow it
-                per_image.append(self._grid_then_extras(selection, embeds, crops, stitched_index, layout, newline))
-                continue
-            keys = torch.cat([stitched_index[c].to(device)[kept[c]] for c in crops[1:]])
-            sub = torch.cat([embeds[c] for c in crops[1:]])
-            if official:
-                sub = sub[keys.argsort()]
-            else:
-                sub = _raster_with_newlines(keys, sub, layout.cols * width, newline)
-            per_image.append(torch.cat([base, sub]))
-        return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)
+def _after_unpadding(records: Any, reached: list[int], places: torch.Tensor, drop: torch.Tensor) -> Any:
+    """Crop records of a layout that unpads after selecting (HiRED's official one): `tokens_out` is what reached
+    the LLM, `selected` what the method picked, `kept` the picks that stayed (built when read)."""
 
-    def _grid_then_extras(
-        self, selection: Selection, embeds: list[torch.Tensor], crops: range, stitched_index: list[torch.Tensor],
-        layout: AnyresLayout, newline: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """One image's sequence for a method whose output rows say where they come from (`Selection.origin`,
-        VisionZip), packed as VisionZip's official LLaVA-NeXT code does: the base view's rows as they are; the
-        sub-images' unchanged tokens on the stitched grid (official layout: raster order of the full grid; native:
-        unpadded, a newline after every row that has tokens); then every sub-image's [CLS] row, then every
-        sub-image's merged rows, crop after crop."""
-        device = embeds[crops[0]].device
-        keys, grid, cls, merged = [], [], [], []
-        for c in crops[1:]:
-            origin = selection.origin_of(c).to(device)
-            on_grid = origin >= 0
-            keys.append(stitched_index[c].to(device)[origin[on_grid]])
-            grid.append(embeds[c][on_grid])
-            cls.append(embeds[c][origin == CLS])
-            merged.append(embeds[c][origin == MERGED])
-        keys, grid = torch.cat(keys), torch.cat(grid)
-        if self.layout == "official":
-            grid = grid[keys.argsort()]
-        else:
-            grid = _raster_with_newlines(keys, grid, layout.cols * self.grid[1], newline)
-        return torch.cat([embeds[crops[0]], grid, *cls, *merged])
+    def build() -> list:
+        out = list(records)
+        for c, record in enumerate(out):
+            if reached[c] != record.tokens_out:
+                picks = places[c, : record.tokens_out]
+                record.selected, record.tokens_out = record.tokens_out, reached[c]
+                record.kept = picks[~drop[c, : len(picks)]]
+        return out
+
+    return LazyRecords(build)
 
 
 def official_layout_methods() -> list[str]:
     """The registered methods that declare an official anyres layout (`"official" in Method.layouts`)."""
     return [name for name in available_methods() if "official" in method_class(name).layouts]
-
-
-def _raster_with_newlines(keys: torch.Tensor, embeds: torch.Tensor, row_length: int, newline: torch.Tensor):
-    """Tokens at stitched raster positions `keys` [M] with embeddings [M, D], in raster order, each row that
-    holds tokens followed by `newline` [D]: returns [M + rows, D]."""
-    order = keys.argsort()
-    keys, embeds = keys[order], embeds[order]
-    rows = keys // row_length
-    if len(rows) == 0:
-        return embeds
-    starts_row = torch.ones_like(rows, dtype=torch.bool)
-    starts_row[1:] = rows[1:] != rows[:-1]
-    ends_row = torch.ones_like(rows, dtype=torch.bool)
-    ends_row[:-1] = rows[1:] != rows[:-1]
-    rows_before = starts_row.long().cumsum(0) - 1  # newlines emitted before each token
-    out = embeds.new_empty(len(keys) + int(starts_row.sum()), embeds.shape[-1])
-    token_slots = torch.arange(len(keys), device=keys.device) + rows_before
-    out[token_slots] = embeds
-    out[token_slots[ends_row] + 1] = newline.to(embeds)
-    return out

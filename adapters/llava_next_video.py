@@ -14,10 +14,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vtoken.geometry.tables import repeated
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages, Modality
+from .base import EncodedImages, Modality, flat_kept
 from .llava_next import LlavaNextAdapter
 
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
@@ -86,10 +87,12 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         # per-patch signals pooled like the features: a pooled token's score (key) is its patches' mean
         signals = {name: (lambda read=read: self._pooled(read())) if callable(read) else read
                    for name, read in signals.items()}  # fmt: skip
-        tokens = VisualTokens(pooled, self.frame_grid, signals, torch.arange(videos).repeat_interleave(frames))
+        owners = [v for v in range(videos) for _ in range(frames)]
+        tokens = VisualTokens(pooled, self.frame_grid, signals, repeated(list(range(videos)), [frames] * videos,
+                                                                         pooled.device))  # fmt: skip
         selection, timer = self.select(tokens)
-        embeds = self.inner.multi_modal_projector(selection.gather_flat(pooled))
+        embeds = self.inner.multi_modal_projector(flat_kept(selection, pooled))
         per_frame = selection.counts_per_crop()
         per_video = list(embeds.split([sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]))
-        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
-        return EncodedImages(per_video, [torch.arange(len(e)) for e in per_video], records)
+        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+        return EncodedImages(per_video, None, records)

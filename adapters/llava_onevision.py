@@ -27,14 +27,16 @@ import torch
 from torch import nn
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
+from vtoken.geometry.anyres import AnyresGrid, onevision_grid, onevision_max_crops, pack, with_row_after
+from vtoken.geometry.tables import repeated, stack_padded
 from vtoken.hub import hub_kwargs
+from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from . import hf
-from .base import EncodedImages, Modality
+from .base import EncodedImages, Modality, flat_kept, output_places
 from .llava import LlavaAdapter
-from .llava_next import _raster_with_newlines
 from .probes import ColumnAttentionProbe
 
 SIGLIP_CHECKPOINT = "google/siglip-so400m-patch14-384"  # the tower of the LLaVA-OneVision checkpoints
@@ -53,11 +55,13 @@ FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 @register_adapter
 class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava-onevision"
+    clip_tower = False  # SigLIP: no CLIP text tower of its own
     model_types = ("llava_onevision",)
     model_classes = ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionModel")
     modalities = (
         Modality("image", "pixel_values", "image_token_id",
-                 ("image_sizes", "batch_num_images", "vision_aspect_ratio", *FEATURE_KWARGS)),
+                 ("image_sizes", "batch_num_images", "vision_aspect_ratio", *FEATURE_KWARGS),
+                 host=("image_sizes", "batch_num_images")),
         Modality("video", "pixel_values_videos", "video_token_id", FEATURE_KWARGS),
     )  # fmt: skip
     stacked_features = frozenset({"video"})
@@ -140,27 +144,23 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         """Crops per image, as the model decides them (anyres only for single-image prompts)."""
         if image_sizes is None:
             raise InputError(f"{type(self.model).__name__} needs `image_sizes` next to pixel_values")
-        patching = [True] * len(image_sizes) if batch_num_images is None else \
-            [n == 1 for n in batch_num_images.tolist() for _ in range(n)]  # fmt: skip
+        sizes = self.on_host("image_sizes", image_sizes)
+        per_prompt = self.on_host("batch_num_images", batch_num_images)
+        patching = [True] * len(sizes) if per_prompt is None else [n == 1 for n in per_prompt for _ in range(n)]
         config = self.model.config
         crops = hf.modeling_function("llava_onevision", "image_size_to_num_patches")
         return [
-            crops(size, config.image_grid_pinpoints, config.vision_config.image_size) if patch else 1
-            for size, patch in zip(image_sizes, patching, strict=True)
+            crops(list(size), config.image_grid_pinpoints, config.vision_config.image_size) if patch else 1
+            for size, patch in zip(sizes, patching, strict=True)
         ]  # fmt: skip
 
     def stitched_grid(self, image_size: Any, vision_aspect_ratio: str | None = None) -> tuple[int, int]:
         """(rows, cols) of the stitched grid the model packs for an anyres image: unpadded, then downsampled."""
         config = self.model.config
-        grid_shape = hf.modeling_function("llava_onevision", "get_anyres_image_grid_shape")
-        unpad = hf.modeling_function("llava_onevision", "unpad_image")
-        rows, cols = grid_shape(image_size, config.image_grid_pinpoints, config.vision_config.image_size)
-        side = self.grid[0]
-        unpadded = unpad(torch.empty(0, rows * side, cols * side), image_size)
-        height, width = unpadded.shape[1:]
-        max_crops = int((vision_aspect_ratio or config.vision_aspect_ratio).removeprefix("anyres_max_"))
-        ratio = math.sqrt(height * width / (max_crops * side**2))
-        return (int(height // ratio), int(width // ratio)) if ratio > 1.1 else (height, width)
+        size = image_size.tolist() if isinstance(image_size, torch.Tensor) else list(image_size)
+        max_crops = onevision_max_crops(vision_aspect_ratio or config.vision_aspect_ratio)
+        return onevision_grid(size, config.image_grid_pinpoints, config.vision_config.image_size, self.grid[0],
+                              max_crops)  # fmt: skip
 
     def plan(
         self,
@@ -179,7 +179,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         self._check_crops(pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values,
                           "[num_images, num_crops, 3, H, W]")  # fmt: skip
         runs = []
-        for size, crops in zip(image_sizes, self._crop_counts(image_sizes, batch_num_images), strict=True):
+        sizes = self.on_host("image_sizes", image_sizes)
+        for size, crops in zip(sizes, self._crop_counts(image_sizes, batch_num_images), strict=True):
             if crops == 1:
                 runs.append(side * side + 1)
             else:
@@ -233,42 +234,53 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             side = math.ceil(self.grid[0] / 2)
             drop_first = hidden.shape[1] < self.grid[0] * self.grid[1]  # the "default" strategy
             signals = self.video_signals(hidden, probe, drop_first)
-            tokens = VisualTokens(pooled, (side, side), signals, torch.arange(videos).repeat_interleave(frames))
+            owners = [v for v in range(videos) for _ in range(frames)]
+            tokens = VisualTokens(pooled, (side, side), signals, repeated(list(range(videos)), [frames] * videos,
+                                                                          pooled.device))  # fmt: skip
             selection, timer = self.select(tokens)
             per_frame = selection.counts_per_crop()
-            kept = selection.gather_flat(pooled).split(
-                [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
-            )
-            per_video = [torch.cat([v, newline[None].to(v)]) for v in kept]
-            records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
-            return EncodedImages(per_video, [torch.arange(len(v)) for v in per_video], records)
+            kept = [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
+            per_video = with_row_after(flat_kept(selection, pooled), kept, newline).split([n + 1 for n in kept])
+            records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+            return EncodedImages(list(per_video), None, records)
 
         self.refuse_resized_grids("anyres images")
         counts = self._crop_counts(image_sizes, batch_num_images)
+        sizes = self.on_host("image_sizes", image_sizes)
         if pixel_values.dim() == 5:
             pixel_values = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])
         embeds = self._projected(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         # the model's own stitching, unpadding and downsampling, without newlines: base view, then the grid
         aspect = vision_aspect_ratio or self.model.config.vision_aspect_ratio
-        packed = hf.pack_anyres_features(self.inner, list(embeds.split(counts)), image_sizes, aspect)
+        packed = hf.pack_anyres_features(self.inner, list(embeds.split(counts)), sizes, aspect)
         side = self.grid[0]
         base = torch.stack([p[: side * side] for p in packed])
-        base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed)))
+        device = base.device
+        base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed), device=device))
         selection, timer = self.select(base_tokens)
-        base_kept = selection.gather(base)
-        records = self.crop_records(base_tokens, selection, timer, [0] * len(packed))
-        per_image = []
+        parts = [self.crop_records(base_tokens, selection, timer, [0] * len(packed), images=list(range(len(packed))))]
+        # every image as crops for `pack`: the base view, then its stitched grid as one sub-image of its own size
+        base_counts = selection.counts_per_crop()
+        base_rows = flat_kept(selection, base).split(base_counts)
+        base_places = output_places(selection)
+        grids, places, rows, kept = [], [], [], []
         for i, (features, crops) in enumerate(zip(packed, counts, strict=True)):
+            places.append(base_places[i, : base_counts[i]])
+            rows.append(base_rows[i])
+            kept.append(base_counts[i])
             if crops == 1:
-                per_image.append(torch.cat([base_kept[i], newline[None].to(base_kept)]))
+                grids.append(AnyresGrid(0, 0, (side, side), 0, 0, 0, 0))
                 continue
-            grid = self.stitched_grid(image_sizes[i], vision_aspect_ratio)
+            height, width = self.stitched_grid(sizes[i], vision_aspect_ratio)
             stitched = features[side * side :][None]
-            tokens = VisualTokens(stitched, grid, {}, torch.tensor([i]))
+            tokens = VisualTokens(stitched, (height, width), {}, torch.full((1,), i, device=device))
             chosen, watch = self.select(tokens)
-            keys = chosen.offsets_of(0)
-            rows = _raster_with_newlines(keys, chosen.gather(stitched)[0], grid[1], newline)
-            per_image.append(torch.cat([base_kept[i], rows]))
-            records += self.crop_records(tokens, chosen, watch, [1])
-        records.sort(key=lambda r: (r.image, r.crop))
-        return EncodedImages(per_image, [torch.arange(len(e)) for e in per_image], records)
+            parts.append(self.crop_records(tokens, chosen, watch, [1], images=[i]))
+            grids.append(AnyresGrid(1, 1, (height, width), 0, height, 0, width))
+            count = chosen.counts_per_crop()[0]
+            places.append(output_places(chosen)[0, :count])
+            rows.append(flat_kept(chosen, stitched))
+            kept.append(count)
+        out = pack(grids, stack_padded(places), kept, torch.cat(rows), newline, native=True)
+        records = LazyRecords(lambda: sorted(LazyRecords.chain(parts), key=lambda r: (r.image, r.crop)))
+        return EncodedImages(out.per_image(), None, records)

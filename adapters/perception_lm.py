@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from vtoken.errors import InputError, VTokenError
+from vtoken.geometry.tables import repeated
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 from vtoken.towers import TimmRowProbe
 
-from .base import Adapter, EncodedImages, Modality
+from .base import Adapter, EncodedImages, Modality, flat_kept
 
 
 @register_adapter
@@ -122,9 +123,11 @@ class PerceptionLMAdapter(Adapter):
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         items, tiles = pixel_values.shape[:2]
         features, signals = self.tile_tokens(pixel_values.flatten(0, 1))
-        tokens = VisualTokens(features, self.grid, signals, torch.arange(items).repeat_interleave(tiles))
+        owners = [i for i in range(items) for _ in range(tiles)]
+        tokens = VisualTokens(features, self.grid, signals, repeated(list(range(items)), [tiles] * items,
+                                                                     features.device))  # fmt: skip
         selection, timer = self.select(tokens)
         per_tile = selection.counts_per_crop()
-        kept = selection.gather_flat(features).split([sum(per_tile[i * tiles : (i + 1) * tiles]) for i in range(items)])
-        records = self.crop_records(tokens, selection, timer, list(range(tiles)) * items, modality.name)
-        return EncodedImages(list(kept), [torch.arange(len(k)) for k in kept], records)
+        kept = flat_kept(selection, features).split([sum(per_tile[i * tiles : (i + 1) * tiles]) for i in range(items)])
+        records = self.crop_records(tokens, selection, timer, list(range(tiles)) * items, modality.name, owners)
+        return EncodedImages(list(kept), None, records)

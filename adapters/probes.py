@@ -193,3 +193,62 @@ class VisionQueryKeyProbe(_Capture):
         query, keys, _ = self._qkv.reshape(self._qkv.shape[0], 3, self.num_heads, -1).unbind(1)
         cos, sin = self._tables
         return self._rotary(query, keys, cos, sin)
+
+
+class ReceivedAttentionProbe:
+    """The attention every token *receives* in one block of a tower that runs attention on packed segments (the
+    Qwen towers: one segment per frame in their full-attention blocks): head-mean post-softmax attention, averaged
+    over the queries of the token's segment (HoloV's `score="received"`).
+
+    A forward pre-hook keeps the block's attention input (after its norm) and rotary tables; `received()` then
+    recomputes q and k (the module's own `qkv` projection and rotary function) segment by segment, `rows` query
+    rows at a time, so the S x S map never exists whole. `segments`: the token count of every segment, in order
+    (known on the host from the grid). Only the thread that entered it is captured.
+    """
+
+    def __init__(self, attention: nn.Module, segments: list[int], rotary, rows: int = 1024):
+        if not isinstance(getattr(attention, "qkv", None), nn.Module) or rotary is None:
+            raise TypeError(f"{type(attention).__name__} has no fused qkv projection with a rotary function")
+        self.attention, self.segments, self.rotary, self.rows = attention, segments, rotary, rows
+        self.num_heads = attention.num_heads
+        self._inputs: tuple | None = None
+        self._hook = None
+        self._thread: int | None = None
+
+    @eager
+    def _grab(self, module, args, kwargs):
+        if threading.get_ident() == self._thread:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._inputs = (hidden, kwargs.get("position_embeddings"))
+
+    def __enter__(self) -> ReceivedAttentionProbe:
+        self._thread = threading.get_ident()
+        self._hook = self.attention.register_forward_pre_hook(self._grab, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def received(self) -> torch.Tensor:
+        """[S] fp32: per token of the block's input order, the mean over its segment's queries of the head-mean
+        attention it receives."""
+        if self._inputs is None:
+            raise RuntimeError("the probed attention block did not run")
+        hidden, (cos, sin) = self._inputs
+        seq = hidden.shape[0]
+        query, key, _ = self.attention.qkv(hidden).reshape(seq, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        query, key = self.rotary(query, key, cos, sin)
+        query, key = query.transpose(0, 1).float(), key.transpose(0, 1).float()  # [H, S, d]
+        scale = query.shape[-1] ** -0.5
+        out, start = [], 0
+        for length in self.segments:
+            keys = key[:, start : start + length]
+            total = keys.new_zeros(length)
+            for row in range(start, start + length, self.rows):
+                logits = query[:, row : min(row + self.rows, start + length)] @ keys.transpose(-1, -2) * scale
+                total = total + logits.softmax(-1).sum(dim=(0, 1))
+            out.append(total / (self.num_heads * length))
+            start += length
+        return torch.cat(out)

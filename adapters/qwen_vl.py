@@ -27,12 +27,15 @@ import torch
 from vtoken.kernels import attention_column_mean
 
 from vtoken.errors import InputError, VTokenError
+from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid, window_index
+from vtoken.geometry.tables import on_device
+from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from . import hf
-from .base import Adapter, EncodedImages, Modality
-from .probes import VisionQueryKeyProbe
+from .base import Adapter, EncodedImages, Modality, flat_kept, output_places
+from .probes import ReceivedAttentionProbe, VisionQueryKeyProbe
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
@@ -43,8 +46,8 @@ class QwenVLAdapter(Adapter):
     model_types = ("qwen2_vl",)
     model_classes = ("Qwen2VLForConditionalGeneration", "Qwen2VLModel")
     modalities = (
-        Modality("image", "pixel_values", "image_token_id", ("image_grid_thw",)),
-        Modality("video", "pixel_values_videos", "video_token_id", ("video_grid_thw",)),
+        Modality("image", "pixel_values", "image_token_id", ("image_grid_thw",), host=("image_grid_thw",)),
+        Modality("video", "pixel_values_videos", "video_token_id", ("video_grid_thw",), host=("video_grid_thw",)),
     )
     positions = "original"
     token_columns = {"mm_token_type_ids": 0}
@@ -56,7 +59,11 @@ class QwenVLAdapter(Adapter):
     multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
 
     def available_signals(self) -> set[str]:
-        return {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention"}
+        signals = {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention"}
+        attention = self.received_block().attn
+        if isinstance(getattr(attention, "qkv", None), torch.nn.Module) and self._vision_rotary() is not None:
+            signals.add("received_attention")  # HoloV's proxy: attention received in the last full-attention block
+        return signals
 
     def attention_probes(self) -> dict[str, VisionQueryKeyProbe]:
         """Probes on the ViT blocks whose attention the encoder method's signals read."""
@@ -68,7 +75,7 @@ class QwenVLAdapter(Adapter):
         return probes
 
     def attention_signals(
-        self, probes: dict[str, VisionQueryKeyProbe], grid_thw: torch.Tensor, thw: list[list[int]]
+        self, probes: dict[str, VisionQueryKeyProbe], thw: list[tuple[int, int, int]]
     ) -> list[dict[str, Any]]:
         """Per item of the call, its signals [t, merged tokens] (raster order) as callables (`thw`: `grid_thw` read
         on the host once)."""
@@ -88,7 +95,7 @@ class QwenVLAdapter(Adapter):
                 else:  # the attention each patch receives, then its merge group's mean
                     received = attention_column_mean(q, k, dim**-0.5)
                     values.append(received.reshape(frames, -1, group).mean(-1).flatten())
-            ordered = self.raster_order(torch.cat(values)[:, None], grid_thw)[:, 0]
+            ordered = self.raster_order(torch.cat(values)[:, None], thw)[:, 0]
             return list(ordered.split([n // group for n in sizes]))
 
         cache: dict[str, list[torch.Tensor]] = {}
@@ -101,21 +108,33 @@ class QwenVLAdapter(Adapter):
         return [{name: (lambda name=name, i=i, t=t: signal(name, i, t)) for name in probes}
                 for i, (t, _, _) in enumerate(thw)]  # fmt: skip
 
-    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order."""
+    def received_block(self) -> torch.nn.Module:
+        """The tower's last block whose attention spans a whole frame (Qwen2.5-VL: its last full-attention block;
+        Qwen2-VL and Qwen3-VL attend over whole frames in every block)."""
+        visual = self.inner.visual
+        full = getattr(visual, "fullatt_block_indexes", None)
+        return visual.blocks[max(full) if full else len(visual.blocks) - 1]
+
+    def _vision_rotary(self):
+        return hf.modeling_function(self.received_block().attn, "apply_rotary_pos_emb_vision")
+
+    def raster_order(self, per_group: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order
+        (`grids`: every item's (t, h, w) patches)."""
         return per_group  # Qwen2-VL's encoder keeps merge groups in raster order
 
-    def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> torch.Tensor:
+    def _grids(self, modality: Modality, pixel_values: torch.Tensor, grid_thw: Any) -> list[tuple[int, int, int]]:
+        """The (t, h, w) patches of every item, as host integers (read once per call with the prompt's layout)."""
         key = GRID_KEYS[modality.name]
         if grid_thw is None:
             raise InputError(f"{type(self.model).__name__} needs `{key}` next to `{modality.pixel_key}` "
                              "(its processor returns both)")  # fmt: skip
-        grid_thw = torch.as_tensor(grid_thw)
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or pixel_values.dim() != 2:
+        grids = self.on_host(key, grid_thw)
+        if pixel_values.dim() != 2 or any(len(g) != 3 for g in grids):
+            shape = tuple(grid_thw.shape) if isinstance(grid_thw, torch.Tensor) else (len(grids), "?")
             raise InputError(
                 f"{modality.pixel_key} of shape {tuple(pixel_values.shape)} with {key} of shape "
-                f"{tuple(grid_thw.shape)}; expected [total_patches, channels * patch volume] and "
-                f"[num_{modality.name}s, 3]"
+                f"{shape}; expected [total_patches, channels * patch volume] and [num_{modality.name}s, 3]"
             )
         vision = self.model.config.vision_config
         volume = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -124,16 +143,16 @@ class QwenVLAdapter(Adapter):
                 f"{modality.pixel_key} of shape {tuple(pixel_values.shape)}; each row must hold one patch of "
                 f"{volume} values (channels x temporal patch x patch x patch), as the processor makes them"
             )
-        if int(grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
+        patches = sum(t * h * w for t, h, w in grids)
+        if patches != pixel_values.shape[0]:
             raise InputError(
-                f"{key} {grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())} patches, but "
-                f"{modality.pixel_key} holds {pixel_values.shape[0]}"
+                f"{key} {grids} describes {patches} patches, but {modality.pixel_key} holds {pixel_values.shape[0]}"
             )
-        return grid_thw
+        return [tuple(g) for g in grids]
 
     def plan(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> list[int]:
-        grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
-        return (grid_thw.prod(-1) // self.merge**2).tolist()
+        grids = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
+        return [item_tokens(g, self.merge) for g in grids]
 
     def _rope_positions(self, kwargs: dict[str, Any], grids: dict[str, Any]) -> torch.Tensor:
         """[4, B, L] positions of the prompt in `kwargs` as the stock model builds them: text row + t/h/w rows."""
@@ -177,8 +196,9 @@ class QwenVLAdapter(Adapter):
         mask = kwargs.get("attention_mask")
         if self.resizes_grids:
             extras = self._state.family
+            device = kwargs["input_ids"].device
             grids = {
-                f"{name}_grid_thw": torch.tensor(sizes) if sizes else None
+                f"{name}_grid_thw": on_device([n for thw in sizes for n in thw], device).view(-1, 3) if sizes else None
                 for name, sizes in extras["new_grids"].items()
             }
             grids["second_per_grid_ts"] = extras["seconds_per_grid"]
@@ -225,47 +245,61 @@ class QwenVLAdapter(Adapter):
         return torch.cat([text[None], rope])
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
-        grid_thw = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
+        given = encoder_kwargs.get(GRID_KEYS[modality.name])
+        grids = self._grids(modality, pixel_values, given)
+        grid_thw = torch.as_tensor(given)
         visual = self.inner.visual
         probes = self.attention_probes()
+        received_probe = None
+        if "received_attention" in self.encoder_method.requires:  # one segment per frame, h * w patches each
+            segments = [h * w for t, h, w in grids for _ in range(t)]
+            received_probe = ReceivedAttentionProbe(self.received_block().attn, segments, self._vision_rotary())
         with ExitStack() as stack:
-            for probe in probes.values():
+            for probe in [*probes.values(), *([received_probe] if received_probe is not None else [])]:
                 stack.enter_context(probe)
             out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
-        thw = grid_thw.tolist()
-        attention = self.attention_signals(probes, grid_thw, thw) if probes else None
+        attention = self.attention_signals(probes, grids) if probes else None
         merged = out.pooler_output
-        sizes = [t * h * w // self.merge**2 for t, h, w in thw]
+        device = merged.device
+        sizes = [item_tokens(g, self.merge) for g in grids]
+        if received_probe is not None:  # per merged token: the mean over its merge group's patches, in raster order
+            received = received_probe.received().view(merged.shape[0], self.merge**2).mean(dim=1)
+            received = self.raster_order(received[:, None], grids)[:, 0].split(sizes)
         wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
-            groups = self.raster_order(groups, grid_thw).split(sizes)
+            groups = self.raster_order(groups, grids).split(sizes)
         companions = [c.split(sizes) for c in self.companion_features(out)]
-        features, offsets, records, followers = [], [], [], []
-        for index, (tokens, (frames, height, width)) in enumerate(zip(merged.split(sizes), thw, strict=True)):
-            grid = (height // self.merge, width // self.merge)
+        features, offsets, parts, followers, checks = [], [], [], [], []
+        for index, (tokens, thw) in enumerate(zip(merged.split(sizes), grids, strict=True)):
+            frames, grid = thw[0], token_grid(thw, self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
             signals = dict(attention[index]) if attention is not None else {}
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals.update({"merge_features": pooled, "vision_features": pooled})
-            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index))
+            if received_probe is not None:
+                signals["received_attention"] = received[index].view(frames, grid[0] * grid[1])
+            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device))
             selection, timer = self.select(crops)
-            out_grid = selection.grid or grid
             self._state.family["new_grids"][modality.name].append(
-                (frames, out_grid[0] * self.merge, out_grid[1] * self.merge)
+                resized_grid_thw(frames, selection.grid or grid, self.merge)
             )
-            kept = selection.gather_flat(per_frame)
-            places = torch.cat([selection.offsets_of(f) + f * per_frame.shape[1] for f in range(frames)])
-            follow = [same_selection(self.encoder_method, selection, crops, c[index]) for c in companions]
+            kept = flat_kept(selection, per_frame)
+            places = run_offsets(output_places(selection), selection.counts, per_frame.shape[1])
+            followed = [follow_selection(self.encoder_method, selection, crops, c[index]) for c in companions]
+            follow = [rows for rows, _ in followed]
+            checks += [agrees for _, agrees in followed]
             if selection.at_anchors:  # rows at their anchors, not always ascending (HoliTom): the prompt's order
                 order = places.argsort(stable=True)
                 kept, places, follow = kept[order], places[order], [c[order] for c in follow]
             features.append(kept)
             offsets.append(places)
-            records += self.crop_records(crops, selection, timer, list(range(frames)), modality.name)
+            parts.append(self.crop_records(crops, selection, timer, list(range(frames)), modality.name,
+                                           [index] * frames))  # fmt: skip
             followers.append(follow)
-        return EncodedImages(features, offsets, records, companions=followers if companions else None)
+        check_followed(self.encoder_method, checks)  # a merge's anchors on DeepStack levels: one read, if any
+        return EncodedImages(features, offsets, LazyRecords.chain(parts), companions=followers if companions else None)
 
     def companion_features(self, out: Any) -> list[torch.Tensor]:
         """Further [N, D'] tensors of the encoder's output, one row per merged token, that must follow the
@@ -281,10 +315,13 @@ class Qwen25VLAdapter(QwenVLAdapter):
     model_types = ("qwen2_5_vl",)
     model_classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
 
-    def raster_order(self, per_group: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def raster_order(self, per_group: torch.Tensor, grids: Any) -> torch.Tensor:
         """Undo the encoder's window permutation, as the model does for its merger output."""
-        window_index = hf.vision_window_index(grid_thw.to(per_group.device), self.inner.visual)
-        return per_group[torch.argsort(window_index)]
+        visual = self.inner.visual
+        grids = grids.tolist() if isinstance(grids, torch.Tensor) else grids
+        order = window_index(grids, visual.spatial_merge_size, visual.window_size, visual.patch_size,
+                             per_group.device)  # fmt: skip
+        return per_group[torch.argsort(order)]
 
 
 def same_selection(method, selection: Selection, tokens: VisualTokens, companion: torch.Tensor) -> torch.Tensor:
@@ -293,21 +330,46 @@ def same_selection(method, selection: Selection, tokens: VisualTokens, companion
     Kept indices are gathered; a merge (pool, fourier) is the method's own merge run on the companion grid, which
     is the same merge when it does not depend on the features (both are fixed linear maps of the grid); a merge
     that comes out different (anchors or grid) is refused rather than mixed."""
+    rows, agrees = follow_selection(method, selection, tokens, companion)
+    check_followed(method, [agrees])
+    return rows
+
+
+def follow_selection(
+    method, selection: Selection, tokens: VisualTokens, companion: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`same_selection` without reading the device: the rows, and for a merge with anchors a 0-d bool tensor
+    saying whether the companion's merge stood at the same anchors (None: nothing left to check); a merge that
+    comes out different on the host (grid, counts) is refused here. `check_followed` reads the flags once."""
     per_crop = companion.view(tokens.num_crops, tokens.num_tokens, -1)
     if selection.kept is not None:
-        return selection.gather_flat(per_crop)
+        return flat_kept(selection, per_crop), None
     if selection.mix is not None:  # a merge that says how to repeat itself (FastVID, HoliTom)
-        return Selection(features=selection.mix(per_crop), counts=selection.counts_per_crop()).gather_flat(per_crop)
+        mixed = Selection(features=selection.mix(per_crop), counts=selection.counts_per_crop())
+        return flat_kept(mixed, per_crop), None
     again = method.select(VisualTokens(per_crop, tokens.grid, {}, tokens.image_index, tokens.valid))
     same = again.grid == selection.grid and again.counts == selection.counts
+    agrees = None
     if selection.anchors is not None:
-        same = same and again.anchors is not None and torch.equal(again.anchors, selection.anchors)
+        same = same and again.anchors is not None and again.anchors.shape == selection.anchors.shape
+        agrees = (again.anchors == selection.anchors).all() if same else None
     if again.features is None or not same:
-        raise VTokenError(
-            f"{method.name} merges tokens depending on their features, so the same merge cannot be applied to the "
-            "DeepStack features; use a selecting method (random, mmtok) or a fixed merge (pool, fourier)"
-        )
-    return again.gather_flat(per_crop)
+        _refuse_merge(method)
+    return flat_kept(again, per_crop), agrees
+
+
+def check_followed(method, flags: list[torch.Tensor | None]) -> None:
+    """Refuse a merge whose anchors differed on a companion (`follow_selection`'s flags: one read for them all)."""
+    flags = [f for f in flags if f is not None]
+    if flags and not bool(torch.stack(flags).all()):
+        _refuse_merge(method)
+
+
+def _refuse_merge(method) -> None:
+    raise VTokenError(
+        f"{method.name} merges tokens depending on their features, so the same merge cannot be applied to the "
+        "DeepStack features; use a selecting method (random, mmtok) or a fixed merge (pool, fourier)"
+    )
 
 
 def _text_positions(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,15 @@ implementation exactly. Nothing else of the model is touched: no module forward 
 
 The function runs the model's own attention (the original implementation, with the mask it was given) unless the
 call is a prefill (as many queries as keys: no cached prefix, no decoding step) of at least `min_length` tokens on
-a sparse layer, with the usual causal + key-padding mask. Then it plans (`SparsePrefill.plan`) and runs
-`vtoken.kernels.block_sparse_attention` on rows aligned to start at column 0 (left padding moved to the end and
-back, so a padded batch plans like its rows one by one). When a prefill-stage method (FastV, MustDrop) has
-shortened the sequence, the layers after the drop receive its mask and are planned on the shorter sequence.
+a sparse layer, with the usual causal + key-padding mask, and the break-even model of the device
+(`vtoken.kernels.sparse_speed`) predicts that the plan's density gains at that length. Then it plans
+(`SparsePrefill.plan`) and runs the chosen backend (the Triton kernel, FlexAttention or the PyTorch reference) on
+rows aligned to start at column 0 (left padding moved to the end and back, so a padded batch plans like its rows one
+by one). When a prefill-stage method (FastV, MustDrop) has shortened the sequence, the layers after the drop receive
+its mask and are planned on the shorter sequence. What is the same for every layer of a call (reading the mask,
+the decision, the a_shape / grid plan) is worked out once per call and sequence length, so the host syncs it
+needs do not grow with the LLM's depth. The records say, per layer, which attention ran and why; a call that ran
+the model's own attention says why in one note.
 
 Per-call state (records, the call's frame layout for "grid") lives per thread (`state.PerThread`), so threads
 calling one patched model at once do not mix their calls.
@@ -27,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 from vtoken.kernels import block_sparse_attention, block_sparse_attention_reference
+from vtoken.kernels.block_sparse_flex import block_sparse_attention_flex, flex_unavailable
+from vtoken.kernels.sparse_speed import BACKEND_CHOICE, BreakEven, available_backends, cpu_backend, recorded_break_even
 
 from vtoken.errors import VTokenError
 from vtoken.methods.sparse_prefill import SparsePrefill
@@ -77,6 +84,30 @@ class _Layer:
     lengths: torch.Tensor  # [B] real tokens
     estimate: Stopwatch
     attention: Stopwatch
+    backend: str  # "triton", "flex" or "torch"
+    why: str
+
+
+@dataclass
+class _Rows:
+    """A layer mask read as causal + key padding, with what aligning its rows needs (the same for every layer)."""
+
+    ok: bool
+    key_valid: torch.Tensor | None = None  # [B, S] aligned (real tokens from column 0); None: no padding
+    shift: torch.Tensor | None = None  # [B] each row's first real column; None: no left padding
+    lengths: torch.Tensor | None = None  # [B] real tokens
+    last: torch.Tensor | None = None  # [B] one past each row's last real token (aligned)
+    mask: torch.Tensor | None = None  # held for the call, so no later mask can reuse its memory (the cache key)
+
+
+@dataclass
+class _Verdict:
+    """Whether layers of one sequence length run sparse, on which backend, and why."""
+
+    sparse: bool
+    backend: str  # "triton", "flex", "torch", or "measure" (auto on CUDA: time both on the first call)
+    why: str
+    density: float  # the plan's density, known before planning
 
 
 class _Local:
@@ -97,6 +128,9 @@ class _Call:
     video: list[list[torch.Tensor]] | None = None  # grid: per row, per video, [F, 2] frame columns in the LLM
     layers: list[_Layer] = field(default_factory=list)
     dense: list[str] = field(default_factory=list)  # why some layers ran the model's own attention
+    masks: dict[Any, _Rows] = field(default_factory=dict)  # per layer mask (one for all layers, another after a drop)
+    verdicts: dict[int, _Verdict] = field(default_factory=dict)  # per sequence length
+    plans: dict[Any, tuple] = field(default_factory=dict)  # a_shape / grid plans, per sequence length and mask
 
 
 class SparseAttention:
@@ -132,6 +166,8 @@ class SparseAttention:
         device = next(self.lm.parameters()).device
         if method.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise VTokenError(f"sparse_prefill: backend='triton' needs the LLM on a CUDA device; it is on {device}")
+        if method.backend == "flex" and flex_unavailable(device.type) is not None:
+            raise VTokenError(f"sparse_prefill: backend='flex': {flex_unavailable(device.type)}")
         if method.pattern == "grid" and not adapter.takes_video:
             raise VTokenError(
                 f"sparse_prefill: pattern='grid' follows video frames, which {adapter.family} does not take; use "
@@ -217,16 +253,20 @@ class SparseAttention:
             reason = f"dense: the prompt's {call.length} tokens are fewer than min_length={method.min_length}"
             return [self._note(reason)]
         records = [self._note(f"dense: {reason}") for reason in dict.fromkeys(call.dense)]
+        if not call.layers:
+            return records
+        rows = []  # per layer: [2, B] achieved density and real tokens, read back in one transfer
         for layer in call.layers:
             blocks = layer.real_blocks
             qb = torch.arange(layer.counts.shape[-1], device=blocks.device)
             real = qb[None, :] < blocks[:, None]  # [B, Qb]
             computed = (layer.counts.sum(1) * real).sum(1).double()
             causal = blocks.double() * (blocks.double() + 1) / 2 * layer.counts.shape[1]
-            density = (computed / causal.clamp(min=1)).tolist()
-            lengths = layer.lengths.tolist()
-            rows = len(lengths)
-            extra = dict(pattern=method.pattern, block_size=method.block_size)
+            rows.append(torch.stack([computed / causal.clamp(min=1), layer.lengths.double()]))
+        numbers = torch.stack(rows).tolist()
+        for layer, (density, lengths) in zip(call.layers, numbers, strict=True):
+            lengths = [int(n) for n in lengths]
+            extra = dict(pattern=method.pattern, block_size=method.block_size, attention=layer.backend, why=layer.why)
             extra.update(estimation_ms=layer.estimate.seconds * 1e3, attention_ms=layer.attention.seconds * 1e3)
             records += [
                 Record(
@@ -239,17 +279,18 @@ class SparseAttention:
                     kept=None,
                     grid=(1, lengths[row]),
                     timer=layer.estimate,
-                    share=1 / rows,
+                    share=1 / len(lengths),
                     extra=dict(extra, density=density[row]),
                 )  # fmt: skip
-                for row in range(rows)
+                for row in range(len(lengths))
             ]
         return records
 
     def _note(self, reason: str) -> Record:
         timer = Stopwatch(torch.device("cpu")).start().stop()
+        extra = {"dense": reason, "attention": self.original}
         return Record("sparse", self.method.name, image=0, crop=0, tokens_in=0, tokens_out=0, kept=None,
-                      grid=(1, 0), timer=timer, share=0.0, extra={"dense": reason})  # fmt: skip
+                      grid=(1, 0), timer=timer, share=0.0, extra=extra)  # fmt: skip
 
     # ----------------------------------------------------------------- the attention function
     def _original(self, module, query, key, value, attention_mask, **kwargs):
@@ -272,60 +313,145 @@ class SparseAttention:
             or kwargs.get("softcap") is not None
         ):
             return self._original(module, query, key, value, attention_mask, **kwargs)
-        key_valid, ok = causal_padding(attention_mask, seq)
+        rows = self._rows(call, attention_mask, seq)
         video = call.video
-        if ok and method.pattern == "grid" and (video is None or seq != call.length):
+        if rows.ok and method.pattern == "grid" and (video is None or seq != call.length):
             call.dense.append(f"layer {module.layer_idx}: no frame layout for this sequence (grid)")
-            ok = False
-        elif not ok:
+            return self._original(module, query, key, value, attention_mask, **kwargs)
+        if not rows.ok:
             call.dense.append(f"layer {module.layer_idx}: its mask is not causal + key padding")
-        if not ok:
+            return self._original(module, query, key, value, attention_mask, **kwargs)
+        verdict = self._verdict(call, query, key, seq, rows)
+        if not verdict.sparse:
+            call.dense.append(verdict.why)
             return self._original(module, query, key, value, attention_mask, **kwargs)
         scale = kwargs.get("scaling")
         scale = scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
-        out = self._sparse(module.layer_idx, scale, query, key, value, key_valid, video, call)
+        out = self._sparse(module.layer_idx, scale, query, key, value, rows, call, verdict)
         return out.transpose(1, 2).contiguous(), None
 
-    def _sparse(self, index, scale, q, k, v, key_valid, video, call) -> torch.Tensor:
+    def _rows(self, call: _Call, mask: torch.Tensor | None, seq: int) -> _Rows:
+        """The layer mask read once per call (every layer gets the same tensor; a drop passes a new one)."""
+        cache_key = None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.dtype, str(mask.device))
+        rows = call.masks.get(cache_key)
+        if rows is None:
+            key_valid, ok = causal_padding(mask, seq)
+            rows = _Rows(ok, mask=mask)
+            if ok and key_valid is not None:
+                shift = key_valid.long().argmax(1)  # first real column of each row
+                if bool((shift > 0).any()):
+                    rows.shift, key_valid = shift, _roll(key_valid, shift)
+                positions = torch.arange(seq, device=key_valid.device)
+                rows.key_valid, rows.lengths = key_valid, key_valid.sum(1)
+                rows.last = torch.where(key_valid, positions, -1).amax(1) + 1
+            call.masks[cache_key] = rows
+        return rows
+
+    def _verdict(self, call: _Call, q: torch.Tensor, k: torch.Tensor, seq: int, rows: _Rows) -> _Verdict:
+        """Sparse or the model's own attention for layers of `seq` tokens, on which backend, and why: decided once
+        per call and length, on the host, from the plan's density known before planning."""
+        verdict = call.verdicts.get(seq)
+        if verdict is not None:
+            return verdict
+        method = self.method
+        device = q.device
+        video = self._aligned_video(call.video, rows) if method.pattern == "grid" else None
+        density = method.planned_density(seq, video)
+        backend, why_backend = self._backend(q, k, seq, density, rows)
+        model = method.break_even if isinstance(method.break_even, BreakEven) else None
+        if method.break_even is True:
+            model = recorded_break_even(device.type)
+        if backend == "torch" and device.type == "cuda" and method.backend == "auto" and method.break_even:
+            why = ("no block-sparse kernel on cuda (install triton, or torch 2.5+ for FlexAttention): the dense "
+                   "reference would be slower than the model's own attention")  # fmt: skip
+            verdict = _Verdict(False, backend, why, density)
+        elif model is None:
+            source = "break_even=False" if method.break_even is False else f"no speed model recorded for {device.type}"
+            verdict = _Verdict(
+                True, backend, f"{source}: min_length={method.min_length} decides; {why_backend}", density
+            )
+        else:
+            sparse, why = model.decide(seq, density, estimated=method.pattern == "vertical_slash")
+            verdict = _Verdict(sparse, backend, f"{why}; {why_backend}" if sparse else why, density)
+        call.verdicts[seq] = verdict
+        return verdict
+
+    def _backend(self, q: torch.Tensor, k: torch.Tensor, seq: int, density: float, rows: _Rows) -> tuple[str, str]:
+        """The backend of `method.backend` on this device, and why (auto: see `vtoken.kernels.sparse_speed`)."""
+        method = self.method
+        if method.backend != "auto":
+            return method.backend, f"backend={method.backend!r}"
+        if q.device.type != "cuda":
+            chosen = cpu_backend(q.shape[0], q.shape[1], seq)
+            return chosen, f"auto on {q.device.type}: {chosen} (no measuring off CUDA)"
+        kernels = [name for name in available_backends("cuda") if name != "torch"]
+        if len(kernels) <= 1:
+            chosen = kernels[0] if kernels else "torch"
+            return chosen, f"auto on cuda: {chosen}, the only block-sparse kernel available"
+        key = BACKEND_CHOICE.shape_class(q, k, method.block_size, density, rows.key_valid is not None, self._window())
+        known = BACKEND_CHOICE.known(key)
+        return (known or "measure"), "auto on cuda: the faster backend measured for this shape"
+
+    def _window(self) -> int:
+        return self.method.local if self.method.pattern == "a_shape" else 0
+
+    @staticmethod
+    def _aligned_video(video, rows: _Rows):
+        if video is None or rows.shift is None:
+            return video
+        moved = zip(video, rows.shift.tolist(), strict=True)
+        return [[frames - offset for frames in row] for row, offset in moved]
+
+    def _plan(self, q, k, scale, rows: _Rows, call: _Call) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The layer's plan with all-padding query blocks emptied; a_shape and grid plans once per call."""
+        method = self.method
+        seq = q.shape[2]
+        fixed = method.pattern != "vertical_slash"
+        cache_key = (seq, id(rows))  # `rows` lives in `call.masks` for the whole call
+        if fixed and cache_key in call.plans:
+            return call.plans[cache_key]
+        video = self._aligned_video(call.video, rows) if method.pattern == "grid" else None
+        counts, index, window = method.plan(q, k, rows.key_valid, scale, video)
+        if rows.last is not None:
+            real_blocks = -(-rows.last // method.block_size)
+            blocks = torch.arange(counts.shape[-1], device=q.device)
+            counts = counts * (blocks[None, None, :] < real_blocks[:, None, None])  # no work on all-padding blocks
+        plan = (counts, index, window)
+        if fixed:
+            call.plans[cache_key] = plan
+        return plan
+
+    def _sparse(self, index, scale, q, k, v, rows: _Rows, call: _Call, verdict: _Verdict) -> torch.Tensor:
         """[B, H, S, d] attention of one prefill layer under the method's plan."""
         method = self.method
         batch, _, seq, _ = q.shape
-        shift = None
-        if key_valid is not None:
-            shift = key_valid.long().argmax(1)  # first real column of each row
-            if bool((shift > 0).any()):
-                q, k, v, key_valid = (_roll(x, shift) for x in (q, k, v, key_valid))
-                if video is not None:
-                    moved = zip(video, shift.tolist(), strict=True)
-                    video = [[frames - offset for frames in row] for row, offset in moved]
-            else:
-                shift = None
-            lengths = key_valid.sum(1)
-            last = torch.where(key_valid, torch.arange(seq, device=q.device), -1).amax(1) + 1
-        else:
-            lengths = last = torch.full((batch,), seq, device=q.device)
+        key_valid = rows.key_valid
+        if rows.shift is not None:
+            q, k, v = (_roll(x, rows.shift) for x in (q, k, v))
         estimate = Stopwatch(q.device).start()
-        counts, index_, window = method.plan(q, k, key_valid, scale, video)
-        real_blocks = -(-last // method.block_size)
-        blocks = torch.arange(counts.shape[-1], device=q.device)
-        counts = counts * (blocks[None, None, :] < real_blocks[:, None, None])  # no work on all-padding blocks
+        counts, index_, window = self._plan(q, k, scale, rows, call)
         estimate.stop()
+        if rows.last is not None:
+            real_blocks, lengths = -(-rows.last // method.block_size), rows.lengths
+        else:
+            lengths = torch.full((batch,), seq, device=q.device)
+            real_blocks = torch.full((batch,), -(-seq // method.block_size), device=q.device)
         attention = Stopwatch(q.device).start()
         args = (q, k, v, counts, index_, method.block_size, scale, key_valid, method.sink if window else 0, window)
-        if method.backend == "torch":
-            out = block_sparse_attention_reference(*args)
-        elif method.backend == "triton":
-            from vtoken.kernels import block_sparse_attention_triton
-
-            out = block_sparse_attention_triton(*args)
-        else:
-            out = block_sparse_attention(*args)
+        backend, out = verdict.backend, None
+        if backend == "measure":  # auto on CUDA, first call of this shape class: time both kernels on these inputs
+            key = BACKEND_CHOICE.shape_class(q, k, method.block_size, verdict.density, key_valid is not None, window)
+            runs = {"triton": lambda: block_sparse_attention(*args), "flex": lambda: block_sparse_attention_flex(*args)}
+            backend, out = BACKEND_CHOICE.pick(key, runs)
+        if out is None:
+            out = run_backend(backend, args)
         attention.stop()
-        if shift is not None:
-            out = _roll(out, -shift)
+        if rows.shift is not None:
+            out = _roll(out, -rows.shift)
             columns = torch.arange(seq, device=q.device)
-            out = out.masked_fill((columns[None, :] < shift[:, None])[:, None, :, None], 0.0)  # rows seeing nothing
-        call.layers.append(_Layer(index, counts, real_blocks, lengths, estimate, attention))
+            seeing_nothing = (columns[None, :] < rows.shift[:, None])[:, None, :, None]  # the left padding's rows
+            out = out.masked_fill(seeing_nothing, 0.0)
+        call.layers.append(_Layer(index, counts, real_blocks, lengths, estimate, attention, backend, verdict.why))
         return out
 
     # ----------------------------------------------------------------- grid: the call's frame layout
@@ -345,6 +471,19 @@ class SparseAttention:
         if ids is None or tuple(ids.shape) != shape:
             return None
         return self.adapter.frame_spans(ids, frames)
+
+
+def run_backend(backend: str, args: tuple) -> torch.Tensor:
+    """Block-sparse attention of `args` (the kernels' common signature) on `backend`."""
+    if backend == "torch":
+        return block_sparse_attention_reference(*args)
+    if backend == "flex":
+        return block_sparse_attention_flex(*args)
+    if backend == "triton" and not args[0].is_cuda:  # the Triton interpreter (tests): the launcher itself
+        from vtoken.kernels import block_sparse_attention_triton
+
+        return block_sparse_attention_triton(*args)
+    return block_sparse_attention(*args)  # the custom op: the Triton kernel on CUDA
 
 
 def causal_padding(mask: torch.Tensor | None, seq: int) -> tuple[torch.Tensor | None, bool]:

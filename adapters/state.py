@@ -47,6 +47,7 @@ class CallState:
     prefill / decode / step / prompt_length / final_columns: the LLM stages' state (see `adapters/llm/stages.py`):
     a prefill's `PrefillState`, a decoding step's `DecodeStep`, a decode-time selection's pending step.
     family: per-family extras (e.g. Qwen's resized grids).
+    host: while `prepare` runs, the call's inputs read to the host once (image sizes, the prompt's ids), by name.
     """
 
     def __init__(self) -> None:
@@ -65,6 +66,7 @@ class CallState:
         self.prompt_length = 0
         self.final_columns = None
         self.family: dict[str, Any] = {}
+        self.host: dict[str, Any] = {}
 
 
 class PatchedGenerate:

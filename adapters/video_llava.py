@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
+from vtoken.geometry.tables import on_device, repeated
 from vtoken.registry import register_adapter
-from vtoken.tokens import CLS, VisualTokens
+from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages, Modality
+from .base import EncodedImages, Modality, flat_kept
 from .llava import LlavaAdapter
 
 IMAGE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
@@ -24,6 +25,7 @@ IMAGE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 @register_adapter
 class VideoLlavaAdapter(LlavaAdapter):
     family = "video-llava"
+    clip_tower = False  # LanguageBind's towers: not an OpenAI CLIP checkpoint
     model_types = ("video_llava",)
     model_classes = ("VideoLlavaForConditionalGeneration", "VideoLlavaModel")
     modalities = (
@@ -69,21 +71,26 @@ class VideoLlavaAdapter(LlavaAdapter):
         hidden, signals = self.vision_tokens(
             pixel_values.flatten(0, 1), vision_feature_layer, tower=self.inner.video_tower, with_cls=True
         )
-        cls, patches = hidden[:, :1], hidden[:, 1:]
-        tokens = VisualTokens(patches, self.grid, signals, torch.arange(videos).repeat_interleave(frames))
+        cls, patches = hidden[:, 0], hidden[:, 1:]
+        owners = [v for v in range(videos) for _ in range(frames)]
+        device = patches.device
+        tokens = VisualTokens(patches, self.grid, signals, repeated(list(range(videos)), [frames] * videos, device))
         selection, timer = self.select(tokens)
-        # each frame: its [CLS] token, then its kept patches (a method that sends [CLS] itself: its output)
-        if selection.kept is not None:
-            frame_tokens = [torch.cat([cls[f], patches[f, selection.kept_of(f)]]) for f in range(videos * frames)]
-        else:
-            merged = selection.gather(patches)
-            frame_tokens = [
-                merged[f] if selection.origin is not None and bool((selection.origin_of(f) == CLS).any())
-                else torch.cat([cls[f], merged[f]])
-                for f in range(videos * frames)
-            ]  # fmt: skip
-        embeds = self.inner.multi_modal_projector(torch.cat(frame_tokens))
-        sizes = [len(t) for t in frame_tokens]
+        # each frame: its [CLS] token, then its kept patches; a method that sends [CLS] itself (VisionZip, keeping
+        # fewer than all patches: what `planned_counts` sized the prompt for) sends its own rows only
+        counts, patches_per_frame = selection.counts_per_crop(), tokens.num_tokens
+        sends_cls = selection.origin is not None and "cls_token" in self.encoder_method.uses
+        lead = [0 if sends_cls and k < patches_per_frame else 1 for k in counts]  # [CLS] rows put before a frame
+        before = [sum(lead[: f + 1]) for f in range(len(lead))]
+        starts = [sum(lead[:f]) + sum(counts[:f]) for f in range(len(lead)) if lead[f]]
+        rows = flat_kept(selection, patches)
+        out = rows.new_empty(len(rows) + sum(lead), rows.shape[-1])
+        out[torch.arange(len(rows), device=device) + repeated(before, counts, device)] = rows
+        if starts:
+            with_cls = [f for f in range(len(lead)) if lead[f]]
+            out[on_device(starts, device)] = cls[on_device(with_cls, device)] if len(with_cls) < len(lead) else cls
+        embeds = self.inner.multi_modal_projector(out)
+        sizes = [n + c for n, c in zip(counts, lead, strict=True)]
         per_video = list(embeds.split([sum(sizes[v * frames : (v + 1) * frames]) for v in range(videos)]))
-        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video")
-        return EncodedImages(per_video, [torch.arange(len(e)) for e in per_video], records)
+        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+        return EncodedImages(per_video, None, records)

@@ -15,6 +15,7 @@ benchmarks/results/).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -62,11 +63,26 @@ SCHEDULES = {
 }
 
 
+# methods whose official setting cannot run on vtoken-mini, as the documented variant that can (the row says which)
+VARIANTS = {  # CDPruner's official relevance needs the CLIP text tower of the model's vision tower: vtoken-mini's
+    # tower was trained with one that is not shipped, so it runs as CDPruner-LLM (vtoken's variant)
+    "cdpruner": ("cdpruner (relevance='llm')", lambda b: vtoken.CDPruner(budget=b, relevance="llm")),
+}
+
+
+def label(method: str) -> str:
+    """The method's row in the tables: its name, or its variant's label."""
+    return VARIANTS[method][0] if method in VARIANTS else method
+
+
 def make(method: str, budget: float):
     """The method at `budget`: its declared `budget_param` (its `budget`, or `keep` for LLM-stage methods: FastV,
-    DART), or its schedule (`SCHEDULES`); VTokenError if it has no token-count knob (threshold-driven MustDrop)."""
+    DART), or its schedule (`SCHEDULES`) or variant (`VARIANTS`); VTokenError if it has no token-count knob
+    (threshold-driven MustDrop)."""
     if method in SCHEDULES:
         return SCHEDULES[method](budget)
+    if method in VARIANTS:
+        return VARIANTS[method][1](budget)
     names = {f.name for f in fields(method_class(method))}
     knob = method_class(method).budget_param
     if knob is None:
@@ -134,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                 vtoken.unpatch(model)
             acc = result.accuracy()
             entry = {
-                "method": method,
+                "method": label(method),
                 "budget": budget,
                 "tokens": float(np.mean(result.tokens)),
                 "accuracy": acc,
@@ -156,6 +172,22 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": round(time.perf_counter() - began),
         "environment": environment(torch.device("cpu")),
     }
+
+
+def merged(earlier: dict, new: dict) -> dict:
+    """`earlier`'s runs with `new`'s added (a method in both: `new`'s), in `earlier`'s method order; the unpruned
+    model must have answered the same questions the same way (refused otherwise: the runs would not compare)."""
+    if (earlier["questions"], earlier["unpruned"]["accuracy"]) != (new["questions"], new["unpruned"]["accuracy"]):
+        raise SystemExit("--merge: the earlier results were not made on the same questions with the same answers")
+    fresh = {r["method"] for r in new["runs"]} | set(new["skipped"])
+    runs = [r for r in earlier["runs"] if r["method"] not in fresh and r["method"] != "oracle"]
+    oracle = [r for r in new["runs"] if r["method"] == "oracle"] or [
+        r for r in earlier["runs"] if r["method"] == "oracle"
+    ]
+    runs += [r for r in new["runs"] if r["method"] != "oracle"] + oracle
+    skipped = {**{k: v for k, v in earlier["skipped"].items() if k not in fresh}, **new["skipped"]}
+    seconds = earlier["seconds"] + new["seconds"]
+    return {**earlier, "runs": runs, "skipped": skipped, "seconds": seconds, "environment": new["environment"]}
 
 
 def fmt(value: float | None) -> str:
@@ -277,10 +309,16 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=vtoken.available_methods())
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--name", default="accuracy_cpu")
+    parser.add_argument(
+        "--merge", type=Path, default=None,
+        help="an earlier results JSON (same questions): keep its runs, replace or add those of --methods",
+    )  # fmt: skip
     add_out(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     payload = run(args)
+    if args.merge is not None:
+        payload = merged(json.loads(args.merge.read_text()), payload)
     json_path, md_path = write_results(args.name, payload, table(payload), args.out)
     plot(payload, args.out / f"{args.name}.png")
     print(table(payload))

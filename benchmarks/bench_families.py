@@ -37,6 +37,10 @@ def _build(builder, overrides: dict, device, dtype):
         target = getattr(config, section) if section != "top" else config
         for key, value in values.items():
             setattr(target, key, value)
+        if "num_hidden_layers" in values and getattr(target, "layer_types", None) is not None:
+            # per-layer attention types follow the depth: the config class derives them again from its settings
+            settings = {key: value for key, value in target.to_dict().items() if key != "layer_types"}
+            target.layer_types = type(target)(**settings).layer_types
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -153,8 +157,18 @@ def measure(name, model, inputs, budgets, repeats, device, dtype, encoder, metho
                "peak_mb": result["peak_bytes"] / 2**20}  # fmt: skip
         if key in selection:
             row["selection_ms"] = statistics.median(selection[key][1:]) * 1e3
+            row["selection_share"] = row["selection_ms"] / (timed["unpatched"]["median_s"] * 1e3)
         rows[key] = row
     return rows
+
+
+def gpu_models() -> dict:
+    """What `--device cuda` builds, by name: (device, dtype) -> (model, inputs) at full depth (tests build them on
+    the meta device, so the GPU path cannot rot unseen)."""
+    return {
+        "qwen2.5-vl-7b": lambda device, dtype: qwen25_vl_7b(None, device, dtype),
+        "llava-onevision-7b video": lambda device, dtype: onevision_7b(None, device, dtype),
+    }
 
 
 def image_encoder(model, inputs, budget):

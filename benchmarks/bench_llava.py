@@ -1,4 +1,5 @@
-"""LLaVA-1.5-7B-shaped benchmark: time to first token and peak memory, FasterVLM vs unpatched vs oracle.
+"""LLaVA-1.5-7B-shaped benchmark: time to first token and peak memory, FasterVLM (or `--methods`) vs unpatched vs
+oracle.
 
 Shapes are the real ones (CLIP ViT-L/14-336 tower: 24 layers, width 1024, 577 tokens; Llama-7B widths: 4096 wide,
 11008 MLP, 32 heads, 32064 vocab) with random weights. On a GPU the LLM has its real 32 layers; on a CPU the LLM
@@ -7,7 +8,8 @@ first token than in the real model: the table says which depth it ran.
 
 Configurations, interleaved repetition by repetition in one process:
 - unpatched: the stock model, all 576 visual tokens;
-- fastervlm@b: `vtoken.patch(model, "fastervlm", budget=b)`;
+- fastervlm@b: `vtoken.patch(model, "fastervlm", budget=b)` (and every other method `--methods` names, e.g. all
+  of LLaVA-1.5's encoder methods at batch 8 and 32, as `make bench-gpu` runs them);
 - oracle@b: stock transformers only, the LLM fed k visual tokens with zero selection cost (the stock vision
   encoder, the first k features, a prompt with k placeholders made before timing): the best any k-token method
   can do.
@@ -75,7 +77,13 @@ def build_model(llm_layers: int, device: torch.device, dtype: torch.dtype):
     finally:
         torch.set_default_dtype(default)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    vtoken.remember_tokenizer(model, processor)  # for methods that read the prompt's question (MMTok)
     return model, processor
+
+
+def gpu_models() -> dict:
+    """What `--device cuda` builds (see bench_families.gpu_models)."""
+    return {"llava-1.5-7b": lambda device, dtype: build_model(32, device, dtype)}
 
 
 def oracle_prompt(model, inputs, k: int) -> dict:
@@ -86,8 +94,13 @@ def oracle_prompt(model, inputs, k: int) -> dict:
     return {"input_ids": cut, "attention_mask": torch.ones_like(cut)}
 
 
-def measure_ttft(model, processor, batch: int, budgets, repeats: int, device, dtype) -> tuple[dict, dict]:
-    """TTFT and peak memory of unpatched / fastervlm@b / oracle@b for one batch size; returns (rows, inputs)."""
+ENCODER_METHODS = ("fastervlm", "hired", "mmtok", "fourier", "visionzip", "vispruner", "divprune", "random", "pool")
+
+
+def measure_ttft(
+    model, processor, batch: int, budgets, repeats: int, device, dtype, methods=("fastervlm",)
+) -> tuple[dict, dict]:
+    """TTFT and peak memory of unpatched / method@b / oracle@b for one batch size; returns (rows, inputs)."""
     prompt = build_prompt(processor, "What is in the image? Describe every object, its colour and its position.")
     inputs = processor(images=[example_image()] * batch, text=[prompt] * batch, return_tensors="pt").to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
@@ -103,15 +116,16 @@ def measure_ttft(model, processor, batch: int, budgets, repeats: int, device, dt
     configs["unpatched"], ks["unpatched"] = stock_generate, N
     for budget in budgets:
         k = tokens_to_keep(budget, N)
-        name = f"fastervlm@{budget:g}"
+        for method in methods:
+            name = f"{method}@{budget:g}"
 
-        @contextmanager
-        def patched(budget=budget, name=name):
-            with vtoken.patched(model, "fastervlm", budget=budget) as handle:
-                yield
-                selection_seconds.setdefault(name, []).append(sum(r.seconds for r in handle.records))
+            @contextmanager
+            def patched(budget=budget, name=name, method=method):
+                with vtoken.patched(model, vtoken.make_method(method, budget=budget)) as handle:
+                    yield
+                    selection_seconds.setdefault(name, []).append(sum(r.seconds for r in handle.records))
 
-        configs[name], contexts[name], ks[name] = stock_generate, patched, k
+            configs[name], contexts[name], ks[name] = stock_generate, patched, k
         cut = {key: v.to(device) for key, v in oracle_prompt(model, inputs, k).items()}
 
         @torch.inference_mode()
@@ -125,7 +139,7 @@ def measure_ttft(model, processor, batch: int, budgets, repeats: int, device, dt
     timed = common.interleaved(configs, repeats, device, warmup=1, contexts=contexts)
     rows = {}
     for name, result in timed.items():
-        oracle = timed["oracle@" + name.split("@")[1]] if name.startswith("fastervlm@") else None
+        oracle = timed["oracle@" + name.split("@")[1]] if name in contexts else None
         rows[name] = {
             "visual_tokens": ks[name],
             **common.timing_row(timed["unpatched"], result, oracle),
@@ -154,6 +168,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 1 8 32 on cuda, 1)")
     parser.add_argument("--name", default=None, help="results file stem (default llava15_<device>)")
+    parser.add_argument("--methods", nargs="+", default=["fastervlm"], choices=[*ENCODER_METHODS, "all"],
+                        help="encoder methods to time (all: every one LLaVA-1.5 takes)")  # fmt: skip
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -168,7 +184,8 @@ def main() -> None:
     batches = args.batch or ([1, 8, 32] if cuda else [1])
     results = {}
     for batch in batches:
-        results[batch], inputs = measure_ttft(model, processor, batch, args.budgets, repeats, device, dtype)
+        methods = ENCODER_METHODS if "all" in args.methods else args.methods
+        results[batch], inputs = measure_ttft(model, processor, batch, args.budgets, repeats, device, dtype, methods)
     prompt_tokens = int(inputs["input_ids"].shape[1])
     inputs = processor(images=[example_image()], text=[build_prompt(processor, "hi")], return_tensors="pt").to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
@@ -232,7 +249,7 @@ def main() -> None:
         ]
         for name, row in rows.items():
             rel, sel = "", ""
-            if name.startswith("fastervlm@"):
+            if "@" in name and not name.startswith("oracle@"):
                 row["selection_share"] = row["selection_ms"] / unpruned
                 rel = row["vs_oracle_text"]
                 sel = f"{row['selection_ms']:.2f} ({row['selection_share']:.2%})"

@@ -341,6 +341,14 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
     return results, lines
 
 
+def gpu_models() -> dict:
+    """What `--device cuda` builds (see bench_families.gpu_models)."""
+    return {
+        "llava-1.5-7b": lambda device, dtype: _build(tiny_llava, shapes(True), device, dtype),
+        "llava-onevision-7b": lambda device, dtype: _build(tiny_onevision, video_shapes(True), device, dtype),
+    }
+
+
 def cache_bytes(model, inputs) -> int:
     """Bytes of the KV cache after a prefill of `inputs`."""
     with torch.no_grad():

@@ -54,6 +54,12 @@ def qwen3_vl_8b(layers: int | None, device, dtype, video: bool, frames: int = 16
     return model, inputs
 
 
+def gpu_models() -> dict:
+    """What `--device cuda` builds (see bench_families.gpu_models)."""
+    return {key: (lambda device, dtype, video=key == "video": qwen3_vl_8b(None, device, dtype, video=video))
+            for key in ("image", "video")}  # fmt: skip
+
+
 def image_encoder(model, inputs, budget):
     """The stock vision encoder with its DeepStack mergers (methods select after them)."""
     model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])

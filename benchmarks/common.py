@@ -196,16 +196,17 @@ def ttft_table(title: str, rows: dict[str, dict]) -> list[str]:
         title,
         "",
         "| config | visual tokens | TTFT ms (median, min-max) | speedup (spread) | vs oracle's TTFT | selection ms "
-        "| selection / TTFT | peak MB |",
-        "|---|---:|---:|---|---|---:|---:|---:|",
+        "| selection / TTFT | selection / unpruned TTFT | peak MB |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
         rel = row.get("vs_oracle_text", "")
         sel = f"{row['selection_ms']:.2f}" if "selection_ms" in row else ""
         share = f"{row['selection_ms'] / row['ttft_ms']:.1%}" if "selection_ms" in row else ""
+        unpruned = f"{row['selection_share']:.1%}" if "selection_share" in row else ""
         speed = "(baseline)" if name == "unpatched" else row["speedup_text"]
         lines.append(
-            f"| {name} | {row['visual_tokens']} | {ttft_cell(row)} | {speed} | {rel} | {sel} | {share} | "
+            f"| {name} | {row['visual_tokens']} | {ttft_cell(row)} | {speed} | {rel} | {sel} | {share} | {unpruned} | "
             f"{row['peak_mb']:.0f} |"
         )
     return lines

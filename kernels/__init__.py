@@ -1,4 +1,8 @@
-"""Kernels, each beside a PyTorch reference with the same signature; dispatch picks Triton on CUDA."""
+"""Kernels, each beside a PyTorch reference with the same signature; dispatch picks Triton on CUDA.
+
+The greedy selections (DivPrune, MMTok, VisPruner) are PyTorch custom ops in the `vtoken` namespace
+(`torch.ops.vtoken.*`): the reference is their CPU implementation, the Triton kernels their CUDA one.
+"""
 
 from .attention_columns import (
     attention_column_mean,
@@ -19,6 +23,11 @@ from .block_sparse_attention import (
     block_sparse_attention_reference,
     block_sparse_attention_triton,
 )
+from .coverage import greedy_max_coverage, greedy_max_coverage_reference, greedy_max_coverage_triton
+from .diversity import max_min_diversity, max_min_diversity_reference, max_min_diversity_triton
+from .dpp import dpp_greedy, dpp_greedy_reference, dpp_greedy_triton
+from .duplicates import duplicate_removal, duplicate_removal_reference, duplicate_removal_triton
+from .gram import gram_reference, gram_triton
 from .greedy_picks import greedy_least_similar, greedy_least_similar_reference, greedy_least_similar_triton
 from .static_windows import static_windows, static_windows_reference, static_windows_triton
 from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
@@ -40,6 +49,20 @@ __all__ = [
     "causal_rows_probs",
     "causal_rows_probs_reference",
     "causal_rows_probs_triton",
+    "dpp_greedy",
+    "dpp_greedy_reference",
+    "dpp_greedy_triton",
+    "duplicate_removal",
+    "duplicate_removal_reference",
+    "duplicate_removal_triton",
+    "gram_reference",
+    "gram_triton",
+    "greedy_max_coverage",
+    "greedy_max_coverage_reference",
+    "greedy_max_coverage_triton",
+    "max_min_diversity",
+    "max_min_diversity_reference",
+    "max_min_diversity_triton",
     "greedy_least_similar",
     "greedy_least_similar_reference",
     "greedy_least_similar_triton",

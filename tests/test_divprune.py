@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from conftest import (
     assert_batch_beams_and_restore,
     assert_batch_equals_one_by_one,
+    assert_greedy_matches,
     assert_identity,
     feed_language_model,
+    greedy,
     inputs_for,
     make_image,
     video_inputs,
@@ -127,7 +129,7 @@ def test_qwen2_vl_keeps_original_positions():
     inputs = processor(images=[make_image(448, 448, 3)], text=[_prompt(processor, "what is it?")], return_tensors="pt")
     with torch.no_grad(), vtoken.patched(model, vtoken.DivPrune(budget=40)) as handle:
         logits = model(**inputs).logits
-        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        generated = greedy(model, inputs, 4)
     with torch.no_grad():
         stock = torch.cat(
             model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
@@ -139,9 +141,9 @@ def test_qwen2_vl_keeps_original_positions():
     keep = torch.ones_like(ids, dtype=torch.bool)
     keep[placeholders] = False
     keep[placeholders[kept]] = True
-    ref_logits, ref_tokens = _reference_generate(model, inputs, keep.nonzero().squeeze(1), stock[kept], steps=4)
+    ref_logits, *ref_greedy = _reference_generate(model, inputs, keep.nonzero().squeeze(1), stock[kept], steps=4)
     assert logits.shape == ref_logits.shape and (logits - ref_logits).abs().max() <= 1e-5
-    assert torch.equal(generated, ref_tokens[:, : generated.shape[1]])  # generate stops at EOS
+    assert_greedy_matches(generated, ref_greedy)
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))

@@ -7,6 +7,13 @@ LLM's input shrinks by exactly the dropped tokens), keeping everything is the un
 batch equals its rows run one by one, `unpatch` restores parameters, hooks and outputs exactly, and whatever goes
 wrong is a `vtoken.VTokenError`, raised at `patch` exactly where the tables of docs/guide/methods.md say "n/a".
 
+Decisions across code paths (docs/versions.md, "the tolerance policy"): a padded batch's logits equal its rows'
+within 1e-4 at the last real token (no greedy ids are compared here), and its records equal theirs exactly: an
+encoder method selects one crop at a time on features that the towers compute bit for bit the same in a batch and
+alone (AVX2 and AVX-512 alike), so its picks cannot differ by rounding. (An LLM stage's picks are compared exactly
+too, though its scores come from the LLM, which rounds a padded row differently: no drawn example ties within
+rounding on either instruction set; one that did would fail naming its record.)
+
 Derandomised and time-bounded: every tiny model is built once per module, images are small, no shrinking phase (a
 failure prints its falsifying example), no example database on disk.
 """
@@ -49,7 +56,8 @@ VIDEO = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-
          "tiny-perception-lm"}  # fmt: skip
 QWEN3 = {"tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}
 OFFICIAL_LAYOUT = {"tiny-llava-next", "tiny-llava-next-video"}
-OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip"}
+OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip",
+                           "cdpruner", "holov"}  # fmt: skip
 # no [CLS] attention to score by
 NO_CLS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-gemma3", "tiny-fastvlm"} | QWEN3
 MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl"} | QWEN3  # (t, h, w) positions: an LLM stage keeps the original ones
@@ -72,7 +80,11 @@ REFUSED = {
     # videos only, where the tower gives their signals: SigLIP's MAP head / ViT attention (OneVision, Qwen-VL)
     "fastvid": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
     "holitom": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
+    "holov": NO_CLS,  # score="cls"; score="received": the Qwen towers only (MROPE below)
 }
+# CDPruner's official relevance: a CLIP vision tower whose checkpoint has a text tower (a tiny CLIP is built to fit)
+CLIP_FAMILIES = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video"}
+IMAGE_ONLY = {"cdpruner", "holov"}
 SENDS_CLS = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video", "tiny-video-llava"}  # VisionZip's [CLS]
 HIRED_BANDS_ONLY = {"tiny-internvl"}  # the processor gives the tile count, not the grid: partition="tiles" refused
 QUESTIONS = (
@@ -106,16 +118,38 @@ budgets = st.one_of(fractions, st.integers(min_value=1, max_value=800), st.just(
 
 
 ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop", "visionzip", "vispruner",
-                   "divprune", "vidcom2", "dycoke", "fastvid", "holitom")  # fmt: skip
+                   "divprune", "vidcom2", "dycoke", "fastvid", "holitom", "cdpruner", "holov")  # fmt: skip
 VIDEO_MERGERS = ("fastvid", "holitom")  # counts follow segments / windows
 PREFILL_METHODS = ("fastv", "dart", "pyramiddrop", "sparsevlm")  # LLM stages that compose with encoder methods
 METHODS = (*ENCODER_METHODS, *PREFILL_METHODS)
 
 
+@functools.cache
+def clip_for(family: str):
+    """A tiny CLIP whose vision width fits `family`'s tower, with its tokenizer (built once)."""
+    return vtoken.zoo.tiny_clip(*tiny(family))
+
+
 @st.composite
-def encoder_methods(draw, name: str, full: bool = False):
-    """Encoder-stage method `name` with drawn parameters (`full`: set to keep every token)."""
+def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-llava"):
+    """Encoder-stage method `name` with drawn parameters (`full`: set to keep every token); CDPruner's CLIP
+    relevance with a tiny CLIP fitting `family`'s tower where it has one."""
     budget = 1.0 if full else draw(budgets)
+    if name == "cdpruner":
+        if not full:  # k greedy steps (the PyTorch reference on CPU): small budgets keep it fast, and below the
+            # tiny models' rank (64-wide tokens) its picks are clear of rounding, so batch and rows agree
+            budget = draw(st.one_of(st.floats(0.01, 0.07), st.integers(1, 40)))
+        relevance = draw(st.sampled_from(["clip", "llm"] if family in CLIP_FAMILIES else ["llm", "llm", "clip"]))
+        clip = dict(zip(("clip", "clip_tokenizer"), clip_for(family), strict=True)) if family in CLIP_FAMILIES else {}
+        theta = draw(st.one_of(st.none(), st.floats(0.05, 0.95)))
+        question = draw(st.one_of(st.none(), st.sampled_from(QUESTIONS)))  # None: read from the prompt
+        return vtoken.CDPruner(budget=budget, theta=theta, relevance=relevance, question=question, **clip)
+    if name == "holov":  # the [CLS] score, or where there is none mostly the attention received (Qwen towers)
+        score = draw(
+            st.sampled_from(["received", "received", "cls"] if family in NO_CLS else ["cls", "cls", "received"])
+        )
+        chunks = draw(st.one_of(st.integers(1, 40), st.just("auto"), st.just(16)))
+        return vtoken.HoloV(budget=budget, chunks=chunks, alpha=draw(st.floats(0, 1)), score=score)
     if name in ("fastervlm", "random"):
         scope = draw(st.sampled_from(["crop", "image"]))
         seed = {"seed": draw(st.integers(0, 2**31))} if name == "random" else {}
@@ -244,9 +278,9 @@ def method_stacks(draw, name: str, family: str, full: bool = False):
     if name == "holitom" and not full and draw(st.booleans()):  # its own merge inside the LLM, at a layer that fits
         fits = [k + 1 for k in drop_points(family)]  # (thrice as likely) or any (refused)
         inner = draw(st.sampled_from(fits * 3 + list(range(1, LLM_LAYERS[family] + 1))))
-        outer = draw(encoder_methods(name))
+        outer = draw(encoder_methods(name, family=family))
         return [replace(outer, inner_layer=inner, inner_ratio=draw(st.floats(0, 1)))]
-    stack = [draw(encoder_methods(name, full))]
+    stack = [draw(encoder_methods(name, full, family))]
     if name not in ("mustdrop", "dycoke") and draw(st.booleans()):  # their own LLM stages
         after = draw(st.sampled_from(PREFILL_METHODS if not full else ("fastv", "dart", "pyramiddrop")))
         stack.append(draw(prefill_methods(after, family, full)))
@@ -299,6 +333,10 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
             family in REFUSED[name]
         ):
             return True
+        if name == "holov" and (family in REFUSED[name] if method.score == "cls" else family not in MROPE):
+            return True
+        if name == "cdpruner" and method.relevance == "clip" and family not in CLIP_FAMILIES:
+            return True
         if name == "hired" and method.partition == "tiles" and family in HIRED_BANDS_ONLY:
             return True
         if name == "mustdrop":
@@ -323,6 +361,8 @@ def refused_at_call(family: str, stack: list, modality: str) -> bool:
     """Inputs a patched model refuses when the call starts: Fourier-VLM on anyres images of families whose videos
     it takes; VidCom2 on images."""
     if modality == "image" and stack[0].name in ("vidcom2", "dycoke", *VIDEO_MERGERS):
+        return True
+    if modality == "video" and stack[0].name in IMAGE_ONLY:
         return True
     return modality == "image" and family in ("tiny-onevision", "tiny-llava-next-video") and stack[0].name == "fourier"
 
@@ -419,7 +459,13 @@ def check_encoder_records(family: str, method, records: list) -> None:
     elif name == "fourier":
         for r in mine:
             assert r.tokens_out == expected_fourier(method, r.grid), r
-    elif name in ("vispruner", "divprune"):  # per crop; DivPrune: per image (video), its placed tokens
+    elif name == "holov":  # one budget per image, over all its crops
+        groups = defaultdict(list)
+        for r in mine:
+            groups[r.image].append(r)
+        for group in groups.values():
+            assert sum(r.tokens_out for r in group) == keep(method.budget, sum(r.tokens_in for r in group)), group
+    elif name in ("vispruner", "divprune", "cdpruner"):  # per crop; DivPrune: per image (video), its placed tokens
         for r in mine:
             assert r.tokens_out == keep(method.budget, r.tokens_in), r
     elif name == "visionzip":

@@ -60,7 +60,33 @@ CHECK_ROWS = textwrap.dedent(
     """
 )
 
-CHECKS = {"row_probs": CHECK, "causal_rows": CHECK_ROWS}
+CHECK_DPP = textwrap.dedent(
+    """
+    import torch
+    import vtoken.kernels.dpp as dpp
+    device = "{device}"
+    # (crops, tokens, width, steps, rows from the features): widths below the steps exhaust the rank
+    for crops, n, dim, steps, from_features in [(2, 70, 8, 20, False), (3, 41, 24, 35, False), (2, 50, 6, 12, True),
+                                                (1, 300, 16, 40, False)]:
+        g = torch.Generator().manual_seed(n)
+        unit = torch.nn.functional.normalize(torch.randn(crops, n, dim, generator=g), dim=-1).to(device)
+        unit[0, 5] = unit[0, 2]  # a duplicate adds nothing
+        quality = torch.rand(crops, n, generator=g).to(device)
+        candidates = (torch.rand(crops, n, generator=g) > 0.2).to(device)
+        limit, dpp.MATRIX_LIMIT = dpp.MATRIX_LIMIT, (10 if from_features else dpp.MATRIX_LIMIT)
+        try:
+            got = dpp.dpp_greedy_triton(unit, quality, candidates, steps, 1e-4)
+        finally:
+            dpp.MATRIX_LIMIT = limit
+        want = dpp.dpp_greedy_reference(unit, quality, candidates, steps, 1e-4)
+        assert torch.equal(got, want), (got, want)
+        assert (want[:, -1] == -1).all() or dim >= steps  # past the rank: -1
+        assert torch.equal(torch.ops.vtoken.dpp_greedy(unit, quality, candidates, steps, 1e-4), want)
+    print("kernel ok")
+    """
+)
+
+CHECKS = {"row_probs": CHECK, "causal_rows": CHECK_ROWS, "dpp_greedy": CHECK_DPP}
 
 
 @pytest.mark.parametrize("kernel", CHECKS)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import inputs_for, make_image
+from conftest import assert_same_greedy, greedy, inputs_for, make_image
 from vtoken.adapters import hf
 
 import vtoken
@@ -48,13 +48,13 @@ def test_identity_at_full_budget(llava, batch, method):
     model, _ = llava
     with torch.no_grad():
         ref_logits = model(**batch).logits
-        ref_tokens = model.generate(**batch, max_new_tokens=6, do_sample=False)
+        ref_tokens = greedy(model, batch, 6)
         with vtoken.patched(model, method, budget=1.0) as handle:
             logits = model(**batch).logits
             assert [r.tokens_out for r in handle.records] == [N, N]
-            tokens = model.generate(**batch, max_new_tokens=6, do_sample=False)
+            tokens = greedy(model, batch, 6)
     assert (logits - ref_logits).abs().max() <= 1e-5
-    assert torch.equal(tokens, ref_tokens)
+    assert_same_greedy(tokens, ref_tokens, 1e-5, min_steps=3)  # equal up to a near-tie (tests/near_ties.py)
 
 
 @pytest.mark.parametrize("method", METHODS)

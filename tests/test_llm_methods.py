@@ -23,6 +23,7 @@ from conftest import (
     inputs_for,
     video_inputs,
 )
+from near_ties import greedy_steps_agreeing
 from transformers import DynamicCache
 from vtoken.adapters import hf
 
@@ -347,8 +348,9 @@ def prefill_summary(records, row=None):
 
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_padded_batches_and_beams_equal_rows_alone(deep_llava, photos, name):
-    """Invariant 5: a left-padded batch generates (12 greedy tokens, per-step logits) and beam-searches (with
-    num_return_sequences) exactly what each row does alone; left- and right-padded forwards give each row's logits
+    """Invariant 5: a left-padded batch generates (12 greedy tokens, per-step logits within 1e-4: equal ids up to a
+    near-tie, after 6 steps at least; tests/near_ties.py) and beam-searches (with num_return_sequences) exactly what
+    each row does alone; left- and right-padded forwards give each row's logits
     and records alone, the left-padded one also numbered from its padding (a plain `model(**inputs)`: RoPE moves
     every key, which DART's key norms must not see)."""
     model, processor = deep_llava
@@ -365,9 +367,11 @@ def test_padded_batches_and_beams_equal_rows_alone(deep_llava, photos, name):
         for row, one in enumerate(singles):
             own = model.generate(**one, **greedy)
             length = one["input_ids"].shape[1]
-            assert torch.equal(out.sequences[row, width:], own.sequences[0, length:])
-            step_logits = torch.stack([s[row] for s in out.logits])
-            assert (step_logits - torch.cat(own.logits)).abs().max() <= 1e-4
+            step_logits, own_logits = torch.stack([s[row] for s in out.logits]), torch.cat(own.logits)
+            # equal ids up to a near-tie (tests/near_ties.py), and the logits of every step with the same context
+            steps = greedy_steps_agreeing(out.sequences[row, width:].tolist(), own.sequences[0, length:].tolist(),
+                                          own_logits, 1e-4, step_logits, min_steps=6)  # fmt: skip
+            assert (step_logits[: steps + 1] - own_logits[: steps + 1]).abs().max() <= 1e-4
             beam_alone = model.generate(**one, **beams)
             assert torch.equal(beam_out[2 * row : 2 * row + 2, width:], beam_alone[:, length:])
             alone.append((model(**one).logits[0], prefill_summary(handle.records)))

@@ -4,7 +4,7 @@ selection, timestamped video frames, FastV inside the LLM before and after the l
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_batch_beams_and_restore, assert_identity, make_image
+from conftest import assert_batch_beams_and_restore, assert_greedy_matches, assert_identity, greedy, make_image
 from vtoken.adapters import hf
 
 import vtoken
@@ -40,7 +40,8 @@ def test_identity_at_full_budget(qwen3, method):
 
 def _reference_generate(model, inputs, keep_columns, visual_embeds, deepstack, steps):
     """The bare language model fed the kept embeddings and their DeepStack features at their ORIGINAL M-RoPE
-    positions (text row contiguous), then greedy decoding after the largest position: prefill logits and tokens."""
+    positions (text row contiguous), then greedy decoding after the largest position: prefill logits, tokens and
+    their per-step logits [steps, 1, V]."""
     inner = model.model
     rope, _ = inner.get_rope_index(
         inputs["input_ids"],
@@ -64,6 +65,7 @@ def _reference_generate(model, inputs, keep_columns, visual_embeds, deepstack, s
         )
         logits = model.lm_head(out.last_hidden_state)
         tokens, cache, nxt = [], hf.cache_out(out), int(positions.max()) + 1
+        step_logits = [logits[:, -1]]
         token = logits[:, -1].argmax(-1, keepdim=True)
         for step in range(steps):
             tokens.append(token)
@@ -76,8 +78,9 @@ def _reference_generate(model, inputs, keep_columns, visual_embeds, deepstack, s
                 position_ids=position,
                 use_cache=True,
             )
-            token = model.lm_head(out.last_hidden_state)[:, -1].argmax(-1, keepdim=True)
-    return logits, torch.cat(tokens, dim=1)
+            step_logits.append(model.lm_head(out.last_hidden_state)[:, -1])
+            token = step_logits[-1].argmax(-1, keepdim=True)
+    return logits, torch.cat(tokens, dim=1), torch.stack(step_logits)
 
 
 def _kept_columns(inputs, token_id, offsets):
@@ -96,7 +99,7 @@ def test_pruned_image_equals_language_model_with_original_positions_and_deepstac
     k = 49
     with torch.no_grad(), vtoken.patched(model, method, budget=k) as handle:
         logits = model(**inputs).logits
-        generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        generated = greedy(model, inputs, 5)
     assert [r.tokens_out for r in handle.records] == [k]
     with torch.no_grad():
         out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
@@ -109,10 +112,10 @@ def test_pruned_image_equals_language_model_with_original_positions_and_deepstac
         offsets = handle.records[0].kept
         levels = [x[offsets] for x in levels]
     keep = _kept_columns(inputs, model.config.image_token_id, offsets)
-    ref_logits, ref_tokens = _reference_generate(model, inputs, keep, levels[0], levels[1:], steps=5)
+    ref_logits, *ref_greedy = _reference_generate(model, inputs, keep, levels[0], levels[1:], steps=5)
     assert logits.shape == ref_logits.shape
     assert (logits - ref_logits).abs().max() <= 1e-5
-    assert torch.equal(generated, ref_tokens)
+    assert_greedy_matches(generated, ref_greedy)
 
 
 def test_pruned_video_equals_language_model_with_timestamps_and_deepstack(qwen3):
@@ -126,16 +129,16 @@ def test_pruned_video_equals_language_model_with_timestamps_and_deepstack(qwen3)
     assert text.count("seconds>") == t and text.count("<|vision_start|><|video_pad|>") == t
     with torch.no_grad(), vtoken.patched(model, "random", budget=0.25) as handle:
         logits = model(**inputs).logits
-        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        generated = greedy(model, inputs, 4)
     assert [(r.modality, r.crop, r.tokens_out) for r in handle.records] == [("video", f, 4) for f in range(t)]
     offsets = torch.cat([r.kept + f * per_frame for f, r in enumerate(handle.records)])
     with torch.no_grad():
         out = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
     levels = [torch.cat(out.pooler_output)[offsets]] + [torch.cat(level)[offsets] for level in out.deepstack_features]
     keep = _kept_columns(inputs, model.config.video_token_id, offsets)
-    ref_logits, ref_tokens = _reference_generate(model, inputs, keep, levels[0], levels[1:], steps=4)
+    ref_logits, *ref_greedy = _reference_generate(model, inputs, keep, levels[0], levels[1:], steps=4)
     assert (logits - ref_logits).abs().max() <= 1e-5
-    assert torch.equal(generated, ref_tokens)
+    assert_greedy_matches(generated, ref_greedy)
 
 
 @pytest.mark.parametrize("method", METHODS)

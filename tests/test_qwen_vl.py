@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_batch_equals_one_by_one, assert_identity, make_image
+from conftest import assert_batch_equals_one_by_one, assert_greedy_matches, assert_identity, greedy, make_image
 from PIL import Image
 from vtoken.adapters import hf
 
@@ -46,7 +46,8 @@ def test_identity_at_full_budget(qwen, method):
 
 def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
     """The bare language model fed the kept embeddings at their ORIGINAL M-RoPE positions (text row contiguous),
-    then greedy decoding continuing after the largest position: prefill logits and the generated tokens."""
+    then greedy decoding continuing after the largest position: prefill logits, the generated tokens and
+    their per-step logits [steps, 1, V]."""
     inner = model.model
     rope, _ = inner.get_rope_index(
         inputs["input_ids"],
@@ -65,6 +66,7 @@ def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
         out = inner.language_model(inputs_embeds=embeds, position_ids=torch.cat([text, positions]), use_cache=True)
         logits = model.lm_head(out.last_hidden_state)
         tokens, cache, nxt = [], hf.cache_out(out), int(positions.max()) + 1
+        step_logits = [logits[:, -1]]
         token = logits[:, -1].argmax(-1, keepdim=True)
         for step in range(steps):
             tokens.append(token)
@@ -78,8 +80,9 @@ def _reference_generate(model, inputs, keep_columns, image_embeds, steps):
                 position_ids=torch.cat([text_pos, pos]),
                 use_cache=True,
             )
-            token = model.lm_head(out.last_hidden_state)[:, -1].argmax(-1, keepdim=True)
-    return logits, torch.cat(tokens, dim=1)
+            step_logits.append(model.lm_head(out.last_hidden_state)[:, -1])
+            token = step_logits[-1].argmax(-1, keepdim=True)
+    return logits, torch.cat(tokens, dim=1), torch.stack(step_logits)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -91,7 +94,7 @@ def test_pruned_run_equals_language_model_with_original_positions(qwen, method):
     k = 64
     with torch.no_grad(), vtoken.patched(model, method, budget=k) as handle:
         logits = model(**inputs).logits
-        generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        generated = greedy(model, inputs, 5)
     assert [r.tokens_out for r in handle.records] == [k]
     with torch.no_grad():
         full = torch.cat(model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
@@ -106,10 +109,10 @@ def test_pruned_run_equals_language_model_with_original_positions(qwen, method):
     keep = torch.ones_like(ids, dtype=torch.bool)
     keep[placeholders] = False
     keep[placeholders[offsets]] = True
-    ref_logits, ref_tokens = _reference_generate(model, inputs, keep.nonzero().squeeze(1), chosen, steps=5)
+    ref_logits, *ref_greedy = _reference_generate(model, inputs, keep.nonzero().squeeze(1), chosen, steps=5)
     assert logits.shape == ref_logits.shape
     assert (logits - ref_logits).abs().max() <= 1e-5
-    assert torch.equal(generated, ref_tokens)
+    assert_greedy_matches(generated, ref_greedy)
 
 
 @pytest.mark.parametrize("method", METHODS)

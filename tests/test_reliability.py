@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import inputs_for
+from conftest import assert_same_greedy, greedy, inputs_for
 from PIL import Image
 from transformers import StaticCache
 from vtoken.adapters import hf
@@ -491,7 +491,7 @@ def test_compiling_after_patch_equals_the_uncompiled_patched_model(name, backend
         stock = model(**inputs).logits
         with vtoken.patched(model, _stack(model, name)) as handle:
             logits = model(**inputs).logits
-            tokens = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+            tokens = greedy(model, inputs, 2)
             records = summary_of(handle.records)
             if backend == "aot_eager":  # the wrapper runs the patched model; its generate is the model's
                 compiled = torch.compile(model, backend=backend)
@@ -500,12 +500,16 @@ def test_compiling_after_patch_equals_the_uncompiled_patched_model(name, backend
                 compiled = model
             got = compiled(**inputs).logits
             got_records = summary_of(handle.records)
-            got_tokens = compiled.generate(**inputs, max_new_tokens=2, do_sample=False)
+            got_tokens = greedy(compiled, inputs, 2)
         after = compiled(**inputs).logits
     torch._dynamo.reset()
     assert logits.shape[1] < stock.shape[1]  # pruned
     close = torch.equal if backend != "inductor" else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-5)
-    assert close(got, logits) and got_records == records and torch.equal(got_tokens, tokens)
+    assert close(got, logits) and got_records == records
+    if backend == "inductor":  # its kernels round differently: equal ids up to a near-tie (tests/near_ties.py)
+        assert_same_greedy(got_tokens, tokens, 1e-5, min_steps=1)
+    else:
+        assert torch.equal(got_tokens[0], tokens[0])
     assert close(after, stock)
 
 

@@ -554,3 +554,256 @@ def test_a_copy_of_a_patched_model_runs_its_own_sparse_stage(llava_batch, how):
     with torch.no_grad():
         assert torch.equal(model(**llava_batch).logits, unpatched)
         assert not torch.equal(unpatched, want)  # the sparse pattern changes the logits: the checks above can fail
+
+
+# --------------------------------------------------------------------- never slower than dense (issue 32)
+def test_recorded_break_even_is_conservative_and_the_defaults_never_lose():
+    """The recorded model predicts no measured kernel point faster than it ran; below its shortest measurement it
+    says dense; with the defaults (vertical_slash, density 0.1, min_length 32768) every length from min_length to
+    1M tokens is predicted faster than dense, and shorter ones run dense."""
+    from vtoken.kernels.sparse_speed import CUDA_H200, KERNEL_DENSITIES, KERNEL_SPEEDUPS, recorded_break_even
+
+    assert recorded_break_even("cuda") is CUDA_H200 and recorded_break_even("cpu") is None
+    for length, speedups in KERNEL_SPEEDUPS.items():
+        for density, speedup in zip(KERNEL_DENSITIES, speedups, strict=True):
+            assert CUDA_H200.ratio(length, density, estimated=False) >= 1 / speedup - 1e-9
+    assert CUDA_H200.ratio(4096, 0.1, estimated=False) is None
+    assert CUDA_H200.decide(4096, 0.01, estimated=False) == (False, "no measurement below 8192 tokens: dense is "
+                                                                     "the safe choice")  # fmt: skip
+    assert not CUDA_H200.decide(8192, 0.1, estimated=True)[0]  # the run's 0.76x at 8k: the estimate dominated
+    method = vtoken.SparsePrefill()
+    for length in [method.min_length, 40000, 65536, 100000, 131072, 1 << 20]:
+        ratio = CUDA_H200.ratio(length, method.planned_density(length), estimated=True)
+        assert ratio < CUDA_H200.margin, (length, ratio)
+    limit = CUDA_H200.density_limit(32768, estimated=True)
+    assert 0.1 < limit < 0.5 and CUDA_H200.decide(32768, limit + 0.01, estimated=True)[0] is False
+
+
+def test_break_even_model_validation():
+    from vtoken.kernels.sparse_speed import BreakEven
+
+    with pytest.raises(ValueError):
+        BreakEven(lengths=(8, 4), fixed=(0, 0), per_density=(1, 1), estimate=(0, 0))
+    with pytest.raises(ValueError):
+        BreakEven(lengths=(8,), fixed=(0, 0), per_density=(1,), estimate=(0,))
+    with pytest.raises(ValueError):
+        BreakEven(lengths=(8,), fixed=(0,), per_density=(1,), estimate=(0,), margin=1.5)
+    with pytest.raises(ValueError):
+        BreakEven(lengths=(8,), fixed=(0,), per_density=(-1,), estimate=(0,))
+    flat = BreakEven(lengths=(8,), fixed=(0.5,), per_density=(0.0,), estimate=(0.0,))
+    assert flat.density_limit(8, False) == 1.0 and flat.density_limit(8, True) == 1.0
+    for bad in ("yes", 1, None, 0.5):
+        with pytest.raises(vtoken.VTokenError, match="break_even"):
+            vtoken.SparsePrefill(break_even=bad)
+
+
+def test_planned_density_is_what_the_plan_computes():
+    """The host-side prediction the break-even decides on equals the density the plan achieves (one row, no
+    padding), and bounds it in line mode."""
+    from vtoken.methods.sparse_prefill import density_plan
+
+    g = torch.Generator().manual_seed(0)
+    seq = 700
+    q, k = torch.randn(1, 2, seq, 16, generator=g), torch.randn(1, 2, seq, 16, generator=g)
+    n = -(-seq // 16)
+    causal = n * (n + 1) / 2
+    for params in [dict(pattern="a_shape", sink=5, window=100), dict(density=0.3), dict(density=0.05, sink=40),
+                   dict(vertical=3, slash=2)]:  # fmt: skip
+        method = vtoken.SparsePrefill(block_size=16, **params)
+        counts, index, _ = method.plan(q, k, None, 0.25)
+        achieved = float(counts[0].double().mean(0).sum()) / causal
+        if "vertical" in params:
+            assert achieved <= method.planned_density(seq) + 1e-9
+        else:
+            assert method.planned_density(seq) == pytest.approx(achieved, abs=1e-12), params
+    vertical, slash = torch.rand(1, 2, seq, generator=g), torch.rand(1, 2, seq, generator=g)
+    mandatory = a_shape_blocks(seq, 16, 64, 64)
+    assert torch.equal(density_plan(vertical, slash, 16, 0.2, mandatory)[1],
+                       density_plan(vertical, slash, 16, 0.2, mandatory, int(mandatory.sum(-1).max()))[1])  # fmt: skip
+
+
+def _speed(fixed, per_density=1.0, lengths=(16,), margin=0.9):
+    from vtoken.kernels.sparse_speed import BreakEven
+
+    return BreakEven(lengths=lengths, fixed=(fixed,), per_density=(per_density,), estimate=(0.0,), margin=margin,
+                     source="test")  # fmt: skip
+
+
+def test_a_plan_predicted_to_lose_runs_the_models_own_attention_exactly(llava, llava_batch):
+    """A speed model that predicts no gain: the output is the unpatched model's, bit for bit, and one note says why;
+    one that predicts a gain runs sparse, and every layer's records say which attention ran and why."""
+    model, _ = llava
+    seq = llava_batch["input_ids"].shape[1]
+    with torch.no_grad():
+        ref = model(**llava_batch).logits
+        lose = vtoken.SparsePrefill(pattern="a_shape", window=40, break_even=_speed(2.0), **SMALL)
+        with vtoken.patched(model, lose) as handle:
+            logits = model(**llava_batch).logits
+            notes = handle.records
+        short = vtoken.SparsePrefill(pattern="a_shape", window=40, break_even=_speed(0.0, lengths=(10**4,)), **SMALL)
+        with vtoken.patched(model, short) as handle:
+            short_logits = model(**llava_batch).logits
+            short_notes = handle.records
+        gain = vtoken.SparsePrefill(pattern="a_shape", window=40, break_even=_speed(0.0), **SMALL)
+        with vtoken.patched(model, gain) as handle:
+            sparse_logits = model(**llava_batch).logits
+            records = handle.records
+    assert torch.equal(logits, ref) and torch.equal(short_logits, ref) and not torch.equal(sparse_logits, ref)
+    density = gain.planned_density(seq)
+    assert [r.stage for r in notes] == ["sparse"] and notes[0].extra["attention"] == "sdpa"
+    assert notes[0].extra["dense"] == (
+        f"dense: predicted {2 + density:.2f}x the dense layer's time at {seq} tokens, density {density:.3f} "
+        "(break-even margin 0.9; gains below density 0.00)"
+    )
+    assert short_notes[0].extra["dense"] == "dense: no measurement below 10000 tokens: dense is the safe choice"
+    assert {r.stage for r in records} == {"sparse.layer0", "sparse.layer1"}
+    for r in records:
+        assert r.extra["attention"] == "torch"  # auto on CPU at this size: the reference
+        assert r.extra["why"] == (
+            f"predicted {density:.2f}x the dense layer's time at {seq} tokens, density {density:.3f}; "
+            "auto on cpu: torch (no measuring off CUDA)"
+        )
+
+
+def test_the_break_even_decides_by_density(llava, llava_batch):
+    """Time ratio = density (margin 0.5): a wide A-shape (dense plan) falls back, a narrow one runs sparse; the
+    decision follows the host-side planned density."""
+    model, _ = llava
+    seq = llava_batch["input_ids"].shape[1]
+    decided = {}
+    for window in (16, 400):
+        method = vtoken.SparsePrefill(pattern="a_shape", sink=0, window=window, break_even=_speed(0.0, margin=0.5),
+                                      **SMALL)  # fmt: skip
+        with torch.no_grad(), vtoken.patched(model, method) as handle:
+            model(**llava_batch)
+        decided[window] = ({r.stage for r in handle.records}, method.planned_density(seq))
+    assert decided[16][0] == {"sparse.layer0", "sparse.layer1"} and decided[16][1] < 0.5
+    assert decided[400][0] == {"sparse"} and decided[400][1] > 0.5
+
+
+def test_without_a_speed_model_min_length_decides(llava, llava_batch):
+    """Off CUDA nothing is recorded, and break_even=False turns the model off: records say so."""
+    model, _ = llava
+    for break_even, source in [(True, "no speed model recorded for cpu"), (False, "break_even=False")]:
+        method = vtoken.SparsePrefill(pattern="a_shape", window=40, break_even=break_even, **SMALL)
+        with torch.no_grad(), vtoken.patched(model, method) as handle:
+            model(**llava_batch)
+        whys = {r.extra["why"] for r in handle.records}
+        assert whys == {f"{source}: min_length=16 decides; auto on cpu: torch (no measuring off CUDA)"}
+
+
+def test_auto_on_cpu_picks_without_measuring():
+    from vtoken.kernels.sparse_speed import DENSE_SCORES_LIMIT, cpu_backend
+
+    assert cpu_backend(2, 4, 600) == "torch" and cpu_backend(1, 4, 2048) == "torch"  # tiny models, tests
+    assert 4 * 2048**2 <= DENSE_SCORES_LIMIT < 28 * 1024**2
+    assert cpu_backend(1, 28, 1024) == "flex"  # a 7B's 28 heads at 1k tokens: compiling pays
+    assert cpu_backend(1, 28, 32768) == "flex"  # the reference's dense scores would take 120 GB
+
+
+def test_backend_choice_measures_once_per_shape_class():
+    """auto on CUDA: each backend runs once to warm up, then is timed; the fastest is kept per shape class and its
+    measured output returned; a second call of the class measures nothing."""
+    from vtoken.kernels.sparse_speed import BackendChoice
+
+    calls = []
+
+    def timer(run, repeats):
+        out = [run() for _ in range(repeats)][-1]
+        return ([0.001, 0.0005, 0.003] if out == "flex" else [0.002] * 3), out
+
+    choice = BackendChoice(timer=timer)
+    runs = {name: (lambda name=name: calls.append(name) or name) for name in ("triton", "flex")}
+    q, k = torch.zeros(1, 28, 5000, 128), torch.zeros(1, 4, 5000, 128)
+    key = choice.shape_class(q, k, 64, 0.12, False, 0)
+    assert key == ("cpu", "cpu", torch.float32, 1, 28, 4, 128, 64, 8192, 0.2, False, False)
+    assert choice.known(key) is None
+    assert choice.pick(key, runs) == ("flex", "flex")
+    assert calls == ["triton", "flex"] + ["triton"] * 3 + ["flex"] * 3
+    assert choice.known(key) == "flex" and choice.pick(key, runs) == ("flex", None) and len(calls) == 8
+    assert choice.shape_class(q, k, 64, 0.5, False, 0) != key
+
+
+def test_flex_backend_inside_a_model_equals_the_reference(llava, llava_batch):
+    """backend='flex' (compiled FlexAttention on CPU) against backend='torch' on a padded batch: estimated plans,
+    and the A-shape with its element limits."""
+    from vtoken.kernels.block_sparse_flex import flex_unavailable
+
+    if flex_unavailable("cpu"):
+        pytest.skip(flex_unavailable("cpu"))
+    model, _ = llava
+    for params in [dict(density=0.3, sink=16, window=16), dict(pattern="a_shape", sink=5, window=40)]:
+        outputs = {}
+        for backend in ("torch", "flex"):
+            method = vtoken.SparsePrefill(backend=backend, **params, **SMALL)
+            with torch.no_grad(), vtoken.patched(model, method) as handle:
+                outputs[backend] = model(**llava_batch).logits
+            assert {r.extra["attention"] for r in handle.records} == {backend}
+        assert (outputs["flex"] - outputs["torch"]).abs().max() <= 1e-4, params
+
+
+def test_host_syncs_do_not_grow_with_depth_or_batch(llava_batch):
+    """What is the same for every layer (the mask, the decision, the A-shape plan) is read once per call: a 4-layer
+    LLM forces as many host syncs as a 2-layer one, and a layer launches as many kernels for four rows as for two
+    (no loop over rows)."""
+    from vtoken.launches import count_launches
+
+    inputs = {k: v[1:].repeat(4, *([1] * (v.dim() - 1))) for k, v in llava_batch.items()}  # unpadded rows
+    counted = {}
+    for layers in (2, 4):
+        model, _ = tiny_llava(text_layers=layers)
+        for pattern in ("vertical_slash", "a_shape"):
+            for rows in (2, 4):
+                method = vtoken.SparsePrefill(pattern=pattern, **SMALL)
+                batch = {k: v[:rows] for k, v in inputs.items()}
+                with torch.no_grad(), vtoken.patched(model, method):
+                    model(**batch)  # transformers' first-call setup
+                    with count_launches() as sparse:
+                        model(**batch)
+                with torch.no_grad(), count_launches() as dense:
+                    model(**batch)
+                counted[layers, pattern, rows] = (sparse.kernels - dense.kernels, sparse.syncs - dense.syncs)
+    for pattern in ("vertical_slash", "a_shape"):
+        for rows in (2, 4):
+            assert counted[2, pattern, rows][1] == counted[4, pattern, rows][1] <= 5, counted
+        per_layer = [(counted[4, pattern, rows][0] - counted[2, pattern, rows][0]) / 2 for rows in (2, 4)]
+        assert per_layer[0] == per_layer[1], (pattern, counted)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+def test_a_compiled_patched_model_equals_the_uncompiled_one(llava_batch, backend):
+    """`model.compile()` after patch: the sparse attention function runs eagerly inside the compiled model (the
+    custom op and FlexAttention's own compiled kernel included): the same logits and records."""
+    from vtoken.kernels.block_sparse_flex import flex_unavailable
+
+    if backend == "flex" and flex_unavailable("cpu"):
+        pytest.skip(flex_unavailable("cpu"))
+    model, _ = tiny_llava()
+    method = vtoken.SparsePrefill(density=0.3, sink=16, window=16, backend=backend, **SMALL)
+    with torch.no_grad(), vtoken.patched(model, method) as handle:
+        want = model(**llava_batch).logits
+        stages = [(r.stage, r.extra["attention"]) for r in handle.records]
+        model.compile(backend="eager")
+        got = model(**llava_batch).logits
+        assert [(r.stage, r.extra["attention"]) for r in handle.records] == stages
+    torch._dynamo.reset()
+    assert torch.equal(got, want) and {s for s, _ in stages} == {"sparse.layer0", "sparse.layer1"}
+
+
+def test_the_gpu_benchmark_configuration_builds_and_runs_on_meta():
+    """`bench_sparse_prefill.py --device cuda` at full depth, built on the meta device (no memory, no GPU): the
+    28-layer Qwen2.5-VL-7B shape runs its LLM (a config list left at the tiny model's length fails here)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_sparse_prefill as bench
+    finally:
+        sys.path.pop(0)
+    cfg = bench.settings(cuda=True)
+    model, _ = bench.build_model(cfg, torch.device("meta"), torch.bfloat16)
+    assert len(model.model.language_model.layers) == cfg["text"]["num_hidden_layers"] == 28
+    with torch.no_grad():
+        out = model.model.language_model(input_ids=torch.zeros(1, 64, dtype=torch.long, device="meta"))
+    assert out.last_hidden_state.shape == (1, 64, 3584)

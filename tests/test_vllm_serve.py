@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import socket
 import subprocess
 import time
 import urllib.request
 
-from vllm_support import QUESTIONS, prompt, reference, save_checkpoints, vllm_python
+from vllm_support import QUESTIONS, prompt, reference, save_checkpoints, vllm_env, vllm_python
 
 OVERRIDE = {"method": "fastervlm", "budget": 0.25}
 
@@ -39,7 +38,7 @@ def test_vllm_serve_answers_with_a_shorter_prompt(tmp_path):
     image = tmp_path / "astronaut.png"
     Image.fromarray(data.astronaut()).save(image)
     port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
                "--hf-overrides", json.dumps({"vtoken": OVERRIDE})]  # fmt: skip

@@ -10,11 +10,14 @@ registering a method at run time)}. Every engine runs in this one process
 (the engine core in process, VLLM_ENABLE_V1_MULTIPROCESSING=0): the ~30 s of imports are paid once, each engine
 then starts in a few seconds. "batch": all requests in one `generate` call, else one call per request. OUT: per
 engine the start time and, per request, the prompt length, greedy ids and top-5 logprobs per step; or the error
-raised at start.
+raised at start. Per request run alone, also "kept": what every method's outermost `select` call during it chose
+(per call, per crop: the indices of the tokens that reach the LLM unchanged, or None for a pure merge); a call
+answered from vLLM's encoder cache selects nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import json
@@ -25,6 +28,55 @@ import time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+SELECTIONS: list[list[list[int] | None]] = []  # per outermost `select` call in this process, per crop
+# select calls that are no selection of a request's tokens: the Qwen plugin's plans made before the encoder (on
+# stand-in features), and a merge re-run on the DeepStack companion features
+DRY_RUNS = ("plan", "data_independent", "same_selection")
+
+
+def record_selections() -> None:
+    """Wrap `select` of every method class so each outermost call appends its choice to SELECTIONS (the engine core
+    runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vtoken.methods.base import EncoderMethod
+    from vtoken.registry import load_methods
+
+    load_methods()
+    depth = [0]
+
+    def dry_run() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name in DRY_RUNS and frame.f_globals.get("__name__", "").startswith("vtoken."):
+                return True
+            frame = frame.f_back
+        return False
+
+    def wrap(select):
+        @functools.wraps(select)
+        def recorded(self, tokens):
+            depth[0] += 1
+            try:
+                selection = select(self, tokens)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0 and not dry_run():
+                unchanged = [selection.unchanged_of(c) for c in range(tokens.num_crops)]
+                SELECTIONS.append([None if u is None else u.tolist() for u in unchanged])
+            return selection
+
+        return recorded
+
+    classes, seen = [EncoderMethod], set()
+    while classes:
+        cls = classes.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if "select" in cls.__dict__:
+            cls.select = wrap(cls.__dict__["select"])
+        classes += cls.__subclasses__()
 
 
 def video_item(frames, fps: float) -> tuple:
@@ -55,14 +107,20 @@ def run_engine(spec: dict) -> dict:
         if r.get("videos"):  # [T, H, W, 3] uint8 frames, every one sent (vLLM's Qwen video parser needs metadata)
             data["video"] = [video_item(numpy.load(p), r["fps"]) for p in r["videos"]]
         prompts.append({"prompt": r["prompt"], "multi_modal_data": data} if data else {"prompt": r["prompt"]})
-    outputs = llm.generate(prompts, params, use_tqdm=False) if spec.get("batch") else [
-        llm.generate(p, params, use_tqdm=False)[0] for p in prompts
-    ]  # fmt: skip
+    if spec.get("batch"):
+        outputs, kept = llm.generate(prompts, params, use_tqdm=False), [None] * len(prompts)
+    else:
+        outputs, kept = [], []
+        for p in prompts:
+            SELECTIONS.clear()
+            outputs.append(llm.generate(p, params, use_tqdm=False)[0])
+            kept.append(list(SELECTIONS))
     results = []
-    for out in outputs:
+    for out, chosen in zip(outputs, kept, strict=True):
         completion = out.outputs[0]
         steps = [{str(i): lp.logprob for i, lp in step.items()} for step in completion.logprobs]
-        results.append({"prompt_len": len(out.prompt_token_ids), "ids": list(completion.token_ids), "logprobs": steps})
+        results.append({"prompt_len": len(out.prompt_token_ids), "ids": list(completion.token_ids), "logprobs": steps,
+                        "kept": chosen})  # fmt: skip
     del llm
     gc.collect()
     return {"start_s": started, "results": results}
@@ -74,6 +132,7 @@ def main() -> None:
     for target in job.get("setup", []):
         module, _, function = target.partition(":")
         getattr(importlib.import_module(module), function)()
+    record_selections()
     out = [run_engine(spec) for spec in job["engines"]]
     json.dump({"engines": out}, open(sys.argv[2], "w"))
 

@@ -87,6 +87,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .functional import encode, select
     from .methods import (
         DART,
+        CDPruner,
         DivPrune,
         DyCoke,
         EncoderMethod,
@@ -96,6 +97,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         FourierDCT,
         HiRED,
         HoliTom,
+        HoloV,
         Method,
         MMTok,
         MustDrop,
@@ -153,6 +155,8 @@ __all__ = [
     "VidCom2",
     "FastVID",
     "HoliTom",
+    "CDPruner",
+    "HoloV",
     "Method",
     "EncoderMethod",
     "PrefillMethod",

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import TYPE_CHECKING
 
 from .errors import BudgetError
+
+if TYPE_CHECKING:  # the CLI's --help reads budgets without importing torch
+    import torch
 
 Budget = float | int
 
@@ -39,6 +43,17 @@ def tokens_to_keep(budget: Budget, n: int) -> int:
     if isinstance(budget, int):
         return min(budget, n)
     return max(1, min(n, math.floor(budget * n + 0.5)))
+
+
+def tokens_to_keep_tensor(budget: Budget, n: torch.Tensor) -> torch.Tensor:
+    """`tokens_to_keep` of every entry of `n` (integer tensor), computed on n's device without reading it back: the
+    same IEEE double arithmetic as the host's, so both sides agree on every count. 0 where n is 0 (a crop without
+    tokens keeps none)."""
+    budget = check_budget(budget)
+    n = n.long()
+    if isinstance(budget, int):
+        return n.clamp(max=budget)
+    return (n.double() * budget + 0.5).floor().long().clamp(min=1).minimum(n)
 
 
 def describe(budget: Budget) -> str:

@@ -29,7 +29,9 @@ class ModelView:
     (`Method.requires`). stages, layouts: what `vtoken.patch` supports on it. llm_layers: its LLM's decoder layers;
     attention_layers: those with softmax attention (a hybrid LLM's linear-attention layers have none).
     language_model: the decoder stack itself, for reading (e.g. a forward pre-hook measuring its input); do not
-    change it.
+    change it. vision_width: the hidden size of the vision tower whose features encoder methods read, where the
+    family has one such tower (the LLaVA families' CLIP; None elsewhere), e.g. for a method that pairs it with
+    another checkpoint of that width (CDPruner's CLIP).
     """
 
     family: str
@@ -42,6 +44,7 @@ class ModelView:
     llm_layers: int
     attention_layers: tuple[int, ...]
     language_model: nn.Module = field(repr=False, compare=False)
+    vision_width: int | None = None
 
     def visual_tokens(self, input_ids: torch.Tensor) -> list[int]:
         """[B] visual tokens of each row of a prompt `input_ids` [B, L]: its image and video placeholders, which is
@@ -72,4 +75,5 @@ def model_view(model: nn.Module) -> ModelView:
         llm_layers=depth,
         attention_layers=tuple(i for i, kind in enumerate(types) if kind != "linear_attention"),
         language_model=language_model,
+        vision_width=getattr(getattr(getattr(adapter, "tower", None), "config", None), "hidden_size", None),
     )

@@ -57,15 +57,24 @@ def question_from_prompt(text: str, special_tokens: tuple[str, ...] = ()) -> str
     return " ".join(_SPECIAL.sub(" ", question).split())
 
 
-def prompt_questions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, tokenizer: Any) -> list[str]:
-    """The question of every row of a tokenized batch [B, L] (padding skipped)."""
+def prompt_questions(input_ids: Any, attention_mask: Any, tokenizer: Any) -> list[str]:
+    """The question of every row of a tokenized batch [B, L] (padding skipped): tensors (read to the host in one
+    read: the tokenizer needs the words) or the nested lists such a read gives."""
     special = tuple(getattr(tokenizer, "all_special_tokens", ()))
     added = tuple(getattr(tokenizer, "added_tokens_decoder", {}).values())
     special += tuple(str(t) for t in added if getattr(t, "special", False))
+    if isinstance(input_ids, torch.Tensor):
+        if attention_mask is None:
+            input_ids = input_ids.tolist()
+        else:
+            both = torch.cat([input_ids, attention_mask.to(input_ids)]).tolist()
+            input_ids, attention_mask = both[: len(both) // 2], both[len(both) // 2 :]
+    elif isinstance(attention_mask, torch.Tensor):
+        attention_mask = attention_mask.tolist()
     questions = []
-    for row, ids in enumerate(input_ids.tolist()):
+    for row, ids in enumerate(input_ids):
         if attention_mask is not None:
-            ids = [i for i, keep in zip(ids, attention_mask[row].tolist(), strict=True) if keep]
+            ids = [i for i, keep in zip(ids, attention_mask[row], strict=True) if keep]
         text = tokenizer.decode(ids, skip_special_tokens=False)
         questions.append(question_from_prompt(text, special))
     return questions

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,41 @@ class Record:
     @property
     def seconds(self) -> float:
         return self.timer.seconds * self.share
+
+
+class LazyRecords(Sequence):
+    """Records built when first read, not during the forward: the per-crop counts and kept indices they hold are
+    host work (and, for a few layouts, reads of device data) that the forward itself never needs. `build()`
+    returns the list of `Record`s; `chain` joins several sequences of records, still unbuilt."""
+
+    def __init__(self, build: Callable[[], list[Record]]):
+        self._build: Callable[[], list[Record]] | None = build
+        self._records: list[Record] | None = None
+
+    @classmethod
+    def chain(cls, parts: Sequence[Sequence[Record]]) -> LazyRecords:
+        parts = list(parts)
+        return cls(lambda: [record for part in parts for record in part])
+
+    def _resolved(self) -> list[Record]:
+        if self._records is None:
+            self._records, self._build = list(self._build()), None
+        return self._records
+
+    def __getitem__(self, index):
+        return self._resolved()[index]
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self._resolved())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._resolved())
 
 
 def summarize(records: list[Record]) -> str:

@@ -39,7 +39,7 @@ _lock = threading.RLock()  # lookups from several threads (the demo's, a served 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 STAGES = ("encoder", "prefill", "decode", "sparse")
 LAYOUTS = ("native", "official")
-OFFICIAL_PACKING = ("unpad after selection", "newline after base-only image")
+OFFICIAL_PACKING = ("unpad after selection", "unpad before selection", "newline after base-only image")
 
 
 def _key(name: str) -> str:
@@ -307,6 +307,8 @@ def _short(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, tuple):
         return "(" + ",".join(map(str, value)) + ")"
+    if not isinstance(value, (str, int, type(None))) and hasattr(value, "__dict__"):
+        return type(value).__name__  # an object (a loaded CLIPModel, a tokenizer): its class, not its whole repr
     return str(value)
 
 

@@ -49,6 +49,15 @@ class VisualTokens:
     crop_index: [C] index of each crop within its image (anyres: 0 = base view, then sub-images in raster order).
     crop_grid: anyres only: image index -> (rows, cols) of its sub-image grid.
     question: the prompt's text, for methods that require "question".
+    valid_counts: host-side, per crop, how many of its tokens are valid (the True entries of `valid`), given by an
+        adapter that knows them without reading `valid` back from the device (from the layout: LLaVA-NeXT's
+        unpadding, the lengths of placed runs). Methods size their outputs from it; without it a method reads
+        `valid`'s counts back once (one host sync). None with `valid` None: every crop has N valid tokens.
+    image_of_crop: host-side `image_index` (image of every crop), set by adapters that know it without reading the
+        device (None: `host_image_index` reads it back).
+
+    Tensors live on the features' device (`image_index` and `crop_index` too, for a selection without host-device
+    copies); the host-side fields (`grid`, `crop_grid`, `valid_counts`) are what methods size their outputs from.
     """
 
     features: torch.Tensor
@@ -59,14 +68,33 @@ class VisualTokens:
     crop_index: torch.Tensor | None = None
     crop_grid: dict[int, tuple[int, int]] | None = None
     question: TextQuery | None = None
+    valid_counts: list[int] | None = None
+    image_of_crop: list[int] | None = None
 
     @property
     def num_crops(self) -> int:
         return self.features.shape[0]
 
+    def host_image_index(self) -> list[int]:
+        """The image of every crop, on the host (one read of `image_index` where no adapter gave it)."""
+        if self.image_of_crop is not None:
+            return list(self.image_of_crop)
+        if self.image_index is None:
+            return list(range(self.num_crops))
+        return self.image_index.tolist()
+
     @property
     def num_tokens(self) -> int:
         return self.features.shape[1]
+
+    def host_valid_counts(self) -> list[int]:
+        """Valid tokens of every crop, on the host: `valid_counts` when the adapter gave it, N per crop without
+        `valid`, else read back from `valid` (one host-device sync, the only one this costs)."""
+        if self.valid_counts is not None:
+            return self.valid_counts
+        if self.valid is None:
+            return [self.num_tokens] * self.num_crops
+        return self.valid.sum(1).tolist()
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Methods, one file each; importing this package registers them."""
 
 from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
+from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
 from .dycoke import DyCoke
@@ -10,6 +11,7 @@ from .fastvid import FastVID
 from .fourier import FourierDCT
 from .hired import HiRED
 from .holitom import HoliTom
+from .holov import HoloV
 from .mmtok import MMTok
 from .mustdrop import MustDrop
 from .pool import Pool
@@ -45,4 +47,6 @@ __all__ = [
     "VidCom2",
     "FastVID",
     "HoliTom",
+    "CDPruner",
+    "HoloV",
 ]

@@ -1,6 +1,11 @@
 """Method base classes.
 
 A method is a small dataclass. Most are one `score()` function: the base class owns budgets, top-k and ordering.
+
+Selections run on the GPU without waiting for it: counts come from shapes, budgets and the host-side fields of
+`VisualTokens` (`valid_counts`), their device twins are computed on the device from the same data
+(`EncoderMethod.keep_counts`), and no helper here loops over crops or reads a tensor back, except where a method's
+definition makes a count depend on the data (one read, documented by the method).
 What a method *is* (its stages, signals, parameters, layouts, ...) it declares in a block of class attributes at
 the top of its class; `Method` lists them, and every vtoken tool reads them from there.
 """
@@ -13,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..budget import Budget, tokens_to_keep
+from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
 from ..params import Kept, Layer, Param, Scope
 from ..tokens import LayerTokens, Merged, Selection, VisualTokens
 
@@ -58,7 +63,8 @@ class Method:
     budget_alternatives: ClassVar[tuple[str, ...]] = ()
     # packings it implements on anyres models (LLaVA-NeXT): "native" (the model's own) and "official" (its own
     # code's: every crop keeps its budget, no unpadding, no newlines). official_packing: where that differs:
-    # "unpad after selection" (HiRED selects over the padded crops, then unpads), "newline after base-only image"
+    # "unpad after selection" (HiRED selects over the padded crops, then unpads), "unpad before selection" (HoloV
+    # selects among the base view and the unpadded grid, packed without newlines), "newline after base-only image"
     layouts: ClassVar[tuple[str, ...]] = ("native",)
     official_packing: ClassVar[tuple[str, ...]] = ()
     # whether it outputs tokens made from several (merging: no kept index for them)
@@ -113,6 +119,10 @@ class Method:
                 out[param] = max(fits) + spec.reads
         return out
 
+    def missing_signal_hint(self, missing: list[str]) -> str:
+        """A sentence `patch` adds when a model lacks the signals `missing` (e.g. the variant that needs none)."""
+        return ""
+
 
 def unmet(requires: tuple[str, ...], provided: set[str]) -> list[str]:
     """The entries of `requires` that `provided` does not meet (an "a|b" entry is met by either)."""
@@ -164,6 +174,13 @@ class EncoderMethod(Method):
         """Tokens kept per crop of n tokens."""
         return tokens_to_keep(self.budget, n)
 
+    def keep_counts(self, n: torch.Tensor) -> torch.Tensor:
+        """`keep_count` of every crop's n ([C] integer tensor), 0 where n is 0, computed on n's device without a
+        host sync. A method overriding `keep_count` overrides this too (else its counts are read back here)."""
+        if type(self).keep_count is not EncoderMethod.keep_count:
+            return torch.tensor([self.keep_count(v) if v else 0 for v in n.tolist()], device=n.device)
+        return tokens_to_keep_tensor(self.budget, n)
+
     def planned_count(self, n: int) -> int | None:
         """Tokens a crop of n keeps, when known before its features exist (None: decided from the data).
 
@@ -184,22 +201,51 @@ class EncoderMethod(Method):
         raise NotImplementedError
 
 
-def topk_per_crop(scores: torch.Tensor, counts: list[int]) -> Selection:
+def topk_per_crop(scores: torch.Tensor, counts: list[int], limit: torch.Tensor | None = None) -> Selection:
     """Crop c keeps its top `counts[c]` tokens by `scores` [C, N] (invalid tokens at -inf), ascending; rows are
-    padded with N past each crop's count."""
-    width = max(max(counts), 1)
+    padded with N past each crop's count.
+
+    limit: [C] the same counts on the scores' device, computed there from the data the host counts came from (e.g.
+    `EncoderMethod.keep_counts`), so that nothing is copied to the device; needed only when crops keep different
+    numbers (without it, `counts` is copied over: a host-to-device copy).
+    """
+    width = max(max(counts, default=0), 1)
     top = scores.topk(width, dim=-1).indices
+    if limit is None and len(set(counts)) <= 1:  # every crop keeps the same number
+        if counts and counts[0] == width:
+            return Selection(kept=top.sort(dim=-1).values, counts=counts)
+        limit = counts[0] if counts else 0
+    elif limit is None:
+        limit = torch.tensor(counts, device=top.device)
+    if isinstance(limit, torch.Tensor):
+        limit = limit.to(top.device)[:, None]
     rank = torch.arange(width, device=top.device)
-    limit = torch.tensor(counts, device=top.device)[:, None]
     kept = torch.where(rank < limit, top, scores.shape[-1]).sort(dim=-1).values
     return Selection(kept=kept, counts=counts)
 
 
-def topk_mask(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """[C, N] bool: row c marks its top `counts[c]` entries of `scores` [C, N] (invalid entries at -inf)."""
-    kept = topk_per_crop(scores, counts).kept  # padded with N past each row's count
+def topk_mask(scores: torch.Tensor, counts: list[int], limit: torch.Tensor | None = None) -> torch.Tensor:
+    """[C, N] bool: row c marks its top `counts[c]` entries of `scores` [C, N] (invalid entries at -inf); `limit` as
+    in `topk_per_crop`."""
+    kept = topk_per_crop(scores, counts, limit).kept  # padded with N past each row's count
     mask = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.bool, device=scores.device)
     return mask.scatter(1, kept, True)[:, :-1]
+
+
+def image_slots(tokens: VisualTokens, device: torch.device) -> torch.Tensor:
+    """[C] for every crop, the index of its image's first crop: a group id below C, computed on the device (an
+    image's crops share it), so crops are grouped by image without reading `image_index` back."""
+    if tokens.image_index is None:
+        return torch.arange(tokens.num_crops, device=device)
+    images = tokens.image_index.to(device)
+    return (images[:, None] == images[None, :]).int().argmax(1)  # argmax: the first maximum
+
+
+def valid_mask(tokens: VisualTokens, device: torch.device) -> torch.Tensor:
+    """[C, N] bool `tokens.valid` on `device`, all True (made there) when it is None."""
+    if tokens.valid is None:
+        return torch.ones(tokens.num_crops, tokens.num_tokens, dtype=torch.bool, device=device)
+    return tokens.valid.to(device)
 
 
 def device_ints(values: list[int], device: torch.device | str) -> torch.Tensor:
@@ -242,29 +288,39 @@ class ScoreMethod(EncoderMethod):
         if tokens.valid is None:
             k = self.keep_count(tokens.num_tokens)
             return Selection(kept=scores.topk(k, dim=-1).indices.sort(dim=-1).values)
-        # crops with invalid tokens: budget over the valid ones
-        counts = [self.keep_count(int(v)) if v else 0 for v in tokens.valid.sum(dim=1).tolist()]
-        return topk_per_crop(scores.float().masked_fill(~tokens.valid, float("-inf")), counts)
+        # crops with invalid tokens: budget over the valid ones (host counts from the layout, their twins on device)
+        valid = tokens.valid.to(scores.device)
+        counts = [self.keep_count(v) if v else 0 for v in tokens.host_valid_counts()]
+        limit = self.keep_counts(valid.sum(1))
+        return topk_per_crop(scores.float().masked_fill(~valid, float("-inf")), counts, limit)
 
     def _select_per_image(self, tokens: VisualTokens, scores: torch.Tensor) -> Selection:
-        """One top-k over all crops of each image; crops keep different numbers (padded rows + counts)."""
-        n = tokens.num_tokens
-        valid = tokens.valid if tokens.valid is not None else torch.ones_like(scores, dtype=torch.bool)
-        scores = scores.float().masked_fill(~valid, float("-inf"))
-        images = tokens.image_index if tokens.image_index is not None else torch.arange(tokens.num_crops)
-        per_crop: list[torch.Tensor] = [scores.new_empty(0, dtype=torch.long)] * tokens.num_crops
-        for image in images.unique().tolist():
-            crops = (images == image).nonzero().squeeze(1).tolist()
-            k = self.keep_count(int(valid[crops].sum()))
-            flat = scores[crops].flatten().topk(k).indices
-            for position, crop in enumerate(crops):
-                mine = flat[(flat // n) == position] % n
-                per_crop[crop] = mine.sort().values
-        counts = [len(k) for k in per_crop]
-        width = max(counts)
-        kept = torch.full((tokens.num_crops, width), n, dtype=torch.long, device=scores.device)
-        for crop, k in enumerate(per_crop):
-            kept[crop, : len(k)] = k
+        """One top-k over all crops of each image; crops keep different numbers (padded rows + counts).
+
+        How many of its image's top-k fall in each crop is data: the per-crop counts are read back once (one host
+        sync). Ties rank the lower crop, then the lower token, first.
+        """
+        crops, n = scores.shape
+        device = scores.device
+        valid = valid_mask(tokens, device)
+        scores = scores.float().masked_fill(~valid, float("-inf")).flatten()
+        slot = image_slots(tokens, device)
+        budget = self.keep_counts(torch.zeros(crops, dtype=torch.long, device=device).index_add_(0, slot, valid.sum(1)))
+        # every token's rank within its image: a stable sort by score, then a stable sort by image
+        token_slot = slot[:, None].expand(crops, n).flatten()
+        order = scores.argsort(descending=True, stable=True)
+        order = order[token_slot[order].argsort(stable=True)]
+        image_of = token_slot[order]
+        tokens_per_image = torch.zeros(crops, dtype=torch.long, device=device).index_add_(
+            0, slot, torch.full_like(slot, n)
+        )
+        start = tokens_per_image.cumsum(0) - tokens_per_image  # first sorted position of every image
+        rank = torch.arange(crops * n, device=device) - start[image_of]
+        keep = torch.zeros(crops * n, dtype=torch.bool, device=device).scatter(0, order, rank < budget[image_of])
+        keep = keep.view(crops, n) & valid
+        counts = keep.sum(1).tolist()  # data: which crops the image's top-k fall in
+        width = max(counts, default=0)
+        kept = torch.where(keep, torch.arange(n, device=device), n).sort(dim=-1).values[:, :width]
         return Selection(kept=kept, counts=counts)
 
 

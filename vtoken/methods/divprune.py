@@ -10,49 +10,21 @@ D[i, j] = 1 - cos(x_i, x_j) in fp32, and k = the budget of L:
     next picks  = argmax_j min_{s in S} D[s, j] over the tokens not yet picked        (S: the tokens picked so far)
 
 argmax takes the first index on ties. The k picks are kept in ascending order; a budget of L or more keeps all.
-The second-smallest distances are computed in column blocks, the greedy steps one row of D at a time: memory
-O(L * block), not O(L^2).
+The greedy runs as the custom op `vtoken::max_min_diversity` (`vtoken.kernels.diversity`): every image of a call in
+one Triton launch on CUDA after one exact-fp32 Gram matrix; its PyTorch reference elsewhere, where the
+second-smallest distances are computed in column blocks and the greedy steps one row of D at a time (memory
+O(L * block), not O(L^2)). Counts come from the host-side valid counts: no host sync.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from vtoken.kernels.diversity import max_min_diversity
 
 from ..budget import Budget
 from ..tokens import Selection, VisualTokens
-from .base import EncoderMethod, topk_per_crop
-
-BLOCK = 1024  # columns of D per block when finding each token's nearest other token
-
-
-def nearest_other_distance(unit: torch.Tensor) -> torch.Tensor:
-    """[L]: the second-smallest entry of every column of D = 1 - unit unit^T (each token's distance to its nearest
-    other token; +inf when L < 2). unit [L, D] L2-normalised fp32; D is built BLOCK columns at a time."""
-    length = unit.shape[0]
-    if length < 2:
-        return unit.new_full((length,), float("inf"))
-    return torch.cat([(1 - unit @ unit[start : start + BLOCK].T).kthvalue(2, dim=0).values
-                      for start in range(0, length, BLOCK)])  # fmt: skip
-
-
-def max_min_diversity(features: torch.Tensor, count: int) -> torch.Tensor:
-    """DivPrune's greedy picks for one image, in pick order: [count] indices of its tokens `features` [L, D].
-    (One image at a time: a batched matmul rounds an image's distances differently in different batches.)"""
-    unit = F.normalize(features.float(), dim=-1)
-    first = nearest_other_distance(unit).argmax()  # the first maximum
-    picks = [first]
-    blocked = torch.zeros(len(unit), dtype=torch.bool, device=unit.device)
-    blocked[first] = True
-    closest = 1 - unit @ unit[first]  # [L] distance to the nearest pick
-    for _ in range(count - 1):
-        pick = closest.masked_fill(blocked, float("-inf")).argmax()
-        picks.append(pick)
-        blocked[pick] = True
-        closest = torch.minimum(closest, 1 - unit @ unit[pick])
-    return torch.stack(picks)
+from .base import EncoderMethod, valid_mask
 
 
 @dataclass
@@ -74,16 +46,7 @@ class DivPrune(EncoderMethod):
     def select(self, tokens: VisualTokens) -> Selection:
         """Every row of `tokens` is one image's placed tokens (padding marked invalid)."""
         features = tokens.features
-        valid = tokens.valid if tokens.valid is not None else torch.ones(features.shape[:2], dtype=torch.bool)
-        valid = valid.to(features.device)
-        counts = [self.keep_count(int(v)) if v else 0 for v in valid.sum(1).tolist()]
-        n = tokens.num_tokens
-        rank = torch.full((tokens.num_crops, n), float("-inf"), device=features.device)
-        for c, count in enumerate(counts):
-            index = valid[c].nonzero().squeeze(1)
-            if count == len(index):  # keep all
-                rank[c, index] = 0.0
-            elif count:
-                picks = index[max_min_diversity(features[c, index], count)]
-                rank[c, picks] = -torch.arange(count, device=features.device, dtype=torch.float)
-        return topk_per_crop(rank, counts)
+        valid = valid_mask(tokens, features.device)
+        counts = [self.keep_count(v) if v else 0 for v in tokens.host_valid_counts()]
+        picks = max_min_diversity(features, valid, self.keep_counts(valid.sum(1)), max(max(counts, default=0), 1))
+        return Selection(kept=picks.sort(dim=-1).values, counts=counts)  # padded with N past each count

@@ -12,6 +12,11 @@ tokens, in this order and with these floors:
 Region i is, in the official code, the i-th contiguous chunk of N / (rows * cols) raster-ordered base-view tokens
 (`partition="bands"`, the default; horizontal bands for a 2 x 2 grid), in the paper the base-view tile that
 matches sub-image i (`partition="tiles"`). A single-crop image (LLaVA-1.5) keeps the top min(N, int(N * rate)).
+
+Every image's budgets are computed at once on the device (`device_counts`); how many tokens each crop keeps
+depends on the early attention, so the counts are read back once: the one host sync HiRED's definition costs
+(none for single-crop images, whose counts follow from N). `partition="tiles"` also copies each image's grid to the
+device. An image with several crops must be in `crop_grid`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from ..budget import Budget, check_budget
 from ..params import Choice, Int, Kept, OrNone, Real
 from ..tokens import Selection, VisualTokens
-from .base import EncoderMethod, topk_per_crop
+from .base import EncoderMethod, image_slots, topk_per_crop, valid_mask
 
 PARTITIONS = ("bands", "tiles")
 TOWER_LAYER = "a vision-tower layer index; negative counts from the end"
@@ -96,21 +101,51 @@ class HiRED(EncoderMethod):
         whole = sum(count)
         return [full] + [min(int(c / whole * sub), n) if whole else 0 for c in count]
 
+    def device_counts(self, tokens: VisualTokens, valid: torch.Tensor) -> torch.Tensor:
+        """[C] tokens every crop keeps, for anyres images (`crop_grid`): `crop_budgets` of every image at once on
+        the device, the same integer and IEEE double arithmetic, clipped to each crop's valid tokens."""
+        crops, n = valid.shape
+        device = valid.device
+        slot = image_slots(tokens, device)
+        crop_index = tokens.crop_index.to(device)
+        per_image = torch.zeros(crops, dtype=torch.long, device=device).index_add_(0, slot, torch.ones_like(slot))
+        parts = per_image[slot]  # 1 + rows * cols of every crop's image
+        base = (
+            torch.full((crops,), -1, dtype=torch.long, device=device)
+            .scatter_reduce(0, slot, torch.where(crop_index == 0, torch.arange(crops, device=device), -1), "amax")[slot]
+            .clamp(min=0)
+        )  # every crop's image's base view
+        early = tokens.signals[self.requires[0]].float()[base]
+        marked = early.topk(int(n * (1 - self.alpha))).indices  # [C, m]
+        subs = (parts - 1).clamp(min=1)
+        height, width = tokens.grid
+        if self.partition == "bands":
+            region = (marked // (n // subs)[:, None]).minimum(subs[:, None] - 1)
+        else:  # the image's grid, copied from the host
+            table = torch.tensor([tokens.crop_grid.get(i, (1, 1)) for i in range(max(tokens.crop_grid) + 1)])
+            grid = table.to(device, non_blocking=True)[tokens.image_index.to(device).clamp(max=len(table) - 1)]
+            rows, cols = grid[:, :1], grid[:, 1:]
+            region = ((marked // width) * rows // height) * cols + (marked % width) * cols // width
+        regions = max(rows * cols for rows, cols in tokens.crop_grid.values())
+        count = torch.zeros(crops, regions, dtype=torch.long, device=device).scatter_add_(
+            1, region.clamp(max=regions - 1), torch.ones_like(region)
+        )
+        whole = count.sum(1, keepdim=True)
+        total = torch.floor((parts * n).double() * self.rate).long()
+        full = torch.floor(total.double() * self.alpha).long().clamp(max=n)
+        sub = torch.minimum(total - full, (parts - 1) * n)
+        share = torch.floor(count.double() / whole.clamp(min=1).double() * sub[:, None].double()).long().clamp(max=n)
+        share = torch.where(whole > 0, share, 0)
+        mine = share.gather(1, (crop_index - 1).clamp(min=0, max=regions - 1)[:, None]).squeeze(1)
+        budget = torch.where(crop_index == 0, full, mine).minimum(valid.sum(1))
+        return torch.where(parts > 1, budget, min(n, int(n * self.rate)))
+
     def select(self, tokens: VisualTokens) -> Selection:
-        early_name, final_name = self.requires
-        final = tokens.signals[final_name].float()
-        n = tokens.num_tokens
-        valid = tokens.valid if tokens.valid is not None else torch.ones_like(final, dtype=torch.bool)
+        final = tokens.signals[self.requires[1]].float()
+        valid = valid_mask(tokens, final.device)
         final = final.masked_fill(~valid, float("-inf"))
-        # single-crop images (LLaVA-1.5, video frames, images absent from `crop_grid`)
-        counts = [min(n, int(n * self.rate))] * tokens.num_crops
-        if tokens.crop_grid:
-            early = tokens.signals[early_name]
-            images = tokens.image_index.tolist()
-            for image, (rows, cols) in tokens.crop_grid.items():
-                crops = sorted((c for c in range(tokens.num_crops) if images[c] == image),
-                               key=lambda c: int(tokens.crop_index[c]))  # fmt: skip
-                budgets = self.crop_budgets(early[crops[0]], rows, cols, *tokens.grid)
-                for crop, budget in zip(crops, budgets, strict=True):
-                    counts[crop] = min(budget, int(valid[crop].sum()))
-        return topk_per_crop(final, counts)
+        # single-crop images (LLaVA-1.5, video frames): min(N, int(N * rate)) from the shapes alone
+        if not tokens.crop_grid:
+            return topk_per_crop(final, [min(tokens.num_tokens, int(tokens.num_tokens * self.rate))] * len(final))
+        counts = self.device_counts(tokens, valid)
+        return topk_per_crop(final, counts.tolist(), counts)  # the one read: counts follow the early attention

@@ -10,7 +10,10 @@ the crop's own vision tokens. For a crop with projected tokens v [N, D] (the LLM
 
 Greedy max coverage, k steps: gain_j = sum over rows of max(C[row, j] - best[row], 0) (chosen and excluded
 columns -inf), pick the first argmax, best <- max(best, C[:, j]). Kept indices ascending; a crop of N <= k
-valid tokens keeps them all. The loop is k steps of batched tensor ops over all crops at once, with no host sync.
+valid tokens keeps them all. The greedy runs as the custom op `vtoken::greedy_max_coverage`
+(`vtoken.kernels.coverage`): on CUDA one Triton launch per step over every crop, replayed from a CUDA graph; its
+PyTorch reference (k batched steps) elsewhere. Counts come from the host-side valid counts (LLaVA-1.5's pad border
+is read from the pixels: its valid counts are read back once, the one host sync).
 
 The question is read from the prompt (see `vtoken.question`). LLaVA families use its keywords (lmms-eval answer
 suffixes and stop words removed), Qwen families `"Question: " + question`; tau_tv defaults to 0.02 (LLaVA) and
@@ -25,11 +28,14 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from vtoken.kernels.coverage import greedy_max_coverage as coverage_picks
 
 from ..budget import Budget
 from ..params import Choice, OrNone, Real, Texts
 from ..tokens import Selection, VisualTokens
-from .base import EncoderMethod, topk_per_crop
+from .base import EncoderMethod, valid_mask
 
 LMMS_EVAL_SUFFIXES = (
     "Answer the question using a single word or phrase.",
@@ -82,20 +88,14 @@ def coverage_matrix(
 def greedy_max_coverage(coverage: torch.Tensor, k: int, excluded: torch.Tensor | None = None) -> torch.Tensor:
     """k greedy picks per crop, in pick order: [B, k] column indices of coverage [B, R, N] (entries >= 0).
 
-    excluded [B, N] bool: columns never picked while others remain.
+    excluded [B, N] bool: columns never picked while others remain. (The custom op `vtoken::greedy_max_coverage`
+    with k steps for every crop.)
     """
-    batch, rows, n = coverage.shape
-    best = coverage.new_zeros(batch, rows, 1)
-    blocked = torch.zeros(batch, n, dtype=torch.bool, device=coverage.device) if excluded is None else excluded.clone()
-    picks = torch.empty(batch, k, dtype=torch.long, device=coverage.device)
-    arange = torch.arange(batch, device=coverage.device)
-    for step in range(k):
-        gain = (coverage - best).clamp_(min=0).sum(1)  # [B, N]
-        pick = gain.masked_fill_(blocked, float("-inf")).argmax(-1)  # the first maximum
-        picks[:, step] = pick
-        blocked[arange, pick] = True
-        best = torch.maximum(best, coverage[arange, :, pick][..., None])
-    return picks
+    batch, _, n = coverage.shape
+    if excluded is None:
+        excluded = torch.zeros(batch, n, dtype=torch.bool, device=coverage.device)
+    counts = torch.full((batch,), k, dtype=torch.long, device=coverage.device)
+    return coverage_picks(coverage, excluded, counts, k)
 
 
 @dataclass
@@ -141,24 +141,17 @@ class MMTok(EncoderMethod):
     def select(self, tokens: VisualTokens) -> Selection:
         query = tokens.question
         tau_tv = self.tau_tv if self.tau_tv is not None else (0.01 if query.family.startswith("qwen") else 0.02)
-        n, crops = tokens.num_tokens, tokens.num_crops
-        valid = tokens.valid if tokens.valid is not None else torch.ones(crops, n, dtype=torch.bool)
-        valid = valid.to(tokens.features.device)
-        images = tokens.image_index.tolist() if tokens.image_index is not None else list(range(crops))
-        embedded = {i: query.embed(self.query(query.questions[i], query.family)) for i in sorted(set(images))}
-        length = max(len(e) for e in embedded.values())
-        text = tokens.features.new_zeros(crops, length, embedded[images[0]].shape[-1], dtype=torch.float32)
-        text_mask = torch.zeros(crops, length, dtype=torch.bool, device=text.device)
-        for crop, image in enumerate(images):
-            text[crop, : len(embedded[image])] = embedded[image].float()
-            text_mask[crop, : len(embedded[image])] = True
+        crops = tokens.num_crops
+        device = tokens.features.device
+        valid = valid_mask(tokens, device)
+        # every image's question embedded once (its rows padded), then gathered for its crops on the device
+        embedded = [query.embed(self.query(question, query.family)).float().to(device) for question in query.questions]
+        table = pad_sequence(embedded, batch_first=True)
+        table_mask = pad_sequence([torch.ones(len(e), dtype=torch.bool, device=device) for e in embedded], True)
+        images = tokens.image_index.to(device) if tokens.image_index is not None else torch.arange(crops, device=device)
+        text, text_mask = table[images], table_mask[images]
         coverage = coverage_matrix(text, text_mask, tokens.signals["projected"], tokens.signals["vision_features"],
                                    valid, tau_tv, self.tau_vv, self.alpha)  # fmt: skip
-        counts = [self.keep_count(int(v)) if v else 0 for v in valid.sum(1).tolist()]
-        picks = greedy_max_coverage(coverage, max(max(counts), 1), ~valid)
-        # crop c keeps its first counts[c] picks: rank them by pick order (later picks go to a spare column n)
-        steps = torch.arange(picks.shape[1], device=picks.device)
-        picks = torch.where(steps < torch.tensor(counts, device=picks.device)[:, None], picks, n)
-        rank = torch.full((crops, n + 1), float("-inf"), device=picks.device)
-        rank.scatter_(1, picks, -steps.float().expand_as(picks))
-        return topk_per_crop(rank[:, :n], counts)
+        counts = [self.keep_count(v) if v else 0 for v in tokens.host_valid_counts()]
+        picks = coverage_picks(coverage, ~valid, self.keep_counts(valid.sum(1)), max(max(counts, default=0), 1))
+        return Selection(kept=picks.sort(dim=-1).values, counts=counts)  # padded with N past each count

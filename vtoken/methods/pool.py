@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 
+from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
 from ..tokens import Selection, VisualTokens
 from .base import EncoderMethod
 
@@ -54,6 +55,49 @@ def pool_anchors(height: int, width: int, k: int) -> torch.Tensor:
     )
 
 
+@lru_cache(maxsize=64)
+@torch.inference_mode(False)
+def pool_constants(height: int, width: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pool_weights` (fp32) and `pool_anchors` kept on `device`: copied there once, not at every call."""
+    return pool_weights(height, width, k).to(device), pool_anchors(height, width, k).to(device)
+
+
+def device_cells(height: torch.Tensor, width: torch.Tensor, k: torch.Tensor, count: int) -> torch.Tensor:
+    """`_cells` of C rectangles at once, on their device: height, width, k [C] (int64, >= 0) -> [C, count, 4] (row0,
+    row1, col0, col1) of every rectangle's first `count` cells in raster order (cells past k[c] are empty: row0 =
+    row1).
+
+    The same integer and IEEE double arithmetic as `_cells`: rows = max(1, min(h, k, round(sqrt(k * h / w)))), then
+    the fewest rows >= that for which no band holds more cells than the grid has columns (ceil(k / w)). Integer
+    division of non-negative integers (`//` floors, a ceiling is (a + b - 1) // b) matches Python's.
+    """
+    h, w, k = height[:, None], width[:, None].clamp(min=1), k[:, None]
+    rows = torch.round(torch.sqrt((k * h).double() / w)).long()
+    rows = torch.maximum(rows.minimum(h).minimum(k).clamp(min=1), (k + w - 1) // w)
+    per_band = (k // rows).clamp(min=1)  # k >= rows: every band holds per_band or per_band + 1 cells
+    wider = k - (k // rows) * rows  # the first `wider` bands hold one cell more
+    cell = torch.arange(count, device=height.device)
+    in_wider = wider * (per_band + 1)
+    first = cell < in_wider
+    band = torch.where(first, cell // (per_band + 1), wider + (cell - in_wider) // per_band)
+    column = cell - torch.where(first, band * (per_band + 1), in_wider + (band - wider) * per_band)
+    columns = per_band + (band < wider)
+    row0, row1 = band * h // rows, ((band + 1) * h + rows - 1) // rows
+    col0, col1 = column * w // columns, ((column + 1) * w + columns - 1) // columns
+    return torch.stack([row0, torch.where(cell < k, row1, row0), col0, col1], dim=-1)
+
+
+@lru_cache(maxsize=16, typed=True)  # typed: the count 1 and the fraction 1.0 are different budgets
+@torch.inference_mode(False)
+def rectangle_cells(height: int, width: int, budget: Budget, device: torch.device) -> torch.Tensor:
+    """[(height + 1) * (width + 1), K, 4] the cells (`device_cells`) of every h x w rectangle with h <= height and
+    w <= width, row h * (width + 1) + w, pooled to its budget (K: the budget of the whole grid): computed on the
+    device once per grid and budget, then looked up."""
+    h = torch.arange(height + 1, device=device).repeat_interleave(width + 1)
+    w = torch.arange(width + 1, device=device).repeat(height + 1)
+    return device_cells(h, w, tokens_to_keep_tensor(budget, h * w), tokens_to_keep(budget, height * width))
+
+
 @dataclass
 class Pool(EncoderMethod):
     """Average-pool the H x W grid of every crop to k tokens (merging: no kept indices)."""
@@ -76,37 +120,42 @@ class Pool(EncoderMethod):
         h, w = tokens.grid
         k = self.keep_count(tokens.num_tokens)
         feats = tokens.features
-        weights = pool_weights(h, w, k).to(device=feats.device, dtype=torch.float32)
-        pooled = torch.einsum("kn,cnd->ckd", weights, feats.float()).to(feats.dtype)
-        anchors = pool_anchors(h, w, k).to(feats.device).expand(tokens.num_crops, -1)
-        return Selection(features=pooled, anchors=anchors)
+        weights, anchors = pool_constants(h, w, k, feats.device)
+        pooled = torch.bmm(weights.expand(tokens.num_crops, -1, -1), feats.float()).to(feats.dtype)
+        return Selection(features=pooled, anchors=anchors.expand(tokens.num_crops, -1))
 
     def _select_valid_rectangles(self, tokens: VisualTokens) -> Selection:
         """Crops whose valid tokens form a rectangle (e.g. LLaVA-NeXT sub-images cut by unpadding): pool that
-        rectangle to the budget of its valid tokens; cells anchor at their centre in the full crop grid."""
+        rectangle to the budget of its valid tokens; cells anchor at their centre in the full crop grid.
+
+        All crops at once on the device: every rectangle's bounds and cells are computed there (`device_cells`),
+        the output width from the host-side valid counts. Without `valid_counts` those are read back once, and
+        the rectangles checked with them; an adapter that gives `valid_counts` vouches for its rectangles.
+        """
         h, w = tokens.grid
-        feats, valid = tokens.features, tokens.valid.view(-1, h, w)
-        pooled, anchors = [], []
-        for crop in range(tokens.num_crops):
-            rows = valid[crop].any(1).nonzero().squeeze(1)
-            cols = valid[crop].any(0).nonzero().squeeze(1)
-            if len(rows) == 0:
-                pooled.append(feats.new_zeros(0, feats.shape[-1]))
-                anchors.append(torch.zeros(0, dtype=torch.long, device=feats.device))
-                continue
-            r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-            if int(valid[crop, r0:r1, c0:c1].sum()) != (r1 - r0) * (c1 - c0):
+        feats, crops, n = tokens.features, tokens.num_crops, tokens.num_tokens
+        device = feats.device
+        valid = tokens.valid.to(device).view(crops, h, w)
+        ys, xs = torch.arange(h, device=device), torch.arange(w, device=device)
+        rows, cols = valid.any(2), valid.any(1)  # [C, H], [C, W]
+        r0, c0 = torch.where(rows, ys, h).amin(1), torch.where(cols, xs, w).amin(1)  # the first valid row / column
+        r1, c1 = torch.where(rows, ys + 1, 0).amax(1), torch.where(cols, xs + 1, 0).amax(1)  # past the last
+        height, width = (r1 - r0).clamp(min=0), (c1 - c0).clamp(min=0)  # 0 x 0 for a crop with no valid token
+        if tokens.valid_counts is None:
+            sizes, areas = torch.stack([valid.flatten(1).sum(1), height * width]).tolist()  # one read of both
+            if sizes != areas:
                 raise ValueError("pool needs each crop's valid tokens to form a rectangle")
-            k = self.keep_count((r1 - r0) * (c1 - c0))
-            region = feats[crop].view(h, w, -1)[r0:r1, c0:c1].reshape((r1 - r0) * (c1 - c0), -1)
-            weights = pool_weights(r1 - r0, c1 - c0, k).to(device=feats.device, dtype=torch.float32)
-            pooled.append((weights @ region.float()).to(feats.dtype))
-            local = pool_anchors(r1 - r0, c1 - c0, k).to(feats.device)
-            anchors.append((r0 + local // (c1 - c0)) * w + c0 + local % (c1 - c0))
-        counts = [len(a) for a in anchors]
-        width = max(counts)
-        features = feats.new_zeros(tokens.num_crops, width, feats.shape[-1])
-        anchor_rows = torch.full((tokens.num_crops, width), tokens.num_tokens, dtype=torch.long, device=feats.device)
-        for crop, (f, a) in enumerate(zip(pooled, anchors, strict=True)):
-            features[crop, : len(f)], anchor_rows[crop, : len(a)] = f, a
-        return Selection(features=features, anchors=anchor_rows, counts=counts)
+        else:
+            sizes = tokens.valid_counts
+        counts = [self.keep_count(v) if v else 0 for v in sizes]
+        count = max(counts, default=0)
+        cells = rectangle_cells(h, w, self.budget, device)[height * (w + 1) + width, :count]  # local to each
+        y0, y1 = r0[:, None] + cells[..., 0], r0[:, None] + cells[..., 1]
+        x0, x1 = c0[:, None] + cells[..., 2], c0[:, None] + cells[..., 3]
+        in_rows = (ys >= y0[..., None]) & (ys < y1[..., None])  # [C, count, H]
+        in_cols = (xs >= x0[..., None]) & (xs < x1[..., None])  # [C, count, W]
+        area = ((y1 - y0) * (x1 - x0)).clamp(min=1)
+        weights = (in_rows[..., :, None] & in_cols[..., None, :]).flatten(2).float() / area[..., None]
+        pooled = torch.bmm(weights, feats.float()).to(feats.dtype)
+        anchors = torch.where(cells[..., 0] < cells[..., 1], (y0 + y1 - 1) // 2 * w + (x0 + x1 - 1) // 2, n)
+        return Selection(features=pooled, anchors=anchors, counts=counts)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from ..params import Int
 from ..tokens import VisualTokens
-from .base import ScoreMethod
+from .base import ScoreMethod, image_slots
+
+
+@lru_cache(maxsize=64)
+@torch.inference_mode(False)  # cached across calls: never an inference tensor, whatever mode the first call ran in
+def crop_noise(seed: int, n: int, crops: int, device: torch.device) -> torch.Tensor:
+    """[crops, n] the noise of the crops at positions 0..crops-1 within their image, drawn once on the host (so that
+    every device draws the same numbers) and kept on `device`."""
+    rows = [torch.rand(n, generator=torch.Generator().manual_seed(seed + 7919 * w)) for w in range(crops)]
+    return torch.stack(rows).to(device)
 
 
 @dataclass
@@ -27,10 +37,8 @@ class Random(ScoreMethod):
     layouts = ("native", "official")
 
     def score(self, tokens: VisualTokens) -> torch.Tensor:
-        # noise per crop index *within its image*: independent of where the image sits in the batch
-        images = tokens.image_index if tokens.image_index is not None else torch.arange(tokens.num_crops)
-        first = {int(i): int((images == i).nonzero()[0]) for i in images.unique()}
-        within = [c - first[int(i)] for c, i in enumerate(images.tolist())]
-        noise = {w: torch.rand(tokens.num_tokens, generator=torch.Generator().manual_seed(self.seed + 7919 * w))
-                 for w in set(within)}  # fmt: skip
-        return torch.stack([noise[w] for w in within]).to(tokens.features.device)
+        # noise per crop index *within its image* (its index minus its image's first crop's), on the device:
+        # independent of where the image sits in the batch
+        device = tokens.features.device
+        within = torch.arange(tokens.num_crops, device=device) - image_slots(tokens, device)
+        return crop_noise(self.seed, tokens.num_tokens, tokens.num_crops, device)[within]

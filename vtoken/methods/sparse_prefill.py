@@ -24,21 +24,26 @@ entries past a count are never read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vtoken.kernels import block_mask_from_plan, causal_rows_probs
+from vtoken.kernels import block_mask_from_plan
+from vtoken.kernels.block_sparse_flex import flex_unavailable
+from vtoken.kernels.line_sums import line_sums
+from vtoken.kernels.sparse_speed import BreakEven
 
 from ..errors import VTokenError
 from ..params import Choice, Int, OrNone, Param, Real
 from .base import Method
 
 PATTERNS = ("a_shape", "vertical_slash", "grid")
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "flex", "torch")
 ESTIMATE_ROWS = 64  # query rows the vertical-slash estimate reads (the last ones of the prompt)
 DEFAULT_MIN_LENGTH = 32768  # below ~32k tokens attention is too small a share of the prefill to gain much
 DEFAULT_WINDOW = {"a_shape": 1024, "vertical_slash": 64, "grid": 64}
@@ -58,7 +63,12 @@ class SparsePrefill(Method):
     sink: leading tokens every query sees (default 64). window: local band in tokens (default 1024 for a_shape,
     64 otherwise). block_size: the tile in tokens (a power of two, 16..256; default 64). min_length: prompts
     shorter than this run the model's own dense attention (default 32768). layers: LLM layer indices made sparse
-    (default all). backend: "auto" (Triton on CUDA, the PyTorch reference elsewhere), "triton" or "torch".
+    (default all). backend: "auto" (on CUDA the faster of the Triton kernel and FlexAttention, measured once per
+    shape class; elsewhere the PyTorch reference, or FlexAttention once the reference's dense scores grow large),
+    "triton", "flex" (`torch.nn.attention.flex_attention`, compiled) or "torch" (the reference). break_even: True
+    (default) runs the model's own attention wherever the recorded speed model of the device
+    (`vtoken.kernels.sparse_speed`) predicts no gain at the prompt's length and the plan's density; False leaves
+    the choice to min_length alone; or a `BreakEven` of your own measurements.
     Decoding steps and prompts with a cached prefix always use the model's own attention. Token indices (sink,
     frames, blocks) count from each row's first real token: left padding does not move a row's pattern.
     """
@@ -73,6 +83,7 @@ class SparsePrefill(Method):
     min_length: int = DEFAULT_MIN_LENGTH
     layers: Sequence[int] | None = None
     backend: str = "auto"
+    break_even: bool | BreakEven = True
 
     name = "sparse_prefill"
     stages: ClassVar[tuple[str, ...]] = ("sparse",)
@@ -87,6 +98,10 @@ class SparsePrefill(Method):
         "min_length": Int(1, hint="prompts shorter than this run dense"),
         "layers": OrNone(Param(hint="LLM layer indices made sparse; None: all")),
         "backend": Choice(BACKENDS),
+        "break_even": Param(
+            hint="True: the device's recorded break-even model decides where sparse attention gains; False: "
+            "min_length alone; or a vtoken.kernels.sparse_speed.BreakEven of your own measurements"
+        ),
     }
     controls = ("pattern", "density", "sink", "block_size", "min_length")
     # its defaults run dense below 32k tokens: a demo prompt is far shorter
@@ -117,6 +132,13 @@ class SparsePrefill(Method):
                 import triton  # noqa: F401
             except ImportError as error:
                 raise VTokenError(f"{where}: backend='triton' needs triton; install vtoken[kernels]") from error
+        if self.backend == "flex" and flex_unavailable() is not None:
+            raise VTokenError(f"{where}: backend='flex': {flex_unavailable()}")
+        if not isinstance(self.break_even, (bool, BreakEven)):
+            raise VTokenError(
+                f"{where}: break_even={self.break_even!r}; expected True (the recorded speed model), False (min_length "
+                "alone) or a vtoken.kernels.sparse_speed.BreakEven"
+            )
 
     # ----------------------------------------------------------------- resolved settings
     @property
@@ -174,20 +196,47 @@ class SparsePrefill(Method):
         rows = estimate_rows(key_valid, batch, seq, q.device)
         vertical, slash = vertical_slash_scores(q, k, rows, key_valid, scale)
         mandatory = a_shape_blocks(seq, block, self.sink, self.local, q.device)
+        widest = a_shape_count(-(-seq // block) - 1, block, self.sink, self.local)  # the last row keeps the most
         if self.resolved_density is not None:
-            counts, index = density_plan(vertical, slash, block, self.resolved_density, mandatory)
+            counts, index = density_plan(vertical, slash, block, self.resolved_density, mandatory, widest)
         else:
             mask = line_blocks(vertical, slash, block, self.vertical or 0, self.slash or 0, mandatory)
-            counts, index = plan_from_block_mask(mask)
+            lines = (self.vertical or 0) + 2 * (self.slash or 0)  # a column crosses one block per row, a diagonal two
+            counts, index = plan_from_block_mask(mask, width=min(widest + lines, mask.shape[-1]))
         return counts, index, 0
+
+    def planned_density(self, seq: int, video: list[list[torch.Tensor]] | None = None) -> float:
+        """The share of causal key blocks a plan at `seq` tokens computes, known before planning, on the host (no
+        device work): exact for a_shape and density plans, an upper bound with vertical / slash counts, and for
+        "grid" the mean over the rows of `video` (their frame layout, read to the host)."""
+        block = self.block_size
+        n = -(-seq // block)
+        rows = np.arange(n)
+        band_start = np.maximum((rows * block - self.local + 1) // block, 0)  # as `a_shape_counts`, in numpy
+        mandatory = np.minimum(-(-self.sink // block), band_start) + rows - band_start + 1
+        if self.pattern == "a_shape":
+            counts = mandatory
+        elif self.pattern == "grid":
+            if not video:
+                return 1.0
+            host = [[frames.cpu() for frames in row] for row in video]
+            grid = frame_grid_blocks(seq, block, host, self.sink, self.local)
+            counts = grid.sum(-1).double().mean(0).numpy()
+        elif self.resolved_density is not None:
+            counts = np.maximum(np.ceil(self.resolved_density * (rows + 1.0)).astype(np.int64), mandatory)
+        else:
+            counts = mandatory + (self.vertical or 0) + 2 * (self.slash or 0)
+        return float(np.minimum(counts, rows + 1).sum()) / (n * (n + 1) / 2)
 
 
 # --------------------------------------------------------------------- plan builders (pure tensor functions)
-def plan_from_block_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_from_block_mask(mask: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., Qb, Kb] bool -> counts [..., Qb] int32 and index [..., Qb, K] int32 (the listed blocks ascending,
-    K = the largest count; entries past a count are other blocks, never read)."""
+    K = `width`, at least the largest count (None: the largest count, read from the device); entries past a count
+    are other blocks, never read)."""
     counts = mask.sum(-1)
-    width = max(int(counts.max()), 1)
+    if width is None:
+        width = max(int(counts.max()), 1)
     order = (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
     return counts.to(torch.int32), order.to(torch.int32)
 
@@ -209,16 +258,32 @@ def a_shape_blocks(seq: int, block: int, sink: int, window: int, device: torch.d
     return (sinks | band) & (kb <= qb)
 
 
-def a_shape_plan(
+def a_shape_count(qb: int, block: int, sink: int, window: int) -> int:
+    """How many key blocks query block `qb` keeps under the A-shape (host arithmetic; the count never decreases
+    with qb, so the last block's is the widest)."""
+    band_start = max(0, (qb * block - window + 1) // block)
+    return min(-(-sink // block), band_start) + qb - band_start + 1
+
+
+def a_shape_counts(
     seq: int, block: int, sink: int, window: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan of `a_shape_blocks` built directly (no sort): counts [Qb], index [Qb, K] ascending."""
+    """[Qb] the key blocks each query block keeps under the A-shape, and [Qb] where its band starts."""
     n = -(-seq // block)
     qb = torch.arange(n, device=device)
     band_start = torch.div(qb * block - window + 1, block, rounding_mode="floor").clamp(min=0)
     sinks = torch.minimum(torch.full_like(qb, -(-sink // block)), band_start)  # sink blocks below the band
-    counts = sinks + qb - band_start + 1
-    t = torch.arange(int(counts.max()), device=device)[None, :]
+    return sinks + qb - band_start + 1, band_start
+
+
+def a_shape_plan(
+    seq: int, block: int, sink: int, window: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan of `a_shape_blocks` built directly (no sort, no host sync): counts [Qb], index [Qb, K] ascending."""
+    n = -(-seq // block)
+    counts, band_start = a_shape_counts(seq, block, sink, window, device)
+    sinks = counts - (torch.arange(n, device=device) - band_start + 1)
+    t = torch.arange(a_shape_count(n - 1, block, sink, window), device=device)[None, :]
     index = torch.where(t < sinks[:, None], t, band_start[:, None] + t - sinks[:, None])
     index = torch.where(t < counts[:, None], index, 0)
     return counts.to(torch.int32), index.to(torch.int32)
@@ -246,14 +311,7 @@ def vertical_slash_scores(
     batch, heads, seq, dim = q.shape
     valid = key_valid.bool() if key_valid is not None else torch.ones(batch, seq, dtype=torch.bool, device=q.device)
     q_rows = q.gather(2, rows[:, None, :, None].expand(-1, heads, -1, dim))
-    probs = causal_rows_probs(q_rows, k, rows, valid, scale)  # [B, H, R, S]
-    count = rows.shape[1]
-    vertical = probs.sum(2) / count
-    slash = torch.zeros_like(vertical)
-    for b in range(batch):  # row at position p: key j sits on diagonal p - j
-        for r, p in enumerate(rows[b].tolist()):
-            slash[b, :, : p + 1] += probs[b, :, r, : p + 1].flip(-1)
-    return vertical, slash / count
+    return line_sums(q_rows, k, rows, valid, scale)  # the rows' probabilities summed by column and by diagonal
 
 
 def density_blocks(
@@ -265,12 +323,18 @@ def density_blocks(
 
 
 def density_plan(
-    vertical: torch.Tensor, slash: torch.Tensor, block: int, density: float, mandatory: torch.Tensor
+    vertical: torch.Tensor,
+    slash: torch.Tensor,
+    block: int,
+    density: float,
+    mandatory: torch.Tensor,
+    mandatory_max: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query block keeps ceil(density * its causal blocks) key blocks (at least `mandatory` [Qb, Kb]),
     ranked by the attention mass per row the lines predict: the vertical mass of the key block plus the slash
     mass crossing it (a diagonal at offset o crosses block pair (qb, kb) on block - |o - (qb-kb)*block| of its
-    rows). vertical, slash: [B, H, S] from `vertical_slash_scores`. Returns counts [B, H, Qb], index [B, H, Qb, K]."""
+    rows). vertical, slash: [B, H, S] from `vertical_slash_scores`; mandatory_max: the most mandatory blocks of any
+    row when the caller knows it (None: read from the device). Returns counts [B, H, Qb], index [B, H, Qb, K]."""
     batch, heads, seq = vertical.shape
     n = -(-seq // block)
     column_mass = F.pad(vertical, (0, n * block - seq)).view(batch, heads, n, block).sum(-1)  # [B, H, Kb]
@@ -287,7 +351,10 @@ def density_plan(
     scores = scores.masked_fill(mandatory, float("inf")).masked_fill(kb > qb, float("-inf"))
     budget = torch.ceil(density * (qb[:, 0] + 1).double()).long()  # [Qb]
     budget = torch.maximum(budget, mandatory.sum(-1)).clamp(max=n)
-    top = scores.topk(int(budget.max()), dim=-1).indices  # [B, H, Qb, K], best first
+    if mandatory_max is None:
+        mandatory_max = int(mandatory.sum(-1).max())
+    width = min(max(math.ceil(density * n), mandatory_max), n)  # the last row's budget is the largest
+    top = scores.topk(width, dim=-1).indices  # [B, H, Qb, K], best first
     rank = torch.arange(top.shape[-1], device=top.device)
     listed = rank < budget[:, None]
     index = torch.where(listed, top, n).sort(dim=-1).values  # the listed blocks ascending, then n

@@ -16,6 +16,10 @@ For one video's projected tokens, F frames of tpf tokens each, and the retention
 
 The count depends on the data (the frame budgets); planned_count is None. Videos only: images are refused when
 the call starts. A count budget is tokens per frame on average: R = count / tpf (at most 1).
+
+Every video of a call is scored at once on the device (a video's sums over its frames are masked sums over all
+frames, so they do not depend on the other videos); the frame budgets are read back once, the one host sync the
+definition costs (`video_scores` is the per-video reference).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from ..budget import Budget
 from ..errors import VTokenError
 from ..tokens import Selection, VisualTokens
-from .base import EncoderMethod, topk_per_crop
+from .base import EncoderMethod, image_slots, topk_per_crop
 
 SCALES = (1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)
 TEMPERATURE = 0.01
@@ -37,7 +41,9 @@ TEMPERATURE = 0.01
 def gaussian_similarity(tokens: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
     """sum over SCALES of exp(-|x - c|^2 / (2a)): tokens [..., D], centre broadcastable -> [...]."""
     squared = ((tokens - centre) ** 2).sum(-1)
-    return sum(torch.exp(-squared / (2 * a)) for a in SCALES)
+    # 1 / (2a) for a = 1/8 .. 2 are the powers of two 4 .. 1/4: multiplying by them is dividing by 2a, exactly
+    inverse = torch.pow(2.0, 2 - torch.arange(len(SCALES), device=squared.device, dtype=squared.dtype))
+    return torch.exp(-squared[..., None] * inverse).sum(-1)
 
 
 def video_scores(tokens: torch.Tensor, rate: float) -> tuple[torch.Tensor, list[int]]:
@@ -77,17 +83,34 @@ class VidCom2(EncoderMethod):
     def select(self, tokens: VisualTokens) -> Selection:
         if tokens.valid is not None:
             raise VTokenError("vidcom2 takes whole video frames; these crops have tokens that never reach the LLM")
-        projected = tokens.signals["projected"]
-        videos = tokens.image_index if tokens.image_index is not None else torch.zeros(tokens.num_crops)
-        scores = torch.empty(tokens.num_crops, tokens.num_tokens, device=projected.device)
-        counts = [0] * tokens.num_crops
-        for video in videos.unique().tolist():
-            frames = (videos == video).nonzero().squeeze(1).tolist()  # in order
-            score, kept = video_scores(projected[frames], self.rate(tokens.num_tokens))
-            # rank by ascending similarity, the lower index first on ties (topk keeps the largest rank)
-            order = score.argsort(dim=-1, stable=True)
-            rank = torch.arange(tokens.num_tokens, 0, -1, device=score.device, dtype=torch.float).expand_as(order)
-            scores[frames] = torch.empty_like(score).scatter_(1, order, rank)
-            for frame, k in zip(frames, kept, strict=True):
-                counts[frame] = k
-        return topk_per_crop(scores, counts)
+        projected = tokens.signals["projected"].float()  # [F, tpf, D], the frames of every video
+        frames, per_frame, dim = projected.shape
+        device = projected.device
+        # a video's frames share its first frame's index (no `image_index`: all frames are one video)
+        slot = image_slots(tokens, device) if tokens.image_index is not None else projected.new_zeros(frames).long()
+        member = slot[None, :] == torch.arange(frames, device=device)[:, None]  # [video slot, frame]
+
+        def over_video(values: torch.Tensor) -> torch.Tensor:
+            """[F, ...] per-frame values -> [F, ...] their sum over each frame's video (frames in order)."""
+            mask = member.view(frames, frames, *([1] * (values.dim() - 1)))
+            return torch.where(mask, values[None], 0).sum(1)[slot]
+
+        tokens_of_video = over_video(torch.full((frames,), per_frame, device=device)).float()  # [F]
+        mean = over_video(projected.sum(1)) / tokens_of_video[:, None]
+        variance = over_video(((projected - mean[:, None]) ** 2).sum(1)) / tokens_of_video[:, None]
+        channels = variance.argsort(dim=-1, stable=True)[:, : dim // 2]  # the lowest-variance half (ties: lower)
+        unit = F.normalize(projected.gather(2, channels[:, None].expand(-1, per_frame, -1)), dim=-1)
+        to_video = gaussian_similarity(unit, (over_video(unit.sum(1)) / tokens_of_video[:, None])[:, None])
+        to_frame = gaussian_similarity(unit, unit.mean(dim=1, keepdim=True))
+        uniqueness = -to_video.mean(-1)  # [F]
+        top = torch.where(member, uniqueness[None], float("-inf")).amax(1)[slot]
+        weight = torch.exp((uniqueness - top) / TEMPERATURE)
+        p = weight / over_video(weight)
+        frames_of_video = over_video(torch.ones_like(p))
+        scale = (self.rate(per_frame) * (1 + p - over_video(p) / frames_of_video)).clamp(max=1.0)
+        kept = (scale * per_frame).round().long().clamp(min=1)
+        # rank by ascending similarity, the lower index first on ties (topk keeps the largest rank)
+        order = (to_video + to_frame).argsort(dim=-1, stable=True)
+        rank = torch.arange(per_frame, 0, -1, device=device, dtype=torch.float).expand_as(order)
+        scores = torch.empty_like(rank).scatter_(1, order, rank)
+        return topk_per_crop(scores, kept.tolist(), kept)  # the one read: frame budgets follow the data

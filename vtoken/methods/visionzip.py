@@ -18,6 +18,10 @@ A crop of N <= D + C tokens passes every patch unchanged and no [CLS] (vtoken's 
 `budget=` instead of (dominant, contextual) sets D + C per crop (a count, or a fraction of the crop's tokens),
 split as the official settings (54 + 10, 108 + 20, 162 + 30): C = round(total * 10 / 64), D = total - C.
 Records report the dominant patches as kept; `tokens_out` is D + C.
+
+Every crop is selected and merged at once on the device (D and C per crop from the host-side valid counts and,
+on the device, from the same counts): no host sync, no loop over crops. Cosines are products summed over the key
+channels, so a crop's assignments do not depend on the other crops of the batch.
 """
 
 from __future__ import annotations
@@ -28,30 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..budget import Budget, tokens_to_keep
+from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
 from ..errors import VTokenError
 from ..params import Int, Kept, OrNone
 from ..tokens import CLS, MERGED, Selection, VisualTokens
-from .base import EncoderMethod
+from .base import EncoderMethod, valid_mask
 
 OFFICIAL = (54, 10)  # dominant, contextual
-
-
-def contextual_tokens(features: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
-    """VisionZip's merge of one crop's R remaining tokens (ascending) into `count` contextual tokens.
-
-    features [R, Dv], keys [R, d] -> [count, Dv] in fp32: target + mean of the tokens assigned to it. (One crop
-    at a time: a batched matmul rounds a crop's cosines differently in different batches.)
-    """
-    remaining = features.shape[0]
-    step = max(1, remaining // count)
-    is_target = torch.zeros(remaining, dtype=torch.bool, device=features.device)
-    is_target[torch.arange(0, remaining, step, device=features.device)[:count]] = True
-    unit = F.normalize(keys.float(), dim=-1)
-    similarity = unit[~is_target] @ unit[is_target].T  # [R - count, count]
-    assign = F.one_hot(similarity.argmax(-1), count).float()  # argmax: the first target on ties
-    sums = assign.T @ features[~is_target].float()
-    return features[is_target].float() + sums / assign.sum(0).clamp(min=1)[:, None]
 
 
 @dataclass
@@ -105,47 +92,84 @@ class VisionZip(EncoderMethod):
     def planned_count(self, n: int) -> int | None:
         return self.keep_count(n)
 
+    def splits(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`split` of every crop's n [C] on n's device: (D, C) as tensors, the host's arithmetic."""
+        if self.budget is None:
+            return torch.full_like(n, self.dominant), torch.full_like(n, self.contextual)
+        total = tokens_to_keep_tensor(self.budget, n).clamp(min=1)  # a crop of no tokens: (1, 0), as `split(0)`
+        contextual = torch.floor((total * OFFICIAL[1]).double() / sum(OFFICIAL) + 0.5).long()
+        return total - contextual, contextual
+
     def select(self, tokens: VisualTokens) -> Selection:
         scores = tokens.signals["cls_attention"].float()
         keys, features = tokens.signals["keys"], tokens.features
         cls = tokens.signals.get("cls_token")
-        device = features.device
-        valid = tokens.valid if tokens.valid is not None else torch.ones_like(scores, dtype=torch.bool)
-        valid = valid.to(device)
+        crops, n, device = tokens.num_crops, tokens.num_tokens, features.device
+        valid = valid_mask(tokens, device)
+        # host: what every crop sends (its shape); device: the same from the same counts
+        sizes = tokens.host_valid_counts()
+        host_splits = [self.split(size) for size in sizes]
+        counts = [size if sum(split) >= size else sum(split) for size, split in zip(sizes, host_splits, strict=True)]
+        slots = max(max((c for (d, c), size in zip(host_splits, sizes, strict=True) if d + c < size), default=0), 1)
+        size = valid.sum(1)
+        dominant, contextual = self.splits(size)
+        # crops of at most D + C valid tokens send them all, unchanged, without [CLS] (the host knows which)
+        any_kept_all = any(sum(split) >= n_valid for split, n_valid in zip(host_splits, sizes, strict=True))
+        keep_all = (dominant + contextual >= size)[:, None] if any_kept_all else None
+        patches = dominant - 1 if cls is not None else dominant
+        # dominant: the top patches by [CLS] attention (stable: the lower index first on ties)
         order = scores.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-        sizes = valid.sum(1).tolist()
-        rows: list[torch.Tensor] = [features.new_empty(0, features.shape[-1])] * tokens.num_crops
-        origins: list[torch.Tensor] = [torch.empty(0, dtype=torch.long, device=device)] * tokens.num_crops
-        for size in sorted(set(sizes)):  # crops with as many valid tokens run as one batch
-            crops = [c for c in range(tokens.num_crops) if sizes[c] == size]
-            dominant, contextual = self.split(size)
-            if dominant + contextual >= size:  # keep all: every valid token, unchanged, no [CLS]
-                for c in crops:
-                    index = valid[c].nonzero().squeeze(1)
-                    rows[c], origins[c] = features[c, index], index
-                continue
-            patches = dominant - 1 if cls is not None else dominant
-            picked = order[crops, :patches].sort(dim=-1).values  # [G, patches]
-            rest = valid[crops].scatter(1, picked, False)
-            remaining = rest.nonzero()[:, 1].view(len(crops), size - patches)  # ascending per crop
-            group = torch.arange(len(crops), device=device)[:, None]
-            parts = [features[crops][group, picked]]
-            if contextual:
-                merged = [contextual_tokens(features[c, remaining[i]], keys[c, remaining[i]], contextual)
-                          for i, c in enumerate(crops)]  # fmt: skip
-                parts.append(torch.stack(merged).to(features.dtype))
-            if cls is not None:
-                parts.insert(0, cls[crops][:, None].to(features.dtype))
-            out = torch.cat(parts, dim=1)
-            marks = [torch.full((len(crops), 1), CLS, device=device)] if cls is not None else []
-            marks += [picked, torch.full((len(crops), contextual), MERGED, device=device)]
-            origin = torch.cat(marks, dim=1)
-            for i, c in enumerate(crops):
-                rows[c], origins[c] = out[i], origin[i]
-        counts = [len(r) for r in rows]
-        width = max(counts)
-        merged = features.new_zeros(tokens.num_crops, width, features.shape[-1])
-        origin = torch.full((tokens.num_crops, width), MERGED, dtype=torch.long, device=device)
-        for c, (r, o) in enumerate(zip(rows, origins, strict=True)):
-            merged[c, : len(r)], origin[c, : len(o)] = r, o
-        return Selection(features=merged, counts=None if len(set(counts)) == 1 else counts, origin=origin)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=device).expand(crops, n))
+        is_dominant = rank < patches[:, None]
+        remaining = valid & ~is_dominant
+        if keep_all is not None:
+            is_dominant, remaining = is_dominant & ~keep_all, remaining & ~keep_all
+        # contextual: targets at every step-th remaining token, the others merged into the closest target
+        position = remaining.cumsum(1, dtype=torch.long) - 1  # in the ascending list of remaining tokens
+        step = ((size - patches) // contextual.clamp(min=1)).clamp(min=1)[:, None]
+        slot = position // step
+        is_target = remaining & (position % step == 0) & (slot < contextual[:, None])
+        target = torch.full((crops, slots + 1), n, device=device).scatter_(
+            1, torch.where(is_target, slot, slots), torch.arange(n, device=device).expand(crops, n)
+        )[:, :slots]  # [C, slots] token index of every target (n: none)
+        has_target = target < n
+        target = target.clamp(max=max(n - 1, 0))
+        unit = F.normalize(keys.float(), dim=-1)
+        unit_targets = unit.gather(1, target[..., None].expand(-1, -1, unit.shape[-1]))
+        similarity = (unit[:, :, None, :] * unit_targets[:, None, :, :]).sum(-1)  # [C, N, slots]
+        assign = similarity.masked_fill(~has_target[:, None, :], float("-inf")).argmax(-1)  # the first on ties
+        member = (
+            (assign[..., None] == torch.arange(slots, device=device)) & (remaining > is_target)[..., None]
+        ).float()
+        features32 = features.float()
+        sums = torch.bmm(member.transpose(1, 2), features32)
+        rows = features32.gather(1, target[..., None].expand(-1, -1, features.shape[-1]))
+        merged = rows + sums / member.sum(1).clamp(min=1)[..., None]
+        # output rows: [CLS], dominant ascending, contextual in target order; kept-all crops: valid tokens
+        width = max(counts, default=0)
+        offset = 1 if cls is not None else 0
+        token_place = torch.where(is_dominant, is_dominant.cumsum(1, dtype=torch.long) + (offset - 1), width)
+        merged_place = torch.where(
+            has_target, patches[:, None] + torch.arange(offset, slots + offset, device=device), width
+        )
+        cls_place = torch.zeros(crops, 1, dtype=torch.long, device=device)
+        if keep_all is not None:
+            token_place = torch.where(keep_all, torch.where(valid, valid.cumsum(1, dtype=torch.long) - 1, width),
+                                      token_place)  # fmt: skip
+            merged_place = torch.where(keep_all, width, merged_place)
+            cls_place = torch.where(keep_all, width, cls_place)
+        sources = [features, merged.to(features.dtype)]
+        places = [token_place, merged_place]
+        origins = [torch.arange(n, device=device).expand(crops, n), torch.full((crops, slots), MERGED, device=device)]
+        if cls is not None:
+            sources.insert(0, cls[:, None].to(features.dtype))
+            places.insert(0, cls_place)
+            origins.insert(0, torch.full((crops, 1), CLS, device=device))
+        place = torch.cat(places, dim=1)
+        out = features.new_zeros(crops, width + 1, features.shape[-1]).scatter_(
+            1, place[..., None].expand(-1, -1, features.shape[-1]), torch.cat(sources, dim=1)
+        )[:, :width]
+        origin = torch.full((crops, width + 1), MERGED, dtype=torch.long, device=device).scatter_(
+            1, place, torch.cat(origins, dim=1)
+        )[:, :width]
+        return Selection(features=out, counts=None if len(set(counts)) == 1 else counts, origin=origin)

@@ -15,6 +15,9 @@ T_imp = int(T * important_ratio), T_div = T - T_imp:
 
 The official code fails when the residual count is odd (its index shapes assume |a| = |b|, e.g. T = 22,
 r = 0.5); here a has ceil(R/2) tokens, the intended behaviour. Sorts are stable (ties: the lower index first).
+Step 2 runs as the custom op `vtoken::duplicate_removal` (`vtoken.kernels.duplicates`): every crop in one Triton
+launch on CUDA after one exact-fp32 Gram matrix; its PyTorch reference, one crop at a time, elsewhere. Counts come
+from the host-side valid counts: no host sync.
 """
 
 from __future__ import annotations
@@ -22,27 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from vtoken.kernels.duplicates import deduplicate, duplicate_removal
 
 from ..budget import Budget
 from ..params import Real
 from ..tokens import Selection, VisualTokens
-from .base import EncoderMethod, topk_per_crop
+from .base import EncoderMethod, valid_mask
 
-
-def deduplicate(unit: torch.Tensor, residual: torch.Tensor, keep: int) -> torch.Tensor:
-    """VisPruner's iterative matching for one crop: residual token indices [R] (in attention order) -> [keep]
-    after dropping near-duplicates; `unit` [N, D] the crop's L2-normalised features. (One crop at a time: a
-    batched matmul rounds a crop's cosines differently in different batches, which would flip near-ties.)"""
-    while keep > 0:
-        step = min(8, len(residual) - keep)
-        if step <= 0:
-            break
-        a, b = residual[0::2], residual[1::2]
-        similarity = (unit[a] @ unit[b].T).amax(-1)  # [|a|]
-        order = similarity.argsort(descending=True, stable=True)[step:]  # the a-tokens that stay
-        residual = torch.cat([a[order], b])
-    return residual
+__all__ = ["VisPruner", "deduplicate"]
 
 
 @dataclass
@@ -62,22 +53,23 @@ class VisPruner(EncoderMethod):
 
     def select(self, tokens: VisualTokens) -> Selection:
         scores = tokens.signals["cls_attention"].float()
-        features = tokens.signals["vision_features"]
-        n = tokens.num_tokens
-        valid = tokens.valid if tokens.valid is not None else torch.ones_like(scores, dtype=torch.bool)
-        valid = valid.to(scores.device)
+        n, device = tokens.num_tokens, scores.device
+        valid = valid_mask(tokens, device)
         # invalid tokens sort last and are never residual candidates
         order = scores.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-        sizes = valid.sum(1).tolist()
-        counts = [self.keep_count(int(v)) if v else 0 for v in sizes]
-        rank = torch.full((tokens.num_crops, n), float("-inf"), device=scores.device)
-        for size, count in sorted(set(zip(sizes, counts, strict=True))):
-            crops = [c for c in range(tokens.num_crops) if (sizes[c], counts[c]) == (size, count)]
-            important = int(count * self.important_ratio)  # Python's int(), as the official code
-            for c in crops:
-                kept = order[c, :important]
-                if count > important:
-                    unit = F.normalize(features[c].float(), dim=-1)
-                    kept = torch.cat([kept, deduplicate(unit, order[c, important:size], count - important)])
-                rank[c, kept] = 1.0
-        return topk_per_crop(rank, counts)
+        counts = [self.keep_count(v) if v else 0 for v in tokens.host_valid_counts()]
+        important_counts = [int(c * self.important_ratio) for c in counts]  # Python's int(), as the official code
+        # the same counts on the device, from the same data
+        size = valid.sum(1)
+        count = self.keep_counts(size)
+        important = torch.floor(count.double() * self.important_ratio).long()
+        # the residual of crop c is order[c, important_c:size_c]
+        shifted = (torch.arange(n, device=device) + important[:, None]).clamp(max=max(n - 1, 0))
+        diverse_width = max(max((c - i for c, i in zip(counts, important_counts, strict=True)), default=0), 1)
+        diverse = duplicate_removal(tokens.signals["vision_features"], order.gather(1, shifted), size - important,
+                                    count - important, diverse_width)  # fmt: skip
+        first = max(important_counts, default=0)
+        chosen = torch.where(torch.arange(first, device=device) < important[:, None], order[:, :first], n)
+        width = max(max(counts, default=0), 1)
+        kept = torch.cat([chosen, diverse], dim=1).sort(dim=-1).values[:, :width]
+        return Selection(kept=kept, counts=counts)  # padded with N past each count

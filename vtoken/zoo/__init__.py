@@ -20,7 +20,7 @@ from ..prompts import build_prompt
 from ..question import remember_tokenizer
 from .common import QWEN_CHAT_TEMPLATE, QWEN_SPECIALS, TINY_TEXT, TINY_VISION, tiny_text
 from .internvl_gemma import tiny_gemma3, tiny_internvl
-from .llava import tiny_llava, tiny_llava_next, tiny_llava_next_video, tiny_onevision, tiny_video_llava
+from .llava import tiny_clip, tiny_llava, tiny_llava_next, tiny_llava_next_video, tiny_onevision, tiny_video_llava
 from .qwen2 import tiny_qwen2_5_vl, tiny_qwen2_vl
 from .qwen3 import tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_vl, tiny_qwen3_vl_moe
 from .timm_towers import tiny_fastvlm, tiny_perception_lm
@@ -29,7 +29,7 @@ __all__ = [
     "TINY_MODELS", "BUILTIN_MODELS", "MINI", "load", "build_prompt",
     "tiny_llava", "tiny_llava_next", "tiny_llava_next_video", "tiny_video_llava", "tiny_onevision",
     "tiny_qwen2_vl", "tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe",
-    "tiny_fastvlm", "tiny_perception_lm", "tiny_internvl", "tiny_gemma3",
+    "tiny_fastvlm", "tiny_perception_lm", "tiny_internvl", "tiny_gemma3", "tiny_clip",
     "tiny_tokenizer", "tiny_text", "llava_processor", "llava_config",
     "LLAVA_CHAT_TEMPLATE", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIALS", "TINY_TEXT", "TINY_VISION",
 ]  # fmt: skip

@@ -3,6 +3,8 @@ LLaVA-OneVision (the real transformers classes and processors at tiny widths).""
 
 from __future__ import annotations
 
+import torch
+
 from ..parts import LLAVA_CHAT_TEMPLATE, llava_config, llava_processor, tiny_tokenizer
 from .common import TINY_TEXT, TINY_VISION, _instantiate, _with_tokenizer
 
@@ -162,3 +164,24 @@ def tiny_onevision(seed: int = 0):
         pad_token_id=tokenizer.pad_token_id,
     )
     return _instantiate(LlavaOnevisionForConditionalGeneration, config, tokenizer, seed), processor
+
+
+def tiny_clip(model, processor, seed: int = 0, positions: int = 77, text: dict | None = None):
+    """(CLIPModel, tokenizer): a random-weight CLIP whose vision width is `model`'s CLIP tower's (so that its
+    `visual_projection` reads the tower's features, as CDPruner's relevance needs) and whose text tower reads
+    `processor`'s tokenizer; `positions`: the text tower's length (longer questions are cut into rows of it);
+    `text`: its widths (default tiny; CLIP-L's are hidden 768, 12 layers, 12 heads, projection 768). The CLIP's own
+    vision tower has one layer: only its `visual_projection` is used."""
+    from transformers import CLIPConfig, CLIPModel
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    vision = {**model.config.vision_config.to_dict(), "num_hidden_layers": 1}
+    widths = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=16)
+    widths.update(text or {})
+    projection = widths.pop("projection_dim")
+    text_config = dict(widths, vocab_size=len(tokenizer), max_position_embeddings=positions,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    config = CLIPConfig(text_config=text_config, vision_config=vision, projection_dim=projection)
+    return CLIPModel(config).eval(), tokenizer

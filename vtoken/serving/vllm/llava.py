@@ -21,7 +21,8 @@ from vllm.model_executor.models.llava import (
     _build_llava_or_pixtral_hf_processor,
 )
 
-from vtoken.adapters.llava import outside_pad_border
+from vtoken.geometry.kept import kept_rows
+from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.methods.base import unmet
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
@@ -41,13 +42,14 @@ class LlavaFamily:
     def __init__(self, hf_config: Any):
         self.hf_config = hf_config
         vision = hf_config.vision_config
-        self.side = vision.image_size // vision.patch_size
+        self.side = token_grid(vision.image_size, vision.patch_size)[0]
         self.patch = vision.patch_size
         layer = hf_config.vision_feature_layer
         if isinstance(layer, (list, tuple)):
             raise error("LLaVA with several vision_feature_layer values is not supported (one feature layer)")
         self.num_layers = vision.num_hidden_layers
-        self.feature_layer = layer % (self.num_layers + 1) - 1  # encoder layer whose output is the feature
+        layer = encoder_layer(layer, self.num_layers)  # the encoder layer whose output is the feature
+        self.feature_layer = -1 if layer is None else layer
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -63,6 +65,9 @@ class LlavaFamily:
         if self.has_cls:
             signals |= {"cls_attention", "keys"} | {f"cls_attention@{i}" for i in range(self.feature_layer + 1)}
             signals |= {f"cls_attention@{i - self.num_layers}" for i in range(self.feature_layer + 1)}
+            # CDPruner's image embeds: the tower is CLIP-L/336's, its final norm the CLIP checkpoint's (vLLM builds
+            # the tower up to the feature layer, without it)
+            signals.add("clip_features")
         return signals
 
     def attention_layer(self, signal: str) -> int:
@@ -91,6 +96,7 @@ class LlavaFamily:
         method = config.method
         check_signals(method, self.signals(), self.name)
         check_modality(method, self.name)
+        check_clip(method, self.hf_config)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
         n = self.side * self.side
@@ -105,6 +111,15 @@ def why_counts() -> str:
         "vLLM sizes a prompt's image placeholders before the encoder runs, so only methods whose count is known "
         "then are served (a fraction or count budget with scope='crop'); use vtoken.patch on transformers for this"
     )
+
+
+def check_clip(method, hf_config: Any) -> None:
+    """CDPruner's CLIP checkpoint must read the tower's width (refused at start otherwise, as `vtoken.patch` does)."""
+    if "clip_features" in method.requires:
+        try:
+            method.check_clip_width(hf_config.vision_config.hidden_size)
+        except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
+            raise error(str(err)) from None
 
 
 def check_modality(method, family: str) -> None:
@@ -270,18 +285,14 @@ def encode_crops(model, family: LlavaFamily, method, crops: torch.Tensor) -> tup
     if with_cls:
         signals["cls_token"] = hidden[:, 0]
         hidden = hidden[:, 1:]
+    if "clip_features" in method.requires:
+        signals["clip_features"] = lambda features=hidden: method.clip_features(features)
     return hidden, signals
 
 
 def kept_embeddings(tokens: VisualTokens, selection: Selection, project) -> list[torch.Tensor]:
-    """Per crop, [k_c, D] projected kept tokens: from the "projected" signal when the method already projected
-    every token (MMTok), else only the kept ones are projected (as vtoken's LLaVA adapter)."""
-    projected = tokens.signals.get("projected")
-    if projected is not None and selection.kept is not None:
-        return [projected[c, selection.kept_of(c)] for c in range(tokens.num_crops)]
-    if selection.counts is None:
-        return list(project(selection.gather(tokens.features)))
-    return list(project(selection.gather_flat(tokens.features)).split(selection.counts))
+    """Per crop, [k_c, D] projected kept tokens (`vtoken.geometry.kept.kept_rows`, as vtoken's LLaVA adapter)."""
+    return list(kept_rows(selection, tokens.features, tokens.signals, project).split(selection.counts_per_crop()))
 
 
 PROCESSOR = dict(processor=build_processor, info=_build_llava_or_pixtral_hf_info)

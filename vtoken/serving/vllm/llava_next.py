@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
 from vllm.model_executor.models.llava_next import (
     LlavaNextForConditionalGeneration,
     LlavaNextMultiModalProcessor,
@@ -24,17 +23,20 @@ from vllm.model_executor.models.llava_next import (
 )
 
 from vtoken.adapters.llava_next import official_layout_methods
-from vtoken.tokens import CLS, MERGED, Selection, VisualTokens
+from vtoken.geometry.anyres import anyres_grid, crop_grid, pack
+from vtoken.geometry.kept import kept_rows, output_places
+from vtoken.geometry.tables import on_device, repeated
+from vtoken.tokens import VisualTokens
 
 from .config import ServingConfig, error, serving_config
 from .llava import (
     LlavaFamily,
     PrunedImagePlaceholders,
     PruningModel,
+    check_clip,
     check_modality,
     check_signals,
     encode_crops,
-    kept_embeddings,
     why_counts,
 )
 from .selection import check_counts, select, select_placed
@@ -53,10 +55,14 @@ class LlavaNextFamily(LlavaFamily):
     def crops(self, image_size: Any) -> tuple[int, int]:
         """(rows, cols) of sub-image crops of an image of `image_size` (height, width)."""
         config = self.hf_config
-        height, width = (int(x) for x in image_size)
-        rows, cols = get_anyres_image_grid_shape((height, width), config.image_grid_pinpoints,
-                                                 config.vision_config.image_size)  # fmt: skip
-        return int(rows), int(cols)
+        size = [int(x) for x in image_size]
+        return crop_grid(size, config.image_grid_pinpoints, config.vision_config.image_size)
+
+    def anyres(self, image_size: Any):
+        """The `vtoken.geometry.anyres.AnyresGrid` of an image of `image_size` (height, width)."""
+        config = self.hf_config
+        size = [int(x) for x in image_size]
+        return anyres_grid(size, config.image_grid_pinpoints, config.vision_config.image_size, self.grid)
 
     def image_count(self, method, image_size: Any, native_length: int) -> int:
         """Placeholders of one image (known before the encoder); `native_length`: its stock run (vLLM's count)."""
@@ -75,6 +81,7 @@ class LlavaNextFamily(LlavaFamily):
         method, layout = config.method, config.layout
         check_signals(method, self.signals(), self.name)
         check_modality(method, self.name)
+        check_clip(method, self.hf_config)
         if layout not in LAYOUTS:
             raise error(f"layout={layout!r} is not available for {self.name}; it has: {', '.join(LAYOUTS)}")
         placed = method.acts_on == "placed"
@@ -155,54 +162,25 @@ class LlavaNext(PruningModel, LlavaNextForConditionalGeneration):
 
     def official_images(self, pixel_values: torch.Tensor | list[torch.Tensor], image_sizes: torch.Tensor,
                         asked: Any) -> list[torch.Tensor]:  # fmt: skip
-        """[k_i, D] per image: every crop's kept tokens, packed as vtoken's official LLaVA-NeXT layout."""
+        """[k_i, D] per image: every crop's kept tokens, packed as vtoken's official LLaVA-NeXT layout (the same
+        `vtoken.geometry.anyres.pack` as `vtoken.patch(model, method, layout="official")`)."""
         method, family = self.vtoken.method, LlavaNextFamily(self.config)
-        grids = [family.crops(size) for size in image_sizes]
-        counts = [1 + rows * cols for rows, cols in grids]
+        sizes = image_sizes.tolist() if isinstance(image_sizes, torch.Tensor) else image_sizes
+        grids = [family.anyres(size) for size in sizes]
+        counts = [grid.num_crops for grid in grids]
         crops = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])  # vLLM pads crops per batch
         features, signals = encode_crops(self, family, method, crops)  # [C, N, Dv]
-        image_index = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
-        crop_index = torch.cat([torch.arange(n) for n in counts])
-        tokens = VisualTokens(features, family.grid, signals, image_index, None, crop_index, dict(enumerate(grids)))
+        device = features.device
+        image_index = repeated(list(range(len(counts))), counts, device)
+        crop_index = on_device([c for n in counts for c in range(n)], device)
+        crop_grid = {i: (grid.rows, grid.cols) for i, grid in enumerate(grids)}
+        tokens = VisualTokens(features, family.grid, signals, image_index, None, crop_index, crop_grid)
         selection = select(method, tokens, self.multi_modal_projector, self.text_query(asked, family.name))
-        embeds = kept_embeddings(tokens, selection, self.multi_modal_projector)  # per crop
-        newline = self.image_newline
-        out, first = [], 0
-        for (_, cols), n in zip(grids, counts, strict=True):
-            crops_of_image = range(first, first + n)
-            first += n
-            out.append(official_sequence(family, selection, embeds, crops_of_image, cols, newline, method))
-        return out
-
-
-def official_sequence(family: LlavaNextFamily, selection: Selection, embeds: list[torch.Tensor], crops: range,
-                      cols: int, newline: torch.Tensor, method) -> torch.Tensor:  # fmt: skip
-    """One image's [k, D] as vtoken's official LLaVA-NeXT layout packs it: the base view's rows as selected, then
-    the sub-images' tokens that sit on the grid in raster order of the full stitched grid (cols sub-images wide);
-    for methods whose rows say where they come from (VisionZip): then every sub-image's [CLS] row, then every
-    sub-image's merged rows."""
-    base = embeds[crops[0]]
-    if len(crops) == 1:
-        return torch.cat([base, newline[None].to(base)]) if _base_newline(method, 1) else base
-    height, width = family.grid
-    device = base.device
-    local = torch.arange(height * width, device=device)
-    keys, grid, cls, merged = [], [], [], []
-    for position, c in enumerate(crops[1:]):
-        r, col = divmod(position, cols)
-        stitched = (r * height + local // width) * (cols * width) + col * width + local % width
-        if selection.origin is None:
-            keys.append(stitched[selection.offsets_of(c).to(device)])
-            grid.append(embeds[c])
-            continue
-        origin = selection.origin_of(c).to(device)
-        on_grid = origin >= 0
-        keys.append(stitched[origin[on_grid]])
-        grid.append(embeds[c][on_grid])
-        cls.append(embeds[c][origin == CLS])
-        merged.append(embeds[c][origin == MERGED])
-    grid = torch.cat(grid)[torch.cat(keys).argsort()]
-    return torch.cat([base, grid, *cls, *merged])
+        rows = kept_rows(selection, tokens.features, tokens.signals, self.multi_modal_projector)
+        packed = pack(grids, output_places(selection), selection.counts_per_crop(), rows, self.image_newline,
+                      native=False, origin=selection.origin,
+                      base_newline="newline after base-only image" in method.official_packing)  # fmt: skip
+        return packed.per_image()
 
 
 PROCESSOR = dict(processor=build_processor, info=LlavaNextProcessingInfo)

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from vtoken.adapters.qwen_vl import same_selection
+from vtoken.geometry.kept import output_places
+from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid
 from vtoken.tokens import VisualTokens
 
 from . import question as questions
@@ -49,7 +51,7 @@ def frames_of(grid: tuple[int, int], frames: int = 1) -> VisualTokens:
 
 def kept_offsets(selection, frames: int, n: int) -> torch.Tensor:
     """[k] kept tokens' offsets in an image's or video's run of frames x n tokens (frame after frame)."""
-    return torch.cat([selection.offsets_of(f) + f * n for f in range(frames)])
+    return run_offsets(output_places(selection), selection.counts, n)
 
 
 def plan(method, grid: tuple[int, int], frames: int = 1) -> tuple[torch.Tensor, tuple[int, int] | None]:
@@ -100,15 +102,14 @@ class QwenFamily:
             )
 
     def grid(self, grid_thw: torch.Tensor) -> tuple[int, int]:
-        t, h, w = (int(x) for x in grid_thw.tolist())
-        return h // self.merge, w // self.merge
+        return token_grid([int(x) for x in grid_thw.tolist()], self.merge)
 
     def count(self, method, grid_thw: torch.Tensor) -> int:
         """Placeholders of an image, or of a video (frames x each frame's count; a method acting on the tokens as
         placed, DivPrune: its count of the whole run)."""
         grid = self.grid(grid_thw)
         if method.acts_on == "placed":
-            run = int(grid_thw[0]) * grid[0] * grid[1]
+            run = item_tokens([int(x) for x in grid_thw.tolist()], self.merge)
             return method.count_before_encoding(run, (1, run), 1)
         return int(grid_thw[0]) * method.count_before_encoding(grid[0] * grid[1], grid, 1)
 
@@ -206,7 +207,7 @@ class QwenModelMixin:
                     kept, smaller = plan(method, grid, frames)
                 if smaller is not None:  # the stock positions of the smaller grid
                     n, kept = frames * smaller[0] * smaller[1], torch.arange(frames * smaller[0] * smaller[1])
-                    grid_thw = torch.tensor([frames, smaller[0] * family.merge, smaller[1] * family.merge])
+                    grid_thw = torch.tensor(resized_grid_thw(frames, smaller, family.merge))
                 else:
                     n = frames * grid[0] * grid[1]
                 token = input_tokens[offset]
