@@ -273,6 +273,7 @@ class Adapter(CallPath, FrameLayout):
         name, grid, num_crops, num_tokens = self.encoder_method.name, tokens.grid, tokens.num_crops, tokens.num_tokens
         valid, given, image_index = tokens.valid, tokens.valid_counts, tokens.image_index
         kept, origin, counts, padded = selection.kept, selection.origin, selection.counts_per_crop(), selection.counts
+        anchors = selection.anchors if selection.at_anchors else None  # a merge reporting every row at its anchor
         crop_index = list(crop_index)
 
         def build() -> list[Record]:
@@ -285,6 +286,9 @@ class Adapter(CallPath, FrameLayout):
             owners = images if images is not None else image_index.tolist()
             if kept is not None:
                 unchanged = [kept[c] if padded is None else kept[c, : counts[c]] for c in range(num_crops)]
+            elif anchors is not None:  # rows padded with positions past the grid: one sort serves every crop
+                ascending = anchors.sort(dim=-1).values
+                unchanged = [ascending[c] if padded is None else ascending[c, : counts[c]] for c in range(num_crops)]
             elif origin is not None:
                 rows = [origin[c] if padded is None else origin[c, : counts[c]] for c in range(num_crops)]
                 unchanged = [row[row >= 0] for row in rows]

@@ -10,7 +10,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_batch_equals_one_by_one, feed_language_model, make_image, video_inputs
+from conftest import (
+    assert_batch_equals_one_by_one,
+    assert_greedy_matches,
+    feed_language_model,
+    greedy,
+    make_image,
+    video_inputs,
+)
 from test_qwen_vl import _prompt, _reference_generate
 from test_vidcom2 import _clip, _placed
 from video_references import fastvid_onevision, fastvid_qwen
@@ -282,7 +289,7 @@ def test_qwen_keeps_original_positions(name):
     expected = fastvid_qwen(tokens, attention, **settings)
     with torch.no_grad(), vtoken.patched(model, vtoken.FastVID(**settings)) as handle:
         logits = model(**inputs).logits
-        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        generated = greedy(model, inputs, 4)
     assert [r.kept.tolist() for r in handle.records] == [[j for j, _ in rows] for rows in expected]
     offsets = torch.tensor([f * tokens.shape[1] + j for f, rows in enumerate(expected) for j, _ in rows])
     features = torch.stack([v for rows in expected for _, v in rows]).float()
@@ -291,9 +298,9 @@ def test_qwen_keeps_original_positions(name):
     keep = torch.ones_like(ids, dtype=torch.bool)
     keep[placeholders] = False
     keep[placeholders[offsets]] = True
-    ref_logits, ref_tokens = _reference_generate(model, inputs, keep.nonzero().squeeze(1), features, steps=4)
+    ref_logits, *ref_greedy = _reference_generate(model, inputs, keep.nonzero().squeeze(1), features, steps=4)
     assert logits.shape == ref_logits.shape and (logits - ref_logits).abs().max() <= 1e-4
-    assert torch.equal(generated, ref_tokens[:, : generated.shape[1]])
+    assert_greedy_matches(generated, ref_greedy)
 
 
 def test_qwen3_vl_merges_deepstack_levels_alike_and_keeps_timestamps():
