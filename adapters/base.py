@@ -85,15 +85,16 @@ class EncodedImages:
     """Result of the encoder stage for all images of a call.
 
     features: per image, [k_i, D] embeddings in the LLM's space, in the order the LLM receives them.
-    keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain; None:
-    every image keeps the first len(features[i]) of its run (renumbered positions: which ones does not matter).
+    keep_offsets: per image, sorted offsets (within its placeholder run) of the placeholders that remain, or an int
+    n for its first n; None: every image keeps the first len(features[i]) of its run (renumbered positions: which
+    ones does not matter).
     protected: per image, [k_i] bool over its remaining tokens: tokens no later stage may drop; None if none.
     companions: per image, further [k_i, D'] features that followed the same selection (e.g. Qwen3-VL's DeepStack
     levels), for `Adapter.encoder_output`; None if none.
     """
 
     features: list[torch.Tensor]
-    keep_offsets: list[torch.Tensor] | None
+    keep_offsets: list[torch.Tensor | int] | None
     records: Sequence[Record]
     protected: list[torch.Tensor] | None = None
     companions: list[list[torch.Tensor]] | None = None
@@ -324,8 +325,10 @@ class Adapter(CallPath, FrameLayout):
         kept = selection.kept.flatten()[picked]  # each item's kept indices, item after item
         flat = picked // max(selection.num_kept, 1) * width + kept  # into the items padded to `width`
 
-        def take(items: list[torch.Tensor]) -> list[torch.Tensor]:
-            return list(stack_padded([t.to(device) for t in items], width).flatten(0, 1)[flat].split(counts))
+        def take(items: list[torch.Tensor | int]) -> list[torch.Tensor]:
+            # an int n stands for the first n offsets (an item of one run keeps its first placeholders)
+            rows = [t.to(device) if isinstance(t, torch.Tensor) else torch.arange(t, device=device) for t in items]
+            return list(stack_padded(rows, width).flatten(0, 1)[flat].split(counts))
 
         offsets = None if encoded.keep_offsets is None else take(encoded.keep_offsets)  # None: still the first ones
         protected = None if encoded.protected is None else take(encoded.protected)

@@ -94,8 +94,8 @@ class LlavaFamily:
     def check(self, config: ServingConfig) -> None:
         """Refuse at start what this family cannot serve (signals, layout, counts decided by the data)."""
         method = config.method
+        check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
         check_signals(method, self.signals(), self.name)
-        check_modality(method, self.name)
         check_clip(method, self.hf_config)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")

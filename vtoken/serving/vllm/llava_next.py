@@ -79,8 +79,8 @@ class LlavaNextFamily(LlavaFamily):
 
     def check(self, config: ServingConfig) -> None:
         method, layout = config.method, config.layout
+        check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
         check_signals(method, self.signals(), self.name)
-        check_modality(method, self.name)
         check_clip(method, self.hf_config)
         if layout not in LAYOUTS:
             raise error(f"layout={layout!r} is not available for {self.name}; it has: {', '.join(LAYOUTS)}")
