@@ -1,17 +1,18 @@
-"""Model adapters, one file per family; importing this package registers them."""
+"""Model adapters: the engine here (the patching core, `hf` for transformers' internals, probes, the LLM stages
+in `llm/`) and one file per model family in `families/`; importing this package registers the families."""
 
 from .base import Adapter, EncodedImages, Modality
-from .fast_vlm import FastVlmAdapter
-from .gemma3 import Gemma3Adapter
-from .internvl import InternVLAdapter
-from .llava import LlavaAdapter
-from .llava_next import LlavaNextAdapter
-from .llava_next_video import LlavaNextVideoAdapter
-from .llava_onevision import LlavaOnevisionAdapter
-from .perception_lm import PerceptionLMAdapter
-from .qwen3_vl import Qwen3VLAdapter, Qwen35Adapter
-from .qwen_vl import Qwen25VLAdapter, QwenVLAdapter
-from .video_llava import VideoLlavaAdapter
+from .families.fast_vlm import FastVlmAdapter
+from .families.gemma3 import Gemma3Adapter
+from .families.internvl import InternVLAdapter
+from .families.llava import LlavaAdapter
+from .families.llava_next import LlavaNextAdapter
+from .families.llava_next_video import LlavaNextVideoAdapter
+from .families.llava_onevision import LlavaOnevisionAdapter
+from .families.perception_lm import PerceptionLMAdapter
+from .families.qwen3_vl import Qwen3VLAdapter, Qwen35Adapter
+from .families.qwen_vl import Qwen25VLAdapter, QwenVLAdapter
+from .families.video_llava import VideoLlavaAdapter
 
 __all__ = [
     "Adapter",

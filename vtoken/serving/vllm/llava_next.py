@@ -22,7 +22,7 @@ from vllm.model_executor.models.llava_next import (
     LlavaNextProcessingInfo,
 )
 
-from vtoken.adapters.llava_next import official_layout_methods
+from vtoken.adapters.families.llava_next import official_layout_methods
 from vtoken.geometry.anyres import anyres_grid, crop_grid, pack
 from vtoken.geometry.kept import kept_rows, output_places
 from vtoken.geometry.tables import on_device, repeated

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vtoken.adapters.qwen_vl import same_selection
+from vtoken.adapters.families.qwen_vl import same_selection
 from vtoken.geometry.kept import output_places
 from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid
 from vtoken.tokens import VisualTokens

@@ -16,7 +16,7 @@ from vtoken.errors import InputError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages, Modality
+from ..base import EncodedImages, Modality
 from .llava import LlavaAdapter
 
 

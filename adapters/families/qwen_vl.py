@@ -33,9 +33,9 @@ from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
-from . import hf
-from .base import Adapter, EncodedImages, Modality, flat_kept, output_places
-from .probes import ReceivedAttentionProbe, VisionQueryKeyProbe
+from .. import hf
+from ..base import Adapter, EncodedImages, Modality, flat_kept, output_places
+from ..probes import ReceivedAttentionProbe, VisionQueryKeyProbe
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 

@@ -24,8 +24,8 @@ from vtoken.errors import InputError
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import Adapter, EncodedImages, Modality, flat_kept
-from .flat_features import FlatFeatures
+from ..base import Adapter, EncodedImages, Modality, flat_kept
+from ..flat_features import FlatFeatures
 
 
 @register_adapter

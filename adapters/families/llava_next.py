@@ -33,7 +33,7 @@ from vtoken.records import LazyRecords
 from vtoken.registry import available_methods, method_class, register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages, Modality, output_places
+from ..base import EncodedImages, Modality, output_places
 from .llava import LlavaAdapter
 
 # an image's crops (kept for the name tests and tools know; the geometry lives in `vtoken.geometry.anyres`)

@@ -18,7 +18,7 @@ from vtoken.geometry.tables import repeated
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages, Modality, flat_kept
+from ..base import EncodedImages, Modality, flat_kept
 from .llava_next import LlavaNextAdapter
 
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")

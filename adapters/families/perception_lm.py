@@ -26,7 +26,7 @@ from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 from vtoken.towers import TimmRowProbe
 
-from .base import Adapter, EncodedImages, Modality, flat_kept
+from ..base import Adapter, EncodedImages, Modality, flat_kept
 
 
 @register_adapter

@@ -17,10 +17,10 @@ from vtoken.records import Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
-from . import hf
-from .base import Adapter, EncodedImages, Modality
-from .llm.records import Deferred, LazyRecord
-from .probes import ClsAttentionProbe
+from .. import hf
+from ..base import Adapter, EncodedImages, Modality
+from ..llm.records import Deferred, LazyRecord
+from ..probes import ClsAttentionProbe
 
 
 @register_adapter

@@ -37,12 +37,12 @@ from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from . import hf
-from .base import Adapter, EncodedImages, Modality, flat_kept
-from .calls import PROMPT_IDS
-from .flat_features import FlatFeatures
-from .frames import host_placeholder_runs
-from .probes import ClsAttentionProbe
+from .. import hf
+from ..base import Adapter, EncodedImages, Modality, flat_kept
+from ..calls import PROMPT_IDS
+from ..flat_features import FlatFeatures
+from ..frames import host_placeholder_runs
+from ..probes import ClsAttentionProbe
 
 FRAME_LABEL = re.compile(r"Frame(\d+):\s*(?:<img>)?\s*$")  # the text the processor puts before a video frame
 

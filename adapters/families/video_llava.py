@@ -16,7 +16,7 @@ from vtoken.geometry.tables import on_device, repeated
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from .base import EncodedImages, Modality, flat_kept
+from ..base import EncodedImages, Modality, flat_kept
 from .llava import LlavaAdapter
 
 IMAGE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")

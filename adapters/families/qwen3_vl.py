@@ -26,9 +26,9 @@ import torch
 from vtoken.errors import VTokenError
 from vtoken.registry import register_adapter
 
-from . import hf
-from .base import EncodedImages
-from .compiled import eager
+from .. import hf
+from ..base import EncodedImages
+from ..compiled import eager
 from .qwen_vl import QwenVLAdapter
 
 

@@ -34,10 +34,10 @@ from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
-from . import hf
-from .base import EncodedImages, Modality, flat_kept, output_places
+from .. import hf
+from ..base import EncodedImages, Modality, flat_kept, output_places
+from ..probes import ColumnAttentionProbe
 from .llava import LlavaAdapter
-from .probes import ColumnAttentionProbe
 
 SIGLIP_CHECKPOINT = "google/siglip-so400m-patch14-384"  # the tower of the LLaVA-OneVision checkpoints
 
