@@ -24,7 +24,8 @@ ENCODER = [n for n in vtoken.available_methods() if "encoder" in method_class(n)
 IMAGE = [n for n in ENCODER if "image" in method_class(n).modalities]
 VIDEO = [n for n in ENCODER if "image" not in method_class(n).modalities]
 BUDGETS = (0.25, 0.1)
-KERNELS = 100  # "tens": LLaVA-1.5 needs ~20-40, LLaVA-NeXT ~75-100 (packing every crop of every image at once)
+KERNELS = 120  # "tens": LLaVA-1.5 needs ~20-40, LLaVA-NeXT ~75-101 (packing every crop of every image at once;
+# HoloV's signals over them: every token projected, their packed order)
 
 
 def _inputs(processor, size=None, video=False):
@@ -38,7 +39,11 @@ def _inputs(processor, size=None, video=False):
 
 
 def _params(name: str, budget: float) -> dict:
-    return {"budget": budget} if name != "dycoke" else {"p": budget, "layer": 1}  # a 2-layer LLM
+    if name == "dycoke":
+        return {"p": budget, "layer": 1}  # a 2-layer LLM
+    if name == "cdpruner":  # its CLIP relevance needs a CLIP checkpoint fitting the tower (test_cdpruner counts it)
+        return {"budget": budget, "relevance": "llm"}
+    return {"budget": budget}
 
 
 def adapter_counts(model, inputs, name, **params):

@@ -18,7 +18,7 @@ from conftest import (
     make_image,
     video_inputs,
 )
-from test_fastvid import sharpened_onevision
+from test_fastvid import assert_frames_equal, sharpened_onevision
 from test_qwen_vl import _prompt, _reference_generate
 from test_vidcom2 import _clip, _placed
 from video_references import holitom, windows
@@ -29,17 +29,6 @@ from vtoken.launches import count_launches
 from vtoken.methods.holitom import window_gains
 from vtoken.tokens import VisualTokens
 from vtoken.zoo import TINY_MODELS, build_prompt
-
-
-def assert_frames_equal(selection, first, expected, atol=1e-5):
-    """Frames first.. of `selection` equal the reference's [(position, feature)] per frame, in order."""
-    for offset, rows in enumerate(expected):
-        f = first + offset
-        count = selection.counts[f]
-        assert selection.anchors[f, :count].tolist() == [j for j, _ in rows], f"frame {f}"
-        if rows:
-            want = torch.stack([v for _, v in rows]).float()
-            torch.testing.assert_close(selection.features[f, :count].float(), want, atol=atol, rtol=1e-5)
 
 
 def synthetic(frames, tokens=20, dim=10, seed=0, cut_every=4):
