@@ -162,6 +162,12 @@ class Adapter(CallPath, FrameLayout):
         state.records, state.called = value, True
         self._latest = value  # one reference swap: readers see either list, whole
 
+    def add_records(self, more: Sequence[Record]) -> None:
+        """Append `more` to the calling thread's records, both left unbuilt (a stage adding its records during the
+        forward must not build the encoder's: building them may read the device)."""
+        state = self._state
+        self.records = LazyRecords.chain([state.records if state.called else self._latest, more])
+
     @property
     def _visual(self) -> torch.Tensor | None:
         """[B, L] visual tokens of this thread's current LLM input."""

@@ -287,7 +287,7 @@ class CallPath(ConversationPath):
         if continuing:
             kwargs, changed = self._continue_generate(kwargs, cache, past)
             if self._llm_stages is not None:  # a decode-time selection starts afresh at every generate call
-                self.records = self.records + self._llm_stages.new_call(cache)
+                self.add_records(self._llm_stages.new_call(cache))
         elif prunes:
             kwargs, changed = self.prepare(kwargs)
         else:

@@ -243,7 +243,7 @@ class SparseAttention:
             return
         records = self._records(call)
         if records:
-            self.adapter.records = self.adapter.records + records
+            self.adapter.add_records(records)
 
     def _records(self, call: _Call) -> list[Record]:
         method = self.method

@@ -151,3 +151,22 @@ def test_no_sync_inside_a_drop_on_cuda(llava, name, monkeypatch):
     with vtoken.patched(model, make()), counted_drops(monkeypatch, no_host_syncs) as drops, torch.no_grad():
         model(**inputs)
     assert drops
+
+
+def test_mustdrop_whole_forward_reads_only_what_its_thresholds_decide(llava):
+    """MustDrop's whole forward (its merge in the vision tower, its drops in the LLM) reads back what its thresholds
+    decide (the merge's plan and its kept count, one count per drop) and the prompt's layout, nothing more: the
+    records of every stage are built when read, after the forward."""
+    model, inputs = llava
+    make = METHODS["mustdrop"][0]
+    with torch.no_grad():
+        model(**inputs)
+        with count_launches() as plain:
+            model(**inputs)
+        with vtoken.patched(model, make()) as handle:
+            model(**inputs)
+            with count_launches() as patched:
+                model(**inputs)
+            assert [r.stage for r in handle.records][:2] == ["encoder.merge", "encoder.keyset"]
+    drops = len(make().drop_layers(model.config.text_config.num_hidden_layers))
+    assert patched.syncs - plain.syncs <= PREFILL_READS + 2 + drops, patched.describe()

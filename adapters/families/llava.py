@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -13,13 +14,12 @@ from vtoken.errors import InputError
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.methods.base import device_ints
-from vtoken.records import Record
+from vtoken.records import LazyRecords, Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
 from ..base import Adapter, EncodedImages, Modality
-from ..llm.records import Deferred, LazyRecord
 from ..probes import ClsAttentionProbe
 
 
@@ -233,20 +233,20 @@ class LlavaAdapter(Adapter):
         records = self.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
         return EncodedImages(embeds, None, records)  # renumbered positions: the first placeholders stay
 
-    def merge_records(self, records: list[Record], selection: Selection) -> list[Record]:
+    def merge_records(self, records: Sequence[Record], selection: Selection) -> LazyRecords:
         """A merging method's crop records as two stages: "encoder.merge" (N -> N') and "encoder.keyset" (the
-        tokens it protects from later stages)."""
+        tokens it protects from later stages); built when read, like the crop records."""
         height, width = self.grid
-        counts = selection.protected.sum(1).tolist()  # one read for every crop; the indices when read
-        out, shared = [], {}
+        protected = selection.protected
 
-        def keys() -> list[torch.Tensor]:
-            return [selection.protected[c, : r.tokens_out].nonzero().squeeze(1) for c, r in enumerate(records)]
+        def build() -> list[Record]:
+            out = []
+            for c, record in enumerate(records):
+                keys = protected[c, : record.tokens_out].nonzero().squeeze(1)
+                merged = replace(
+                    record, stage="encoder.merge", tokens_in=height * width, kept=None, grid=(height, width)
+                )
+                out += [merged, replace(record, stage="encoder.keyset", tokens_out=len(keys), kept=keys, share=0.0)]
+            return out
 
-        for c, record in enumerate(records):
-            merged = replace(record, stage="encoder.merge", tokens_in=height * width, kept=None, grid=(height, width))
-            keyset = LazyRecord(**{f.name: getattr(record, f.name) for f in fields(record)})
-            keyset.stage, keyset.tokens_out, keyset.share = "encoder.keyset", counts[c], 0.0
-            keyset.kept = Deferred(keys, c, shared)
-            out += [merged, keyset]
-        return out
+        return LazyRecords(build)

@@ -227,5 +227,5 @@ class LanguageModelStages:
         cache = hf.cache_out(output)
         state.cache = cache if cache is not None else state.cache
         records = decode.finish(self, state, call.prompt_length)
-        self.adapter.records = self.adapter.records + records
+        self.adapter.add_records(records)
         call.final_columns = state.view.column
