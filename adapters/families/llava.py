@@ -13,7 +13,7 @@ import torch
 from vtoken.errors import InputError
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
-from vtoken.methods.base import device_ints
+from vtoken.geometry.tables import on_device
 from vtoken.records import LazyRecords, Record
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
@@ -194,10 +194,10 @@ class LlavaAdapter(Adapter):
         features, signals, valid = self.merged_vision_tokens(
             crops, vision_feature_layer, vision_feature_select_strategy, groups
         )
-        image_index = device_ints([image for image, n in enumerate(groups) for _ in range(n)], "cpu")
+        image_index = on_device([image for image, n in enumerate(groups) for _ in range(n)], "cpu")
         crop_index = [c for n in groups for c in range(n)]
         tokens = VisualTokens(features, (1, features.shape[1]), signals, image_index, valid,
-                              device_ints(crop_index, "cpu"))  # fmt: skip
+                              on_device(crop_index, "cpu"))  # fmt: skip
         selection, timer = self.select(tokens)
         records = self.merge_records(self.crop_records(tokens, selection, timer, crop_index), selection)
         embeds = self.kept_embeddings(tokens, selection)

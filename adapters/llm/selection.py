@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError
-from vtoken.methods.base import device_ints
+from vtoken.geometry.tables import on_device
 from vtoken.timing import Stopwatch
 
 from .. import hf
@@ -124,7 +124,7 @@ class DecodeTimeSelection:
             for row, n in enumerate(counts)
         ]  # fmt: skip
         kept = [method.decode_count(n) for n in counts]
-        keep_counts = device_ints(kept, visual.device)
+        keep_counts = on_device(kept, visual.device)
         beams = bool(getattr(stages.call, "beams", False))
         padded = first.padded
         slots = packed(visual, max(counts, default=0), counts)  # each row's visual columns, for every step

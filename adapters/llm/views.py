@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtoken.methods.base import device_ints
+from vtoken.geometry.tables import on_device
 from vtoken.tokens import Merged
 
 
@@ -105,7 +105,7 @@ class LayerView:
         """[B] `lost` on the device, made once per view (every decoding step reads it)."""
         made = self.__dict__.get("_lost")
         if made is None:
-            made = self.__dict__["_lost"] = device_ints(self.lost, self.column.device)
+            made = self.__dict__["_lost"] = on_device(self.lost, self.column.device)
         return made
 
 

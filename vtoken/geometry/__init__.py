@@ -7,8 +7,8 @@ family's crop grids, counts per crop, packings, newline tokens and positions are
   unpadding, valid tokens per crop, placeholder counts, and the native and official packings of kept tokens;
 - `llava`: LLaVA-1.5: the token grid, the pad-to-square border, the encoder layer a feature layer reads;
 - `qwen`: Qwen2-VL / Qwen2.5-VL / Qwen3-VL: token grids of `grid_thw`, counts per item, kept offsets in a run;
-- `tables`: small integer tables on the device from host integers (views of one `arange`, concatenated), so that
-  per-crop and per-image constants reach the GPU without a host-to-device copy or a sync.
+- `tables`: small integer tables on the device from host integers (one non-blocking copy from pinned memory, or
+  views of one `arange` concatenated), so that per-crop and per-image constants reach the GPU without a sync.
 
 Counts are host integers computed from sizes (known before the encoder runs); index tensors for the device are
 built from Python scalars, a fixed handful of kernels however many crops or images a call has.

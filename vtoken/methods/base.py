@@ -12,13 +12,13 @@ the top of its class; `Method` lists them, and every vtoken tool reads them from
 
 from __future__ import annotations
 
-import array
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
+from ..geometry.tables import on_device
 from ..params import Kept, Layer, Param, Scope
 from ..tokens import LayerTokens, Merged, Selection, VisualTokens
 
@@ -248,16 +248,6 @@ def valid_mask(tokens: VisualTokens, device: torch.device) -> torch.Tensor:
     return tokens.valid.to(device)
 
 
-def device_ints(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """[len(values)] int64 on `device` from host ints without a host sync (`torch.tensor(list, device=...)` waits
-    for the device: this goes through pinned memory, non-blocking, on CUDA)."""
-    device = torch.device(device)
-    if not values:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
-
-
 def keep_top(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """[B, V] bool: row b keeps its top `counts[b]` entries of `scores` [B, V] (invalid entries at -inf); the same
     set as `topk_mask`, with the counts kept on the host: a fixed burst, no host sync."""
@@ -269,7 +259,7 @@ def keep_top(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
     top = scores.topk(width, dim=-1).indices
     if any(n != width for n in counts):
         rank = torch.arange(width, device=scores.device)
-        top = top.masked_fill(rank >= device_ints(counts, scores.device)[:, None], length)
+        top = top.masked_fill(rank >= on_device(counts, scores.device)[:, None], length)
     return keep.scatter_(1, top, True)[:, :length]
 
 

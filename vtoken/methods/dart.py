@@ -26,9 +26,10 @@ from vtoken.kernels import greedy_least_similar
 
 from ..budget import Budget
 from ..errors import VTokenError
+from ..geometry.tables import on_device
 from ..params import Choice, Int, Kept, Layer
 from ..tokens import LayerTokens
-from .base import PrefillMethod, device_ints
+from .base import PrefillMethod
 
 POSITIONS = ("original", "renumber")
 
@@ -162,19 +163,19 @@ class DART(PrefillMethod):
             ],
             1,
         )
-        pivots = vectors.gather(1, device_ints(order, device).view(batch, steps)[:, :, None].expand(
+        pivots = vectors.gather(1, on_device(order, device).view(batch, steps)[:, :, None].expand(
             -1, -1, vectors.shape[-1]))  # fmt: skip
         similarity = unit(pivots) @ unit(tokens.normed).transpose(1, 2)  # [B, steps, V] cosine similarities
         counts = [plan[1] for plan in plans]
         if any(n != image.shape[1] for n in counts):  # rows with fewer tokens than pivots, or keeping all
             pivot_rank = torch.arange(image.shape[1], device=device)
-            image = image.masked_fill(pivot_rank >= device_ints(counts, device)[:, None], length)
+            image = image.masked_fill(pivot_rank >= on_device(counts, device)[:, None], length)
         kept = torch.zeros(batch, length + 1, dtype=torch.bool, device=device).scatter_(1, image, True)[:, :length]
-        takes = device_ints(takes, device).view(batch, steps)
+        takes = on_device(takes, device).view(batch, steps)
         kept |= greedy_least_similar(similarity, valid & ~kept, takes)  # one op: the pivots' greedy
         everything = [plan[1] == 0 for plan in plans]
         if any(everything):
-            kept |= valid & device_ints([int(e) for e in everything], device).bool()[:, None]
+            kept |= valid & on_device([int(e) for e in everything], device).bool()[:, None]
         return kept
 
 

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import VTokenError
+from ..geometry.tables import on_device
 from ..params import Choice, Layers, Real
 from ..tokens import LayerTokens, Selection, VisualTokens
-from .base import PrefillMethod, device_ints, droppable_layers, keep_top
+from .base import PrefillMethod, droppable_layers, keep_top
 
 POSITIONS = ("renumber", "original")
 
@@ -60,7 +61,7 @@ class TowerMerge:
         merged, unmerged = plan.merged, plan.unmerged
         windows = patches[:, plan.window_tokens]  # [C, W, 9, D]
         means = windows.gather(1, merged[:, :, None, None].expand(-1, -1, size, patches.shape[-1])).mean(dim=2)
-        real = torch.arange(merged.shape[1], device=device) < device_ints(plan.counts, device)[:, None]
+        real = torch.arange(merged.shape[1], device=device) < on_device(plan.counts, device)[:, None]
         flags = torch.cat([torch.ones(crops, 1, dtype=torch.bool, device=device), real, unmerged >= 0], 1)
         self.lengths = [1 + patches.shape[1] - (size - 1) * r for r in plan.counts]
         width = max(self.lengths)
@@ -139,7 +140,7 @@ def plan_merge(
         first += n
     most = max(counts, default=0)
     merged = scores.topk(most, dim=1).indices  # descending score
-    real = torch.arange(most, device=device) < device_ints(counts, device)[:, None]
+    real = torch.arange(most, device=device) < on_device(counts, device)[:, None]
     taken = torch.zeros(crops, scores.shape[1] + 1, dtype=torch.bool, device=device)
     taken = taken.scatter_(1, merged.masked_fill(~real, scores.shape[1]), True)[:, :-1]  # [C, W]
     size = windows.shape[1]

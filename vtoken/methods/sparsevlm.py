@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import VTokenError
+from ..geometry.tables import on_device
 from ..params import Choice, Counts, Int, Layers, OrNone
 from ..tokens import LayerTokens, Merged
 from ..validation import integer
-from .base import PrefillMethod, device_ints, droppable_layers, keep_top, nearest_layers
+from .base import PrefillMethod, droppable_layers, keep_top, nearest_layers
 
 # the official settings: visual tokens kept after layers 2, 6 and 15 for an average of ~192/128/96/64 per layer
 BUDGETS = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
@@ -83,7 +84,7 @@ def dpc_knn_merge_rows(
     device = x.device
     most = max(clusters, default=0)
     x = x.double()
-    real = torch.arange(width, device=device) < device_ints(counts, device)[:, None]  # [B, N]
+    real = torch.arange(width, device=device) < on_device(counts, device)[:, None]  # [B, N]
     pair = real[:, :, None] & real[:, None, :]
     distance = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") / x.shape[2] ** 0.5
     distance = distance.masked_fill(~pair, float("inf"))
@@ -93,7 +94,7 @@ def dpc_knn_merge_rows(
     if even:
         mean = squared.mean(-1)
     else:
-        limit = device_ints(clusters, device)
+        limit = on_device(clusters, device)
         used = torch.arange(most, device=device) < limit[:, None, None]
         mean = squared.masked_fill(~used, 0.0).sum(-1) / limit[:, None].clamp(min=1)
     density = (-mean).exp() + noise[:width].to(x)
@@ -102,7 +103,7 @@ def dpc_knn_merge_rows(
     parent = torch.where(denser & real[:, None, :], distance, top).min(-1).values
     score = (parent * density).masked_fill(~real, float("-inf"))
     centres = score.topk(most, dim=-1).indices  # [B, K] by descending score
-    centre_real = torch.arange(most, device=device) < device_ints(clusters, device)[:, None]
+    centre_real = torch.arange(most, device=device) < on_device(clusters, device)[:, None]
     to_centre = distance.gather(1, centres[:, :, None].expand(-1, -1, width))  # [B, K, N]
     assign = to_centre.masked_fill(~centre_real[:, :, None], float("inf")).argmin(1)  # nearest centre, first on ties
     own = torch.cat([assign, torch.zeros_like(assign[:, :1])], 1)  # every centre is its own cluster's (a row's
@@ -211,7 +212,7 @@ class SparseVLM(PrefillMethod):
         noise = self._noise(max(counts), scores.device)
         hidden = tokens.hidden.gather(1, best[:, :, None].expand(-1, -1, tokens.hidden.shape[-1]))
         merged, centres = dpc_knn_merge_rows(hidden, counts, clusters, noise)
-        valid = torch.arange(merged.shape[1], device=best.device) < device_ints(clusters, best.device)[:, None]
+        valid = torch.arange(merged.shape[1], device=best.device) < on_device(clusters, best.device)[:, None]
         return Merged(merged, valid, best.gather(1, centres), known=clusters)
 
     def _noise(self, count: int, device: torch.device) -> torch.Tensor:
