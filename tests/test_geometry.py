@@ -17,6 +17,8 @@ SIZES = [(336, 336), (300, 800), (900, 300), (1000, 1000), (20, 50), (427, 640),
 # ----------------------------------------------------------------- tables
 def test_tables_are_the_host_values_on_the_device():
     assert tables.on_device([3, 0, 7], "cpu").tolist() == [3, 0, 7]
+    assert tables.on_device([-1, 2**40], "cpu").tolist() == [-1, 2**40] and tables.on_device([], "cpu").numel() == 0
+    assert tables.on_device([3, 0, 7], "meta").shape == (3,)  # the GPU benchmarks' configurations build on meta
     assert tables.repeated([2, 5], [3, 1], "cpu").tolist() == [2, 2, 2, 5]
     assert tables.segment_aranges([2, 0, 3], "cpu").tolist() == [0, 1, 0, 1, 2]
     assert tables.padded_rows([2, 0, 1], 3, "cpu").tolist() == [0, 1, 6]

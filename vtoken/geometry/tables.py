@@ -14,13 +14,17 @@ import torch
 
 
 def on_device(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """[len(values)] int64 on `device` from host integers without a host sync (on a GPU: one non-blocking copy from
-    pinned host memory; on the CPU: the host buffer itself)."""
+    """[len(values)] int64 on `device` from host integers without a host sync (on a CUDA GPU: one non-blocking copy
+    from pinned host memory; on the CPU: the host buffer itself; elsewhere, e.g. `meta`: a plain copy)."""
     device = torch.device(device)
     if not values:
         return torch.zeros(0, dtype=torch.long, device=device)
     host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def repeated(values: list[int], times: list[int], device: torch.device | str) -> torch.Tensor:
