@@ -236,11 +236,10 @@ def test_onevision_equals_the_reference_and_the_llm_fed_by_hand(onevision, frame
     assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-4
 
 
-def _qwen_query_attention(model, inputs):
-    """Independent FastVID-Qwen signal: the last vision block's q/k recomputed from its input (qkv weights and a
-    rotate-half rotary written here), each temporal patch's mean query against each merge group's mean key."""
-    visual = model.model.visual
-    attn = visual.blocks[-1].attn
+def qwen_block_query_keys(model, inputs, attn):
+    """([S, H, d], [S, H, d]) float64 queries and keys of the Qwen vision block attention `attn` on `inputs` (S: the
+    call's patches in the encoder's order), recomputed from the block's input: its qkv weights and a rotate-half
+    rotary written here."""
     seen = {}
 
     def grab(module, args, kwargs):
@@ -253,26 +252,39 @@ def _qwen_query_attention(model, inputs):
     finally:
         hook.remove()
     x, (cos, sin) = seen["x"], seen["cos_sin"]
-    heads = attn.num_heads
-    q, k, _ = (x @ attn.qkv.weight.T.detach() + attn.qkv.bias.detach()).view(len(x), 3, heads, -1).unbind(1)
+    with torch.no_grad():
+        q, k, _ = (x @ attn.qkv.weight.T + attn.qkv.bias).view(len(x), 3, attn.num_heads, -1).unbind(1)
 
     def rotate(t):
         half = t.shape[-1] // 2
         return t * cos[:, None] + torch.cat([-t[..., half:], t[..., :half]], -1) * sin[:, None]
 
-    q, k = rotate(q.double()), rotate(k.double())
+    return rotate(q.double()), rotate(k.double())
+
+
+def raster_order(model, inputs, values):
+    """[t, groups] per-merge-group `values` in the encoder's order, put in raster order (Qwen2.5-VL's encoder visits
+    merge groups window by window; Qwen2-VL's in raster order already)."""
+    visual = model.model.visual
+    if not hasattr(visual, "fullatt_block_indexes"):
+        return values
+    from transformers.vision_utils import get_vision_window_index
+
+    grid = inputs["video_grid_thw"]
+    index, _ = get_vision_window_index(grid, visual.spatial_merge_size, visual.window_size, visual.patch_size)
+    return values.flatten()[torch.argsort(index)].view(values.shape[0], -1)
+
+
+def _qwen_query_attention(model, inputs):
+    """Independent FastVID-Qwen signal: the last vision block's q/k recomputed from its input, each temporal patch's
+    mean query against each merge group's mean key."""
+    q, k = qwen_block_query_keys(model, inputs, model.model.visual.blocks[-1].attn)
     t, h, w = inputs["video_grid_thw"][0].tolist()
-    dim = q.shape[-1]
+    heads, dim = q.shape[1:]
     mq = q.view(t, h * w, heads, dim).mean(1)
     mk = k.view(t, h * w // 4, 4, heads, dim).mean(2)
     probs = torch.einsum("thd,tnhd->thn", mq, mk).mul(dim**-0.5).softmax(-1).mean(1)  # [t, groups] encoder order
-    if hasattr(visual, "fullatt_block_indexes"):  # Qwen2.5-VL: merge groups run in window order
-        from transformers.vision_utils import get_vision_window_index
-
-        grid = inputs["video_grid_thw"]
-        index, _ = get_vision_window_index(grid, visual.spatial_merge_size, visual.window_size, visual.patch_size)
-        probs = probs.flatten()[torch.argsort(index)].view(t, -1)
-    return probs
+    return raster_order(model, inputs, probs)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])

@@ -18,7 +18,7 @@ from conftest import (
     make_image,
     video_inputs,
 )
-from test_fastvid import assert_frames_equal, sharpened_onevision
+from test_fastvid import assert_frames_equal, qwen_block_query_keys, raster_order, sharpened_onevision
 from test_qwen_vl import _prompt, _reference_generate
 from test_vidcom2 import _clip, _placed
 from video_references import holitom, windows
@@ -172,40 +172,12 @@ def _qwen_received_attention(model, inputs):
     eager attention per temporal patch, mean over heads and queries, then over each merge group; raster order."""
     visual = model.model.visual
     full = getattr(visual, "fullatt_block_indexes", None)
-    attn = visual.blocks[full[-1] if full is not None else -1].attn
-    seen = {}
-
-    def grab(module, args, kwargs):
-        seen["x"], seen["cos_sin"] = args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"]
-
-    hook = attn.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        hook.remove()
-    x, (cos, sin) = seen["x"], seen["cos_sin"]
-    heads = attn.num_heads
-    with torch.no_grad():
-        q, k, _ = (x @ attn.qkv.weight.T + attn.qkv.bias).view(len(x), 3, heads, -1).unbind(1)
-
-    def rotate(t):
-        half = t.shape[-1] // 2
-        return t * cos[:, None] + torch.cat([-t[..., half:], t[..., :half]], -1) * sin[:, None]
-
-    q, k = rotate(q.double()), rotate(k.double())
+    q, k = qwen_block_query_keys(model, inputs, visual.blocks[full[-1] if full is not None else -1].attn)
     t, h, w = inputs["video_grid_thw"][0].tolist()
-    dim = q.shape[-1]
+    heads, dim = q.shape[1:]
     q, k = q.view(t, h * w, heads, dim), k.view(t, h * w, heads, dim)
     probs = torch.einsum("tihd,tjhd->thij", q, k).mul(dim**-0.5).softmax(-1).mean((1, 2))  # [t, patches]
-    grouped = probs.view(t, -1, 4).mean(-1)
-    if full is not None:  # Qwen2.5-VL: merge groups in window order
-        from transformers.vision_utils import get_vision_window_index
-
-        grid = inputs["video_grid_thw"]
-        index, _ = get_vision_window_index(grid, visual.spatial_merge_size, visual.window_size, visual.patch_size)
-        grouped = grouped.flatten()[torch.argsort(index)].view(t, -1)
-    return grouped
+    return raster_order(model, inputs, probs.view(t, -1, 4).mean(-1))
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
