@@ -32,7 +32,7 @@ from . import hf
 from .calls import CallPath
 from .frames import FrameLayout
 from .llm import LanguageModelStages, QueryKeyProbe
-from .prompt import PromptRuns
+from .prompt import PromptRuns, offset_tensors
 from .sparse_prefill import SparseAttention
 from .state import CallState, PatchedGenerate, PerThread
 
@@ -331,10 +331,8 @@ class Adapter(CallPath, FrameLayout):
         kept = selection.kept.flatten()[picked]  # each item's kept indices, item after item
         flat = picked // max(selection.num_kept, 1) * width + kept  # into the items padded to `width`
 
-        def take(items: list[torch.Tensor | int]) -> list[torch.Tensor]:
-            # an int n stands for the first n offsets (an item of one run keeps its first placeholders)
-            rows = [t.to(device) if isinstance(t, torch.Tensor) else torch.arange(t, device=device) for t in items]
-            return list(stack_padded(rows, width).flatten(0, 1)[flat].split(counts))
+        def take(items: list[torch.Tensor | int]) -> list[torch.Tensor]:  # an int n: an item's first n offsets
+            return list(stack_padded(offset_tensors(items, device), width).flatten(0, 1)[flat].split(counts))
 
         offsets = None if encoded.keep_offsets is None else take(encoded.keep_offsets)  # None: still the first ones
         protected = None if encoded.protected is None else take(encoded.protected)

@@ -13,6 +13,7 @@ needs no read at all.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,13 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
     return out.masked_fill(index < 0, fill)
 
 
+def offset_tensors(keep: Sequence[int | torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Every run's kept offsets as a LongTensor on `device`: an int n stands for the run's first n (views of one
+    `arange`, a single kernel for them all), a tensor is moved there."""
+    first = torch.arange(max([k for k in keep if isinstance(k, int)] + [1]), device=device)
+    return [k.to(device) if isinstance(k, torch.Tensor) else first[:k] for k in keep]
+
+
 def placeholder_repeats(lengths: list[int], keep: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
     """[sum(lengths)] how often each placeholder of the runs appears in the shrunk prompt: run i keeps its first
     `keep[i]` placeholders (an int; past the run's end its last placeholder repeats: a run can also grow) or those
@@ -172,8 +180,7 @@ def placeholder_repeats(lengths: list[int], keep: list[int | torch.Tensor], devi
             else:
                 parts += [ones_then_zeros[: n - 1], counts[k - n + 1 : k - n + 2]]
         return torch.cat(parts)
-    first = torch.arange(max([k for k in keep if isinstance(k, int)] + [1]), device=device)
-    offsets = [k.to(device) if isinstance(k, torch.Tensor) else first[:k] for k in keep]  # ints: views
+    offsets = offset_tensors(keep, device)
     sizes = [len(k) for k in offsets]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     picked = torch.minimum(torch.cat(offsets), repeated([n - 1 for n in lengths], sizes, device))
