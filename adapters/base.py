@@ -12,6 +12,7 @@ is in `calls.py` (`CallPath`, mixed in here); this file holds validation, instal
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -279,8 +280,9 @@ class Adapter(CallPath, FrameLayout):
         forward keeps only the small tensors they need (kept indices, which tokens were valid)."""
         name, grid, num_crops, num_tokens = self.encoder_method.name, tokens.grid, tokens.num_crops, tokens.num_tokens
         valid, given, image_index = tokens.valid, tokens.valid_counts, tokens.image_index
-        kept, origin, counts, padded = selection.kept, selection.origin, selection.counts_per_crop(), selection.counts
-        anchors = selection.anchors if selection.at_anchors else None  # a merge reporting every row at its anchor
+        counts = selection.counts_per_crop()
+        picks = copy.copy(selection)  # the selection's indices only: its merged features need not live on
+        picks.features = picks.mix = None
         crop_index = list(crop_index)
 
         def build() -> list[Record]:
@@ -291,19 +293,9 @@ class Adapter(CallPath, FrameLayout):
             else:
                 tokens_in = [num_tokens] * num_crops
             owners = images if images is not None else image_index.tolist()
-            if kept is not None:
-                unchanged = [kept[c] if padded is None else kept[c, : counts[c]] for c in range(num_crops)]
-            elif anchors is not None:  # rows padded with positions past the grid: one sort serves every crop
-                ascending = anchors.sort(dim=-1).values
-                unchanged = [ascending[c] if padded is None else ascending[c, : counts[c]] for c in range(num_crops)]
-            elif origin is not None:
-                rows = [origin[c] if padded is None else origin[c, : counts[c]] for c in range(num_crops)]
-                unchanged = [row[row >= 0] for row in rows]
-            else:
-                unchanged = [None] * num_crops
             return [
                 Record("encoder", name, image=owners[c], crop=crop_index[c], tokens_in=tokens_in[c],
-                       tokens_out=counts[c], kept=unchanged[c], grid=grid, timer=timer, share=1 / num_crops,
+                       tokens_out=counts[c], kept=picks.unchanged_of(c), grid=grid, timer=timer, share=1 / num_crops,
                        modality=modality)
                 for c in range(num_crops)
             ]  # fmt: skip
