@@ -35,7 +35,7 @@ from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
 from ..base import Adapter, EncodedImages, Modality, flat_kept, output_places
-from ..probes import ReceivedAttentionProbe, VisionQueryKeyProbe
+from ..probes import VisionQueryKeyProbe
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
@@ -59,19 +59,18 @@ class QwenVLAdapter(Adapter):
     multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
 
     def available_signals(self) -> set[str]:
-        signals = {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention"}
-        attention = self.received_block().attn
-        if isinstance(getattr(attention, "qkv", None), torch.nn.Module) and self._vision_rotary() is not None:
-            signals.add("received_attention")  # HoloV's proxy: attention received in the last full-attention block
-        return signals
+        # "received_attention" (HoloV's score="received") is "tower_attention" (HoliTom's) under HoloV's name
+        return {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention",
+                "received_attention"}  # fmt: skip
 
     def attention_probes(self) -> dict[str, VisionQueryKeyProbe]:
         """Probes on the ViT blocks whose attention the encoder method's signals read."""
         visual, method, probes = self.inner.visual, self.encoder_method, {}
         if method.wants("vit_query_attention"):
             probes["vit_query_attention"] = VisionQueryKeyProbe(visual.blocks[-1].attn)
-        if method.wants("tower_attention"):
-            probes["tower_attention"] = VisionQueryKeyProbe(visual.blocks[hf.full_attention_blocks(visual)[-1]].attn)
+        for name in ("tower_attention", "received_attention"):  # the last block attending over whole frames
+            if method.wants(name):
+                probes[name] = VisionQueryKeyProbe(visual.blocks[hf.full_attention_blocks(visual)[-1]].attn)
         return probes
 
     def attention_signals(
@@ -92,7 +91,7 @@ class QwenVLAdapter(Adapter):
                     mean_q, mean_k = q.float().mean(1), k.float().reshape(frames, -1, group, heads, dim).mean(2)
                     logits = (mean_k * mean_q[:, None]).sum(-1) * dim**-0.5  # [t, groups, H]
                     values.append(logits.softmax(dim=1).mean(-1).flatten())
-                else:  # the attention each patch receives, then its merge group's mean
+                else:  # tower / received attention: what each patch receives, then its merge group's mean
                     received = attention_column_mean(q, k, dim**-0.5)
                     values.append(received.reshape(frames, -1, group).mean(-1).flatten())
             ordered = self.raster_order(torch.cat(values)[:, None], thw)[:, 0]
@@ -107,16 +106,6 @@ class QwenVLAdapter(Adapter):
 
         return [{name: (lambda name=name, i=i, t=t: signal(name, i, t)) for name in probes}
                 for i, (t, _, _) in enumerate(thw)]  # fmt: skip
-
-    def received_block(self) -> torch.nn.Module:
-        """The tower's last block whose attention spans a whole frame (Qwen2.5-VL: its last full-attention block;
-        Qwen2-VL and Qwen3-VL attend over whole frames in every block)."""
-        visual = self.inner.visual
-        full = getattr(visual, "fullatt_block_indexes", None)
-        return visual.blocks[max(full) if full else len(visual.blocks) - 1]
-
-    def _vision_rotary(self):
-        return hf.modeling_function(self.received_block().attn, "apply_rotary_pos_emb_vision")
 
     def raster_order(self, per_group: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Rows, one per merge group in the encoder's internal order, put in the merged tokens' raster order
@@ -250,21 +239,14 @@ class QwenVLAdapter(Adapter):
         grid_thw = torch.as_tensor(given)
         visual = self.inner.visual
         probes = self.attention_probes()
-        received_probe = None
-        if "received_attention" in self.encoder_method.requires:  # one segment per frame, h * w patches each
-            segments = [h * w for t, h, w in grids for _ in range(t)]
-            received_probe = ReceivedAttentionProbe(self.received_block().attn, segments, self._vision_rotary())
         with ExitStack() as stack:
-            for probe in [*probes.values(), *([received_probe] if received_probe is not None else [])]:
+            for probe in probes.values():
                 stack.enter_context(probe)
             out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
         attention = self.attention_signals(probes, grids) if probes else None
         merged = out.pooler_output
         device = merged.device
         sizes = [item_tokens(g, self.merge) for g in grids]
-        if received_probe is not None:  # per merged token: the mean over its merge group's patches, in raster order
-            received = received_probe.received().view(merged.shape[0], self.merge**2).mean(dim=1)
-            received = self.raster_order(received[:, None], grids)[:, 0].split(sizes)
         wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
@@ -278,8 +260,6 @@ class QwenVLAdapter(Adapter):
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals.update({"merge_features": pooled, "vision_features": pooled})
-            if received_probe is not None:
-                signals["received_attention"] = received[index].view(frames, grid[0] * grid[1])
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device))
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
