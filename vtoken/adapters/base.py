@@ -102,7 +102,7 @@ class EncodedImages:
 
 
 class Adapter(CallPath, FrameLayout):
-    """Base class; one subclass per model family (one file each in `adapters/`)."""
+    """Base class; one subclass per model family (one file each in `adapters/families/`)."""
 
     family: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
