@@ -12,7 +12,6 @@ is in `calls.py` (`CallPath`, mixed in here); this file holds validation, instal
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -20,12 +19,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from vtoken.errors import InputError, MissingSignalError, VTokenError
+from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.kept import flat_kept, output_places  # noqa: F401 - used by the family adapters
-from vtoken.geometry.tables import on_device, padded_rows, stack_padded
-from vtoken.methods.base import Method, unmet
+from vtoken.geometry.tables import stack_padded
+from vtoken.methods.base import Method
 from vtoken.question import prompt_questions, tokenizer_for
 from vtoken.records import LazyRecords, Record
+from vtoken.stages.encoder import EncoderStage, SignalSources, check_signals, check_takes, keep_all
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
@@ -36,32 +36,6 @@ from .llm import LanguageModelStages, QueryKeyProbe
 from .prompt import PromptRuns, offset_tensors
 from .sparse_prefill import SparseAttention
 from .state import CallState, PatchedGenerate, PerThread
-
-
-def keep_all(tokens: VisualTokens) -> Selection:
-    """Every valid token of every crop, ascending (rows padded with N past each crop's count)."""
-    if tokens.valid is None:
-        index = torch.arange(tokens.num_tokens, device=tokens.features.device)
-        return Selection(kept=index.expand(tokens.num_crops, -1))
-    valid = tokens.valid.to(tokens.features.device)
-    counts = valid_counts(tokens)
-    index = torch.arange(tokens.num_tokens, device=valid.device)
-    kept = index.masked_fill(~valid, tokens.num_tokens).sort(dim=-1).values[:, : max(max(counts), 1)]
-    return Selection(kept=kept, counts=counts)
-
-
-def valid_counts(tokens: VisualTokens) -> list[int]:
-    """Valid tokens of every crop: the host counts the adapter gave (`VisualTokens.valid_counts`), else read."""
-    if tokens.valid_counts is not None:
-        return list(tokens.valid_counts)
-    if tokens.valid is None:
-        return [tokens.num_tokens] * tokens.num_crops
-    return tokens.valid.sum(1).tolist()
-
-
-# signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
-# features for token-to-token similarity (default: the features methods select from)
-COMMON_SIGNALS = frozenset({"question", "projected", "vision_features"})
 
 
 @dataclass(frozen=True)
@@ -142,6 +116,8 @@ class Adapter(CallPath, FrameLayout):
         self._latest: list[Record] = []  # records of the most recent call of any thread
         self.installed = False
         self._own_generate = None  # an instance-level generate the model had before patch (restored by remove)
+        encoder = self.encoder_method
+        self.encoder = None if encoder is None else EncoderStage(encoder)  # the encoder stage every caller runs
         self.validate()
 
     # ----------------------------------------------------------------- per-call state
@@ -248,101 +224,33 @@ class Adapter(CallPath, FrameLayout):
         raise NotImplementedError
 
     def select(self, tokens: VisualTokens) -> tuple[Selection, Stopwatch]:
-        """Score and select with the encoder method. Callable signals are resolved here, so the stopwatch covers
-        computing the scores as well as selecting. A method that acts on the placed tokens (DivPrune) selects
-        later (`select_placed`): here every valid token is kept."""
-        if self.encoder_method.acts_on == "placed":
+        """The encoder stage on every crop of `tokens`, with this model's projector and the call's questions. A
+        method acting on the placed tokens (DivPrune) selects later (`select_placed`): here every valid token is
+        kept."""
+        if self.encoder.placed:
             return keep_all(tokens), Stopwatch(tokens.features.device).start().stop()
-        timer = Stopwatch(tokens.features.device).start()
-        requires = self.encoder_method.requires
-        if "projected" in requires and "projected" not in tokens.signals:
-            tokens.signals["projected"] = lambda features=tokens.features: self.project(features)
-        if "vision_features" in requires and "vision_features" not in tokens.signals:
-            tokens.signals["vision_features"] = tokens.features
-        if "question" in requires:
-            tokens.question = TextQuery(self._state.questions, self.family, self.embed_text)
-        tokens.signals = {k: v() if callable(v) else v for k, v in tokens.signals.items()}
-        selection = self.encoder_method.select(tokens)
-        timer.stop()
-        return selection, timer
-
-    def crop_records(
-        self,
-        tokens: VisualTokens,
-        selection: Selection,
-        timer: Stopwatch,
-        crop_index: list[int],
-        modality: str = "image",
-        images: list[int] | None = None,
-    ) -> LazyRecords:
-        """One record per crop; `crop_index[c]` is crop c's index within its image (or frame within its video),
-        `images` (if the caller knows them on the host) the image of every crop. Built when first read: the
-        forward keeps only the small tensors they need (kept indices, which tokens were valid)."""
-        name, grid, num_crops, num_tokens = self.encoder_method.name, tokens.grid, tokens.num_crops, tokens.num_tokens
-        valid, given, image_index = tokens.valid, tokens.valid_counts, tokens.image_index
-        counts = selection.counts_per_crop()
-        picks = copy.copy(selection)  # the selection's indices only: its merged features need not live on
-        picks.features = picks.mix = None
-        crop_index = list(crop_index)
-
-        def build() -> list[Record]:
-            if given is not None:
-                tokens_in = list(given)
-            elif valid is not None:
-                tokens_in = valid.sum(1).tolist()
-            else:
-                tokens_in = [num_tokens] * num_crops
-            owners = images if images is not None else image_index.tolist()
-            return [
-                Record("encoder", name, image=owners[c], crop=crop_index[c], tokens_in=tokens_in[c],
-                       tokens_out=counts[c], kept=picks.unchanged_of(c), grid=grid, timer=timer, share=1 / num_crops,
-                       modality=modality)
-                for c in range(num_crops)
-            ]  # fmt: skip
-
-        return LazyRecords(build)
+        sources = SignalSources(self.project, lambda: TextQuery(self._state.questions, self.family, self.embed_text))
+        return self.encoder.select(tokens, sources)
 
     def select_placed(self, modality: Modality, encoded: EncodedImages) -> EncodedImages:
         """The encoder method on every image's (video's) tokens as placed: `encoded` holds them all (see `select`);
         returns the kept ones, their placeholder offsets and companions, one record per image."""
-        method, placed = self.encoder_method, encoded.features
-        lengths = [len(p) for p in placed]
-        if not placed or not max(lengths):
+        picks = self.encoder.select_placed(encoded.features)
+        if picks is None:
             return encoded
-        width = max(lengths)
-        features = stack_padded(placed, width)
-        device = features.device
-        valid = torch.arange(width, device=device)[None] < on_device(lengths, device)[:, None]
-        tokens = VisualTokens(features, (1, width), {}, torch.arange(len(placed), device=device), valid,
-                              valid_counts=lengths)  # fmt: skip
-        timer = Stopwatch(device).start()
-        selection = method.select(tokens)
-        timer.stop()
-        counts = selection.counts_per_crop()
-        picked = padded_rows(counts, max(selection.num_kept, 1), device)  # real entries of [items, k]
-        kept = selection.kept.flatten()[picked]  # each item's kept indices, item after item
-        flat = picked // max(selection.num_kept, 1) * width + kept  # into the items padded to `width`
+        device, width = picks.flat.device, picks.width
 
         def take(items: list[torch.Tensor | int]) -> list[torch.Tensor]:  # an int n: an item's first n offsets
-            return list(stack_padded(offset_tensors(items, device), width).flatten(0, 1)[flat].split(counts))
+            return picks.take(stack_padded(offset_tensors(items, device), width))
 
         offsets = None if encoded.keep_offsets is None else take(encoded.keep_offsets)  # None: still the first ones
         protected = None if encoded.protected is None else take(encoded.protected)
         companions = None
         if encoded.companions is not None:
             levels = [take(list(level)) for level in zip(*encoded.companions, strict=True)]
-            companions = [list(item) for item in zip(*levels, strict=True)] if levels else [[] for _ in placed]
-        name, kept_rows = method.name, list(kept.split(counts))
-
-        def build() -> list[Record]:
-            return [
-                Record("encoder", name, image=i, crop=0, tokens_in=lengths[i], tokens_out=counts[i], kept=k,
-                       grid=(1, lengths[i]), timer=timer, share=1 / len(placed), modality=modality.name)
-                for i, k in enumerate(kept_rows)
-            ]  # fmt: skip
-
-        features = list(features.flatten(0, 1)[flat].split(counts))
-        return EncodedImages(features, offsets, LazyRecords(build), protected, companions)
+            companions = [list(item) for item in zip(*levels, strict=True)] if levels else [[] for _ in picks.lengths]
+        records = self.encoder.placed_records(picks, modality.name)
+        return EncodedImages(picks.take(picks.padded), offsets, records, protected, companions)
 
     def encoder_output(self, encoded: EncodedImages, features: Any) -> Any:
         """Hook: what the stock forward receives in `mm_encoder_outputs` for one modality."""
@@ -417,12 +325,9 @@ class Adapter(CallPath, FrameLayout):
                 "of them, with an encoder-stage method if you like"
             )
         takes = {m.name for m in self.modalities} | ({"video"} if self.videos_as_image_runs else set())
+        owner = f"{type(self.model).__name__} ({self.family})"
         for method in self.methods:
-            if not takes & set(method.modalities):
-                raise VTokenError(
-                    f"method {method.name!r} acts on {' and '.join(method.modalities)} inputs only, which the "
-                    f"{self.family} adapter does not take; it takes {', '.join(sorted(takes))}"
-                )
+            check_takes(method, takes, f"the {self.family} adapter")
             unsupported = [s for s in method.stages if s not in self.stages]
             if unsupported:
                 raise VTokenError(
@@ -430,24 +335,7 @@ class Adapter(CallPath, FrameLayout):
                     f"not support; supported stages: {', '.join(self.stages)}"
                     + (f". {self.stages_note}" if self.stages_note else "")
                 )
-            missing = unmet(tuple(method.requires), self.available_signals() | COMMON_SIGNALS)
-            if missing:
-                provided = self.available_signals()
-                layers = sorted(int(n.split("@")[1]) for n in provided if n.startswith("cls_attention@") and
-                                n.split("@")[1].isdigit())  # fmt: skip
-                out_of_range = [n for n in missing if n.startswith("cls_attention@")] if layers else []
-                why = (
-                    f"{', '.join(out_of_range)}: no such layer in its vision tower, whose [CLS] attention is "
-                    f"available at layers {layers[0]}..{layers[-1]} (cls_attention@L; -1 = the last)"
-                    if out_of_range
-                    else f"it provides {sorted(provided | COMMON_SIGNALS)}"
-                )
-                note = f" ({method.signals_note})" if method.signals_note else ""
-                hint = method.missing_signal_hint(missing) if hasattr(method, "missing_signal_hint") else ""
-                raise MissingSignalError(
-                    f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
-                    f"({self.family}) cannot provide{note}; {why}" + (f". {hint}" if hint else "")
-                )
+            check_signals(method, self.available_signals(), owner)
             if "question" in method.requires:
                 self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate
         prefill = self.prefill_method

@@ -65,11 +65,8 @@ class CallPath(ConversationPath):
         present = self.present(kwargs)
         for modality in present:
             frames = self.videos_as_image_runs and "video" in method.modalities  # the adapter tells them apart
-            if modality.name not in method.modalities and not frames:  # e.g. images given to a video method
-                raise InputError(
-                    f"{method.name} acts on {' and '.join(method.modalities)} inputs only; this call passes "
-                    f"{modality.name}s (`{modality.pixel_key}`): call the model without them, or use another method"
-                )
+            if not frames:  # e.g. images given to a video method
+                self.encoder.check_call_modality(modality.name, modality.pixel_key)
         layout = self.read_call_layout(kwargs, present)
         state = self._state
         state.host = layout.values
@@ -97,7 +94,7 @@ class CallPath(ConversationPath):
                 )
                 # "How many" before the encoder, "which" after: with contiguous positions only the count matters to
                 # the prompt, so for fixed-count methods it is shrunk while the accelerator is still idle.
-                placed = method.acts_on == "placed"  # selects among the packed tokens (DivPrune), after `encode`
+                placed = self.encoder.placed  # selects among the packed tokens (DivPrune), after `encode`
                 planned = [method.planned_count(n) for n in run_lengths] if placed else \
                     self.planned_counts(modality, run_lengths)  # fmt: skip
                 early = self.positions == "renumber" and None not in planned

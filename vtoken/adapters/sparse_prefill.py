@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from vtoken.errors import VTokenError
 from vtoken.kernels import block_sparse_attention, block_sparse_attention_reference
 from vtoken.kernels.block_sparse_flex import block_sparse_attention_flex, flex_unavailable
 from vtoken.kernels.sparse_speed import BACKEND_CHOICE, BreakEven, available_backends, cpu_backend, recorded_break_even
-
-from vtoken.errors import VTokenError
 from vtoken.methods.sparse_prefill import SparsePrefill
 from vtoken.records import Record
 from vtoken.timing import Stopwatch

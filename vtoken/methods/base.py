@@ -272,7 +272,10 @@ class ScoreMethod(EncoderMethod):
         raise NotImplementedError
 
     def select(self, tokens: VisualTokens) -> Selection:
-        scores = self.score(tokens)
+        return self.keep_top_scores(tokens, self.score(tokens))
+
+    def keep_top_scores(self, tokens: VisualTokens, scores: torch.Tensor) -> Selection:
+        """Every crop's (or image's, with scope="image") top tokens by `scores` [C, N], ascending."""
         if self.scope == "image":
             return self._select_per_image(tokens, scores)
         if tokens.valid is None:

@@ -79,5 +79,5 @@ class FastVlmAdapter(LlavaAdapter):
         tokens = VisualTokens(features, grid, {}, torch.arange(num_images, device=features.device))
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
-        records = self.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
+        records = self.encoder.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
         return EncodedImages(embeds, None, records)

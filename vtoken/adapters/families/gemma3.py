@@ -92,5 +92,5 @@ class Gemma3Adapter(FlatFeatures, Adapter):
         else:
             embeds = self.project(flat_kept(selection, features))
         per_crop = list(embeds.split(selection.counts_per_crop()))
-        records = self.crop_records(tokens, selection, timer, [0] * crops, images=list(range(crops)))
+        records = self.encoder.crop_records(tokens, selection, timer, [0] * crops, images=list(range(crops)))
         return EncodedImages(per_crop, None, records)

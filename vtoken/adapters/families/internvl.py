@@ -312,7 +312,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
         # records: images and videos numbered on their own, a video's frames its crops
         kinds = [kind for kind, _, _ in items]
         number = [kinds[:item].count(kind) for item, kind in enumerate(kinds)]
-        crop_records = self.crop_records(tokens, selection, timer, crop_index, images=image_index)
+        crop_records = self.encoder.crop_records(tokens, selection, timer, crop_index, images=image_index)
         records = LazyRecords(
             lambda: [
                 dataclasses.replace(record, image=number[record.image], modality=kinds[record.image])

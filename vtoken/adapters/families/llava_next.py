@@ -160,7 +160,7 @@ class LlavaNextAdapter(LlavaAdapter):
                       self.inner.image_newline, native=not official, origin=selection.origin, drop=drop,
                       base_newline="newline after base-only image" in method.official_packing,
                       whole=method.acts_on == "placed")  # fmt: skip
-        records = self.crop_records(tokens, selection, timer, crop_index, images=images)
+        records = self.encoder.crop_records(tokens, selection, timer, crop_index, images=images)
         if drop is not None:
             records = _after_unpadding(records, packed.reached, places, drop)
         return EncodedImages(packed.per_image(), None, records)

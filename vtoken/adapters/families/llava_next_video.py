@@ -94,5 +94,5 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         embeds = self.inner.multi_modal_projector(flat_kept(selection, pooled))
         per_frame = selection.counts_per_crop()
         per_video = list(embeds.split([sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]))
-        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+        records = self.encoder.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
         return EncodedImages(per_video, None, records)

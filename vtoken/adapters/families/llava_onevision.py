@@ -241,7 +241,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             per_frame = selection.counts_per_crop()
             kept = [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
             per_video = with_row_after(flat_kept(selection, pooled), kept, newline).split([n + 1 for n in kept])
-            records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+            records = self.encoder.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
             return EncodedImages(list(per_video), None, records)
 
         self.refuse_resized_grids("anyres images")
@@ -258,7 +258,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         device = base.device
         base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed), device=device))
         selection, timer = self.select(base_tokens)
-        parts = [self.crop_records(base_tokens, selection, timer, [0] * len(packed), images=list(range(len(packed))))]
+        images = list(range(len(packed)))
+        parts = [self.encoder.crop_records(base_tokens, selection, timer, [0] * len(packed), images=images)]
         # every image as crops for `pack`: the base view, then its stitched grid as one sub-image of its own size
         base_counts = selection.counts_per_crop()
         base_rows = flat_kept(selection, base).split(base_counts)
@@ -275,7 +276,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             stitched = features[side * side :][None]
             tokens = VisualTokens(stitched, (height, width), {}, torch.full((1,), i, device=device))
             chosen, watch = self.select(tokens)
-            parts.append(self.crop_records(tokens, chosen, watch, [1], images=[i]))
+            parts.append(self.encoder.crop_records(tokens, chosen, watch, [1], images=[i]))
             grids.append(AnyresGrid(1, 1, (height, width), 0, height, 0, width))
             count = chosen.counts_per_crop()[0]
             places.append(output_places(chosen)[0, :count])

@@ -129,5 +129,5 @@ class PerceptionLMAdapter(Adapter):
         selection, timer = self.select(tokens)
         per_tile = selection.counts_per_crop()
         kept = flat_kept(selection, features).split([sum(per_tile[i * tiles : (i + 1) * tiles]) for i in range(items)])
-        records = self.crop_records(tokens, selection, timer, list(range(tiles)) * items, modality.name, owners)
+        records = self.encoder.crop_records(tokens, selection, timer, list(range(tiles)) * items, modality.name, owners)
         return EncodedImages(list(kept), None, records)

@@ -24,11 +24,11 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from vtoken.kernels import attention_column_mean
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid, window_index
 from vtoken.geometry.tables import on_device
+from vtoken.kernels import attention_column_mean
 from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
@@ -275,7 +275,7 @@ class QwenVLAdapter(Adapter):
                 kept, places, follow = kept[order], places[order], [c[order] for c in follow]
             features.append(kept)
             offsets.append(places)
-            parts.append(self.crop_records(crops, selection, timer, list(range(frames)), modality.name,
+            parts.append(self.encoder.crop_records(crops, selection, timer, list(range(frames)), modality.name,
                                            [index] * frames))  # fmt: skip
             followers.append(follow)
         check_followed(self.encoder_method, checks)  # a merge's anchors on DeepStack levels: one read, if any

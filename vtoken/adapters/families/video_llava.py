@@ -92,5 +92,5 @@ class VideoLlavaAdapter(LlavaAdapter):
         embeds = self.inner.multi_modal_projector(out)
         sizes = [n + c for n, c in zip(counts, lead, strict=True)]
         per_video = list(embeds.split([sum(sizes[v * frames : (v + 1) * frames]) for v in range(videos)]))
-        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+        records = self.encoder.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
         return EncodedImages(per_video, None, records)
