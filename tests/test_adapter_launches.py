@@ -55,7 +55,7 @@ def adapter_counts(model, inputs, name, **params):
     try:
         method = next(m for m in handle.methods if "encoder" in m.stages)
         adapter, selects, prepares = handle.adapter, [], []
-        select, prepare = method.select, adapter.prepare
+        select, prepare = method.select, adapter.calls.prepare
 
         def counted_select(tokens):
             with count_launches() as inner:
@@ -70,7 +70,7 @@ def adapter_counts(model, inputs, name, **params):
             return out
 
         object.__setattr__(method, "select", counted_select)
-        adapter.prepare = counted_prepare
+        adapter.calls.prepare = counted_prepare
         with torch.no_grad(), count_launches() as patched:
             model(**inputs)
         assert handle.records, "records are built when read"

@@ -43,17 +43,18 @@ def llava(request):
 
 @contextlib.contextmanager
 def counted_drops(monkeypatch, check=None):
-    """Count every drop's launches (`prefill.drop` wrapped); `check`: a context around each drop (no_host_syncs)."""
+    """Count every drop's launches (`PrefillRun.drop` wrapped); `check`: a context around each drop
+    (no_host_syncs)."""
     seen = []
-    drop = prefill.drop
+    drop = prefill.PrefillRun.drop
 
-    def counting(stages, layer, hidden):
+    def counting(run, layer, hidden):
         with count_launches() as counted, check() if check else contextlib.nullcontext():
-            out = drop(stages, layer, hidden)
+            out = drop(run, layer, hidden)
         seen.append(counted)
         return out
 
-    monkeypatch.setattr(prefill, "drop", counting)
+    monkeypatch.setattr(prefill.PrefillRun, "drop", counting)
     yield seen
 
 

@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
 
-    from . import demo_arguments
+    from .arguments import demo_arguments
 
     parser = argparse.ArgumentParser(prog="python -m vtoken.demo", description="the vtoken Gradio demo")
     demo_arguments(parser)

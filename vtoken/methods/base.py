@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
+from ..errors import VTokenError
 from ..geometry.tables import on_device
 from ..params import Kept, Layer, Param, Scope
 from ..tokens import LayerTokens, Merged, Selection, VisualTokens
@@ -272,7 +273,7 @@ class ScoreMethod(EncoderMethod):
         raise NotImplementedError
 
     def select(self, tokens: VisualTokens) -> Selection:
-        return self.keep_top_scores(tokens, self.score(tokens))
+        return self.keep_top_scores(tokens, check_scores(self, tokens, self.score(tokens)))
 
     def keep_top_scores(self, tokens: VisualTokens, scores: torch.Tensor) -> Selection:
         """Every crop's (or image's, with scope="image") top tokens by `scores` [C, N], ascending."""
@@ -315,6 +316,28 @@ class ScoreMethod(EncoderMethod):
         width = max(counts, default=0)
         kept = torch.where(keep, torch.arange(n, device=device), n).sort(dim=-1).values[:, :width]
         return Selection(kept=kept, counts=counts)
+
+
+def check_scores(method: EncoderMethod, tokens: VisualTokens, scores: object) -> torch.Tensor:
+    """A score method's scores [C, N] as the base class takes them for its top-k: the shape, dtype and device on
+    the host (a `VTokenError` naming the method), and no NaN or +inf on the device (invalid tokens may be -inf): a
+    device-side assert on CUDA (no sync), raised at once on the CPU (as a `VTokenError`)."""
+    crops, n, device = tokens.num_crops, tokens.num_tokens, tokens.features.device
+    where = f"{method.name}.score()"
+    if not isinstance(scores, torch.Tensor):
+        raise VTokenError(f"{where} returned {type(scores).__name__}; expected a tensor [C, N] = [{crops}, {n}]")
+    if tuple(scores.shape) != (crops, n):
+        raise VTokenError(f"{where} returned scores of shape {tuple(scores.shape)}; expected [C, N] = [{crops}, {n}]")
+    if scores.device != device:
+        raise VTokenError(f"{where} returned scores on {scores.device}; expected the features' device, {device}")
+    if not scores.is_floating_point():
+        raise VTokenError(f"{where} returned scores of dtype {scores.dtype}; expected a floating-point tensor")
+    message = f"{where} returned NaN or +inf scores (expected finite scores; -inf marks tokens never to keep)"
+    try:
+        torch._assert_async((scores < float("inf")).all(), message)
+    except RuntimeError as err:  # raised at once off CUDA; on CUDA a device-side assert ends the call
+        raise VTokenError(message) from err
+    return scores
 
 
 class PrefillMethod(Method):

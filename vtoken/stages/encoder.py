@@ -4,9 +4,10 @@ The transformers adapters, the vLLM plugin and `vtoken.select` build `VisualToke
 towers, the layouts and the placeholders) and hand them here: the signals every family serves are filled from one
 table (`COMMON_SIGNALS`), the method's needs are read from its declaration (`requires`, `modalities`,
 `acts_on`), the method runs, and what it returned is checked once, where the engine takes it: shape, dtype and
-device on the host (a `VTokenError` naming the method), finite scores on the device (`torch._assert_async`: a
-device-side assert on CUDA, no sync; raised at once elsewhere). Placed selections (a method choosing among an
-image's tokens as the LLM receives them: DivPrune) and the per-crop records live here too.
+device on the host (a `VTokenError` naming the method); a score method's scores are checked where the base
+class's top-k takes them (`ScoreMethod.select`: finite on the device, a device-side assert on CUDA, no sync).
+Placed selections (a method choosing among an image's tokens as the LLM receives them: DivPrune) and the per-crop
+records live here too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.geometry.tables import on_device, padded_rows, stack_padded
-from vtoken.methods.base import EncoderMethod, Method, ScoreMethod, unmet
+from vtoken.methods.base import EncoderMethod, Method, unmet
 from vtoken.records import LazyRecords, Record
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, TextQuery, VisualTokens
@@ -121,12 +122,7 @@ class EncoderStage:
         time it took (scores and selection)."""
         timer = Stopwatch(tokens.features.device).start()
         self.fill(tokens, sources or SignalSources())
-        method = self.method
-        if isinstance(method, ScoreMethod) and type(method).select is ScoreMethod.select:
-            # the base class's top-k takes the method's scores: checked there, once
-            selection = method.keep_top_scores(tokens, check_scores(method, tokens, method.score(tokens)))
-        else:
-            selection = method.select(tokens)
+        selection = self.method.select(tokens)  # a score method's scores are checked where its top-k takes them
         self.check_selection(tokens, selection)
         timer.stop()
         return selection, timer
@@ -275,25 +271,3 @@ def keep_all(tokens: VisualTokens) -> Selection:
     index = torch.arange(tokens.num_tokens, device=valid.device)
     kept = index.masked_fill(~valid, tokens.num_tokens).sort(dim=-1).values[:, : max(max(counts), 1)]
     return Selection(kept=kept, counts=counts)
-
-
-def check_scores(method: EncoderMethod, tokens: VisualTokens, scores: object) -> torch.Tensor:
-    """A score method's scores [C, N] as the base class takes them for its top-k: the shape, dtype and device on
-    the host (a `VTokenError` naming the method), and no NaN or +inf on the device (invalid tokens may be -inf): a
-    device-side assert on CUDA (no sync), raised at once on the CPU (as a `VTokenError`)."""
-    crops, n, device = tokens.num_crops, tokens.num_tokens, tokens.features.device
-    where = f"{method.name}.score()"
-    if not isinstance(scores, torch.Tensor):
-        raise VTokenError(f"{where} returned {type(scores).__name__}; expected a tensor [C, N] = [{crops}, {n}]")
-    if tuple(scores.shape) != (crops, n):
-        raise VTokenError(f"{where} returned scores of shape {tuple(scores.shape)}; expected [C, N] = [{crops}, {n}]")
-    if scores.device != device:
-        raise VTokenError(f"{where} returned scores on {scores.device}; expected the features' device, {device}")
-    if not scores.is_floating_point():
-        raise VTokenError(f"{where} returned scores of dtype {scores.dtype}; expected a floating-point tensor")
-    message = f"{where} returned NaN or +inf scores (expected finite scores; -inf marks tokens never to keep)"
-    try:
-        torch._assert_async((scores < float("inf")).all(), message)
-    except RuntimeError as err:  # raised at once off CUDA; on CUDA a device-side assert ends the call
-        raise VTokenError(message) from err
-    return scores

@@ -13,14 +13,12 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality
 from .llava import LlavaAdapter
 
 
-@register_adapter
 class FastVlmAdapter(LlavaAdapter):
     family = "fastvlm"
     clip_tower = False  # FastViTHD, not a CLIP checkpoint's tower

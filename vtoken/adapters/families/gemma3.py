@@ -21,14 +21,12 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import Adapter, EncodedImages, Modality, flat_kept
 from ..flat_features import FlatFeatures
 
 
-@register_adapter
 class Gemma3Adapter(FlatFeatures, Adapter):
     family = "gemma3"
     model_types = ("gemma3",)

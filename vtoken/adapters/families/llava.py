@@ -15,7 +15,6 @@ from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.geometry.tables import on_device
 from vtoken.records import LazyRecords, Record
-from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
@@ -23,7 +22,6 @@ from ..base import Adapter, EncodedImages, Modality
 from ..probes import ClsAttentionProbe
 
 
-@register_adapter
 class LlavaAdapter(Adapter):
     """Visual tokens = the patch tokens of `vision_feature_layer` (no [CLS]), selected before the projector."""
 

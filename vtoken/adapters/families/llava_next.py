@@ -30,7 +30,7 @@ from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.anyres import AnyresGrid, anyres_grid, crop_valid, pack, sequence_index
 from vtoken.geometry.tables import on_device, repeated
 from vtoken.records import LazyRecords
-from vtoken.registry import available_methods, method_class, register_adapter
+from vtoken.registry import available_methods, method_class
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality, output_places
@@ -40,7 +40,6 @@ from .llava import LlavaAdapter
 AnyresLayout = AnyresGrid
 
 
-@register_adapter
 class LlavaNextAdapter(LlavaAdapter):
     family = "llava-next"
     model_types = ("llava_next",)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from vtoken.geometry.tables import repeated
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality, flat_kept
@@ -24,7 +23,6 @@ from .llava_next import LlavaNextAdapter
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
 
-@register_adapter
 class LlavaNextVideoAdapter(LlavaNextAdapter):
     family = "llava-next-video"
     model_types = ("llava_next_video",)

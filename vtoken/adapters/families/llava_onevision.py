@@ -31,7 +31,6 @@ from vtoken.geometry.anyres import AnyresGrid, onevision_grid, onevision_max_cro
 from vtoken.geometry.tables import repeated, stack_padded
 from vtoken.hub import hub_kwargs
 from vtoken.records import LazyRecords
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from .. import hf
@@ -52,7 +51,6 @@ def _checkpoint_head(path: str) -> tuple[nn.Module, nn.Module] | None:
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
 
-@register_adapter
 class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava-onevision"
     clip_tower = False  # SigLIP: no CLIP text tower of its own

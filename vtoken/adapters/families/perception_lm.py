@@ -22,14 +22,12 @@ import torch.nn.functional as F
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.tables import repeated
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 from vtoken.towers import TimmRowProbe
 
 from ..base import Adapter, EncodedImages, Modality, flat_kept
 
 
-@register_adapter
 class PerceptionLMAdapter(Adapter):
     family = "perception-lm"
     model_types = ("perception_lm",)

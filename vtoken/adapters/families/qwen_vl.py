@@ -30,7 +30,6 @@ from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, tok
 from vtoken.geometry.tables import on_device
 from vtoken.kernels import attention_column_mean
 from vtoken.records import LazyRecords
-from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
@@ -40,7 +39,6 @@ from ..probes import VisionQueryKeyProbe
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
 
-@register_adapter
 class QwenVLAdapter(Adapter):
     family = "qwen2-vl"
     model_types = ("qwen2_vl",)
@@ -287,7 +285,6 @@ class QwenVLAdapter(Adapter):
         return []
 
 
-@register_adapter
 class Qwen25VLAdapter(QwenVLAdapter):
     """Qwen2.5-VL: as Qwen2-VL; its encoder internals are window-ordered and are put back in raster order."""
 

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from vtoken.geometry.tables import on_device, repeated
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality, flat_kept
@@ -22,7 +21,6 @@ from .llava import LlavaAdapter
 IMAGE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
 
-@register_adapter
 class VideoLlavaAdapter(LlavaAdapter):
     family = "video-llava"
     clip_tower = False  # LanguageBind's towers: not an OpenAI CLIP checkpoint
