@@ -21,7 +21,9 @@ a_f (how much attention each token draws) and g_f (the frame's global feature):
    merges every token of its segment that is neither salient nor one of its own targets. Each token goes to its
    most cosine-similar target (the first on ties); a target with n tokens becomes w * x + (1 - w) * their mean,
    w = max(1 / (n + 1), beta).
-5. Kept: salient and context tokens, ascending by position per frame (a context token at its target's).
+5. Kept: salient and context tokens, ascending by position per frame (a context token at its target's), each at
+   its original position (gaps; the official LLaVA-OneVision code passes `position_ids = keep_indexs`, and Qwen's
+   M-RoPE keeps (t, h, w) anyway); decoding continues at the unpruned length.
 
 Signals: onevision reads SigLIP's attention-pooling (MAP) head on the tower features (`siglip_head_attention`:
 the probe's head-mean attention pooled like the tokens; `siglip_head_pooled`: its pooled output); qwen reads the
@@ -248,6 +250,7 @@ class FastVID(EncoderMethod):
 
     name = "fastvid"
     modalities = ("video",)
+    encoder_positions = "original"  # official (LLaVA-OneVision): position_ids = keep_indexs, with gaps
     scopes = ("image",)  # budgets are shared out over each video's segments
     merges = True
     params = {
