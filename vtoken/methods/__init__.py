@@ -15,6 +15,7 @@ from .holov import HoloV
 from .mmtok import MMTok
 from .mustdrop import MustDrop
 from .pool import Pool
+from .prunevid import PruneVid
 from .pyramiddrop import PyramidDrop
 from .random import Random
 from .sparse_prefill import SparsePrefill
@@ -49,4 +50,5 @@ __all__ = [
     "HoliTom",
     "CDPruner",
     "HoloV",
+    "PruneVid",
 ]

@@ -353,12 +353,30 @@ def video_selection(
         return torch.cat(rows).to(features.dtype), torch.cat(places)
 
     features, positions = build(projected)
-    counts = torch.cat([plan.keep.sum(-1).flatten() for *_, plan in plans]).tolist()  # the one sync
+    # a merge whose outputs fall in groups (PruneVid: a window's static tokens, a frame's dynamic ones) says how
+    # many each holds: read with the counts, in the one sync
+    grouped = all(hasattr(plan, "kinds") for *_, plan in plans)
+    reads = [plan.keep.sum(-1).flatten() for *_, plan in plans]
+    reads += [plan.kinds.flatten() for *_, plan in plans] if grouped else []
+    values = torch.cat(reads).tolist()  # the one sync
+    crops = tokens.num_crops
+    counts, sizes = values[:crops], (values[crops:] if grouped else None)
 
     def mix(other: torch.Tensor) -> torch.Tensor:
         return build(other)[0]
 
-    return Selection(features=features, counts=counts, anchors=positions, at_anchors=True, mix=mix)
+    groups = None
+    if grouped:  # crop c's rows: group 2c (the static group of the window it starts) or 2c + 1 (its dynamic one)
+        kind = torch.cat([nn_pad(plan.group_rows(), width).flatten(0, 1) for *_, plan in plans])
+        crop = torch.arange(crops, device=kind.device)[:, None]
+        groups = torch.where(positions < tokens.num_tokens, 2 * crop + kind, -1)
+    return Selection(features=features, counts=counts, anchors=positions, at_anchors=True, mix=mix, groups=groups,
+                     group_sizes=sizes)  # fmt: skip
+
+
+def nn_pad(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """rows [..., n] padded on the last axis to `width` with 0."""
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[-1]))
 
 
 def _runs(values: list[int]):
