@@ -360,3 +360,51 @@ def prunevid(x, tau=0.8, segment_ratio=0.25, cluster_ratio=0.5, k=7, min_tokens=
             rows = clustered(x[f], dynamic, {j: v[f, j] for j in dynamic}, token_noise[f])
             out.append((first if f == s else []) + [(j, feature, "dynamic") for j, feature in rows])
     return out, found
+
+
+def framefusion_ratio(sparsities, layers, cost):
+    """FrameFusion's P(list), from the spec's formula."""
+    n = len(sparsities)
+    f = [1.0]
+    for s in sparsities:
+        f.append(f[-1] * (1 - s))
+    left = layers * cost - sum(f[1:])
+    need = left / ((layers - n) * f[n])
+    return 0.0 if need > 1 else 1 - need
+
+
+def framefusion_merge(tokens, states, threshold, u, ratio_floor):
+    """One merge call on one row, from the spec: tokens [(sequence index, video, slot)] (the candidates alive),
+    states {sequence index: fp64 vector}. Returns (survivors {sequence index: new state}, r, branch, ends merging,
+    prune due)."""
+    order = sorted(tokens, key=lambda t: (t[1], t[2], t[0]))
+    sims = []
+    for i, (seq, video, slot) in enumerate(order):
+        if i and order[i - 1][1:] == (video, slot):
+            sims.append(float(unit(states[order[i - 1][0]]) @ unit(states[seq])))
+        else:
+            sims.append(-2.0)
+    flags = [s >= threshold for s in sims]
+    n = len(order)
+    r = sum(flags) / n if n else 0.0
+    if r < u:
+        branch, prune_due = "threshold", r < ratio_floor
+    else:
+        count = int(u * n)
+        eligible = sorted((i for i in range(n) if sims[i] > -2), key=lambda i: (-sims[i], i))[:count]
+        flags = [i in eligible for i in range(n)]
+        branch, prune_due = "top-k", False
+    heads = {}
+    for i, (seq, _, _) in enumerate(order):
+        if not flags[i]:
+            heads[seq] = [seq]
+            last = seq
+        else:
+            heads[last].append(seq)
+    merged = {h: sum(states[m] for m in members) / len(members) for h, members in heads.items()}
+    return merged, r, branch, prune_due
+
+
+def framefusion_prune(scores, count):
+    """The `count` best of {sequence index: score} (ties: the lower index)."""
+    return sorted(sorted(scores, key=lambda j: (-scores[j], j))[:count])

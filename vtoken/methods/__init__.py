@@ -9,6 +9,7 @@ from .fastervlm import FasterVLM
 from .fastv import FastV
 from .fastvid import FastVID
 from .fourier import FourierDCT
+from .framefusion import FrameFusion
 from .hired import HiRED
 from .holitom import HoliTom
 from .holov import HoloV
@@ -51,4 +52,5 @@ __all__ = [
     "CDPruner",
     "HoloV",
     "PruneVid",
+    "FrameFusion",
 ]
