@@ -315,10 +315,16 @@ def test_refusals_name_why():
     with pytest.raises(vtoken.VTokenError, match="layer=0 cuts the video tokens inside the LLM.*layer=None"):
         vtoken.patch(model, vtoken.PruneVid(layer=0))
     assert vtoken.handle_of(model) is None
-    assert vtoken.PruneVid.fit(vtoken.model_view(model)) == {"layer": 0}
+    assert vtoken.PruneVid.fit(vtoken.model_view(model)) == {"layer": None}  # the cut is not wired yet
+    assert vtoken.applicable_methods(model)["prunevid"] is None
     image = processor(images=[make_image(300, 200)], text=[build_prompt(processor, "what?")], return_tensors="pt")
     with vtoken.patched(model, vtoken.PruneVid(layer=None)), pytest.raises(vtoken.InputError, match="prunevid acts"):
         model(**image)
     image_only, _ = TINY_MODELS["tiny-llava"]()
     with pytest.raises(vtoken.VTokenError, match="video inputs only"):
         vtoken.patch(image_only, vtoken.PruneVid(layer=None))
+    for name in ("tiny-llava-next-video", "tiny-video-llava", "tiny-internvl"):  # a projector after selection
+        model, _ = TINY_MODELS[name]()
+        with pytest.raises(vtoken.MissingSignalError, match="projected_merge.*project only the selected tokens"):
+            vtoken.patch(model, vtoken.PruneVid(layer=None))
+        assert "projected_merge" in vtoken.applicable_methods(model)["prunevid"]

@@ -32,7 +32,8 @@ Prefill stage (`layer` = K; None: the encoder stage alone, LightCompress's form)
    dynamic tokens (ties: the lower index; 0 allowed); kept ascending; other tokens (text, OneVision's newline) stay.
 10. The KV caches of layers 0..K are cut to what is kept; later layers run on it; positions stay the original ones.
 
-Signals: only "projected" (the tokens in the LLM's space). Families: LLaVA-OneVision (the paper's; the video's one
+Signals: "projected" (the tokens in the LLM's space) and "projected_merge" (the family takes a merge of them as it
+is: no projector after selection). Families: LLaVA-OneVision (the paper's; the video's one
 newline after its tokens, never a candidate; contiguous positions), Qwen2-VL / Qwen2.5-VL / Qwen3-VL (extension: each
 token at its recorded (t, h, w); Qwen3-VL's timestamps stay). Images are refused.
 
@@ -64,6 +65,13 @@ from .fastvid import video_selection
 
 if TYPE_CHECKING:
     from ..modelview import ModelView
+
+
+# whether vtoken's LLM engine runs the cut inside the LLM (steps 8-10): it reads the plain attention
+# ("plain_attention": `plain_attention_max` of the rows after the row's last visual token) and hands the encoder
+# stage's groups on (`LayerTokens.groups` / `group_sizes` from `Selection.groups` / `group_sizes`). Until then
+# `patch` refuses layer=K and the tools fit layer=None (the encoder stage alone)
+CUT_WIRED = False
 
 
 @dataclass(frozen=True)
@@ -287,7 +295,7 @@ class PruneVid(EncoderMethod, PrefillMethod):
 
     name = "prunevid"
     stages = ActiveStages()
-    requires = ("projected",)
+    requires = ("projected", "projected_merge")
     modalities = ("video",)
     scopes = ("image",)  # windows span a video's frames
     merges = True
@@ -303,6 +311,10 @@ class PruneVid(EncoderMethod, PrefillMethod):
         "seed": Int(0, hint="the densities' noise"),
     }
     controls = ("tau", "cluster_ratio", "alpha", "layer")
+    signals_note = (
+        "PruneVid merges a video's LLM-input tokens; families that project only the selected tokens (LLaVA-NeXT-Video, "
+        "Video-LLaVA, InternVL, PerceptionLM) cannot take such a merge yet"
+    )
 
     # the cut inside the LLM (steps 8-10): after layer `layer`, the plain attention of every token after the row's
     # last visual token, kept tokens at their original positions, the caches of layers 0..layer cut
@@ -312,8 +324,11 @@ class PruneVid(EncoderMethod, PrefillMethod):
 
     @classmethod
     def fit(cls, model: ModelView) -> dict[str, Any]:
-        """The cut after the deepest softmax-attention layer at or before the official 10 that a drop can follow."""
+        """The cut after the deepest softmax-attention layer at or before the official 10 that a drop can follow;
+        while the engine cannot run the cut (`CUT_WIRED`), the encoder stage alone (layer=None)."""
         scored = droppable_layers(model)
+        if not CUT_WIRED:
+            return {"layer": None}
         return {"layer": max([k for k in scored if k <= cls.defaults()["layer"]] or scored[:1])} if scored else {}
 
     def planned_count(self, n: int) -> int | None:
@@ -347,6 +362,8 @@ class PruneVid(EncoderMethod, PrefillMethod):
                 f"layers (0..{num_layers - 1}), so layer must be at most {num_layers - 2} (or None: the encoder "
                 "stage alone)"
             )
+        if CUT_WIRED:
+            return (self.layer,)
         raise VTokenError(
             f"prunevid: layer={self.layer} cuts the video tokens inside the LLM after layer {self.layer}, which needs "
             "what vtoken's LLM engine does not give a method yet: the layer's attention without rotary and causal "

@@ -102,9 +102,10 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         return positions.masked_fill(mask == 0, 0)
 
     def available_signals(self) -> set[str]:
-        # SigLIP has no [CLS]; video frames are plain grids, so they can be resized
+        # SigLIP has no [CLS]; video frames are plain grids, so they can be resized; "projected_merge": the projector
+        # and pooling run before selection, so a merge of LLM-input tokens (PruneVid) reaches the LLM as it is
         return {"patch_features", "grid", "resized_grid", "siglip_head_attention", "siglip_head_pooled",
-                "tower_attention"}  # fmt: skip
+                "tower_attention", "projected_merge"}  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
