@@ -83,6 +83,9 @@ class NoBudget(Param):
             raise VTokenError(f"{method.name}: {name}={value!r}; it has none ({self.hint})")
         return None
 
+    def accepts(self, value: Any) -> bool:
+        return value is None
+
     def text(self) -> str:
         return f"None ({self.hint})"
 
@@ -310,6 +313,7 @@ class PruneVid(EncoderMethod, PrefillMethod):
         "layer": OrNone(Layer(hint="the LLM layer after which the visual tokens are cut (None: no cut)")),
         "seed": Int(0, hint="the densities' noise"),
     }
+    budget_param = None  # its counts follow the video (cluster_ratio, alpha): no common budget sets them
     controls = ("tau", "cluster_ratio", "alpha", "layer")
     signals_note = (
         "PruneVid merges a video's LLM-input tokens; families that project only the selected tokens (LLaVA-NeXT-Video, "
