@@ -174,7 +174,7 @@ def run_by_hand(hidden, slots, videos, layers, settings, weights, rows):
                 phase = "done"
             else:
                 sparsities.append(r)
-                phase = "prune" if due or call == layers - 1 else "merge"
+                phase = "done" if call == layers - 1 else "prune" if due else "merge"
         out.append(({j: states[j] for j in range(length) if alive[j]}, log))
     return out
 
@@ -221,7 +221,7 @@ def run_vtoken(method, hidden, slots, videos, counts, layers, weights, rows):
         dict(cost=0.3, threshold=0.6, ratio_floor=0.1),  # official: merges, then the prune
         dict(cost=0.3, threshold=0.97, ratio_floor=0.1),  # little alike: merging ends at once, the prune
         dict(cost=0.5, threshold=0.3, ratio_floor=0.0),  # much alike: the top-k branch ends everything
-        dict(cost=0.9, threshold=0.8, ratio_floor=0.0),  # merging runs to the last layer, then the prune
+        dict(cost=0.7, threshold=0.99, ratio_floor=0.0),  # merging runs to the last call point L - 1: no prune
     ],
 )
 def test_a_prefill_equals_the_spec_call_by_call(settings):
@@ -234,6 +234,8 @@ def test_a_prefill_equals_the_spec_call_by_call(settings):
     method = vtoken.FrameFusion(**settings, rows=rows)
     got, run = run_vtoken(method, hidden, slots, videos, counts, layers, weights, rows)
     want = run_by_hand(hidden, slots, videos, layers, settings, weights, rows)
+    if settings["threshold"] == 0.99:  # every row merged at every call point, then stopped without a prune
+        assert all([entry[1] for entry in log] == list(range(layers)) for _, log in got)
     for (states, log), (ref_states, ref_log) in zip(got, want, strict=True):
         assert log == ref_log
         assert sorted(states) == sorted(ref_states)

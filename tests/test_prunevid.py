@@ -219,6 +219,55 @@ def test_the_quota_per_group_keeps_the_best_with_ties_to_the_lower_index():
     assert torch.equal(keep, naive_quota_keep(scores, groups, quotas, valid))
 
 
+def test_the_cut_on_a_real_layers_queries_and_keys():
+    """Steps 8-9 on the tiny OneVision's LLM (grouped-query attention: 4 heads, 2 KV heads): layer 0's queries and
+    keys before rotary (read at its projections), every token after the video's newline as a row, each window's and
+    frame's quota. The method's functions keep what the loops of the spec keep."""
+    model, processor = sharpened_onevision()
+    frames = 6
+    inputs = processor(videos=[_clip(frames)], text=[build_prompt(processor, "what happens?", 0, 1)],
+                       return_tensors="pt")  # fmt: skip
+    placed = _placed(model, inputs, model.config.video_token_id)
+    tokens = placed[:-1].view(frames, -1, placed.shape[-1])
+    method = vtoken.PruneVid(layer=None, min_tokens=6, tau=0.5, alpha=0.4)
+    selection = method.select(VisualTokens(tokens, (14, 14), {"projected": tokens}, torch.zeros(frames).long()))
+    rows = [selection.features[f, :n] for f, n in enumerate(selection.counts)]
+    groups = [selection.groups[f, :n] for f, n in enumerate(selection.counts)]
+    visual = torch.cat([*rows, placed[-1:]])
+    group = torch.cat([*groups, torch.tensor([-1])])  # the newline: never a candidate
+    ids = inputs["input_ids"][0]
+    run = (ids == model.config.video_token_id).nonzero().squeeze(1)
+    new_ids = torch.cat([ids[: run[0]], torch.full((len(visual),), model.config.video_token_id), ids[run[-1] + 1 :]])
+    attention = model.model.language_model.layers[0].self_attn
+    seen = {}
+    hooks = [attention.q_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("q", out)),
+             attention.k_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("k", out))]  # fmt: skip
+    try:
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(new_ids[None])
+            embeds[0, new_ids == model.config.video_token_id] = visual
+            model.model.language_model(inputs_embeds=embeds)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    d = attention.head_dim
+    q, k = seen["q"].view(1, len(new_ids), -1, d), seen["k"].view(1, len(new_ids), -1, d)
+    start = int(run[0])
+    slots = torch.arange(start, start + len(visual))[None]
+    after = torch.arange(start + len(visual), len(new_ids))  # the question's tokens after the newline
+    key_valid = torch.ones(1, len(new_ids), dtype=torch.bool)
+    scores = plain_attention_max(q[:, after], k, key_valid, slots, attention.scaling).amax(1)
+    want = naive_plain_attention(q[:, after], k, key_valid, slots, attention.scaling).amax(1)
+    torch.testing.assert_close(scores.double(), want, atol=1e-6, rtol=1e-5)
+    ids_of = sorted({int(g) for g in group if g >= 0})
+    dense = torch.tensor([ids_of.index(int(g)) if g >= 0 else -1 for g in group])[None]
+    quotas = torch.tensor([[int(selection.group_sizes[g] * 0.4) for g in ids_of]])
+    keep = group_quota_keep(scores, dense, quotas, torch.ones_like(dense, dtype=torch.bool))
+    assert torch.equal(keep, naive_quota_keep(want, dense, quotas, torch.ones_like(dense, dtype=torch.bool)))
+    assert keep[0, -1] and 0 < int(keep.sum()) < len(visual)  # the newline stays; some tokens go
+    assert method.quotas([[selection.group_sizes[g] for g in ids_of]]) == quotas.tolist()
+
+
 # --------------------------------------------------------------------------- on the tiny models
 def test_onevision_equals_the_reference_and_the_llm_fed_by_hand():
     """LightCompress's form (layer=None) on LLaVA-OneVision: the merged tokens in output order, then the video's

@@ -15,6 +15,8 @@ video), with L = the LLM's depth (`num_layers`):
   `ratio_floor`; else the int(u N) largest sims are the flags and merging and pruning end. Every flagged token
   joins its chain head (the nearest unflagged token before it: frame-to-frame chains), which becomes the plain
   mean of itself and its members (current states); the members leave; the head keeps its (earliest) position.
+- Merging stops at call L - 1 (after layer L - 2's attention: the ratio has no layer left to spread over after
+  it), with no prune.
 - Prune (once, after the attention of the layer that follows the call that ended merging): score = the layer's
   causal softmax attention (post-rotary), mean over heads and the last `rows` prompt tokens, over the current
   candidates; the round(N (1 - P(list))) best stay (half to even; ties: the lower index), in sequence order.
@@ -265,15 +267,15 @@ class FrameFusion(PrefillMethod):
         return FusionRun(layers, [[] for _ in range(batch)], ["merge"] * batch, [[] for _ in range(batch)])
 
     def step(self, run: FusionRun, tokens: FusionTokens) -> FusionStep:
-        """Call point `tokens.call`: merge calls for the rows still merging (calls 0..L - 1; the last one ends
-        merging), the prune for the rows whose prune is due. One host read per call that merges (how many each
+        """Call point `tokens.call` (0..L - 1): merge calls for the rows still merging (the last one ends merging
+        without a prune), the prune for the rows whose prune is due. One host read per call that merges (how many each
         row's threshold flags: r decides the branch and the count); the prune's counts are host-known."""
         call, counts = tokens.call, tokens.counts
         batch, width = tokens.order.shape
         valid = tokens.order >= 0
         keep = valid.clone()
         states, kept = None, list(counts)
-        merging = [phase == "merge" and call < run.layers for phase in run.phase]
+        merging = [phase == "merge" and call < run.layers for phase in run.phase]  # calls 0..L - 1
         if any(merging):
             similarity = chain_similarity(tokens.hidden, tokens.order, tokens.chain)
             flags = (similarity >= self.threshold) & valid
@@ -290,7 +292,9 @@ class FrameFusion(PrefillMethod):
                 if r < u:
                     run.sparsities[row].append(r)
                     entry["branch"], kept[row] = "threshold", n - flagged[row]
-                    if r < self.ratio_floor or call == run.layers - 1:
+                    if call == run.layers - 1:  # the last call point with a layer after it: nothing left to prune
+                        run.phase[row] = "done"
+                    elif r < self.ratio_floor:
                         run.phase[row] = "prune"
                 else:
                     top[row], chosen[row] = int(u * n), True
