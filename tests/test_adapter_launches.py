@@ -43,6 +43,8 @@ def _params(name: str, budget: float) -> dict:
         return {"p": budget, "layer": 1}  # a 2-layer LLM
     if name == "cdpruner":  # its CLIP relevance needs a CLIP checkpoint fitting the tower (test_cdpruner counts it)
         return {"budget": budget, "relevance": "llm"}
+    if name == "prunevid":  # no budget; its encoder stage alone (the cut inside the LLM is not wired)
+        return {"layer": None, "cluster_ratio": budget}
     return {"budget": budget}
 
 

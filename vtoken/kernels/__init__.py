@@ -29,6 +29,7 @@ from .dpp import dpp_greedy, dpp_greedy_reference, dpp_greedy_triton
 from .duplicates import duplicate_removal, duplicate_removal_reference, duplicate_removal_triton
 from .gram import gram_reference, gram_triton
 from .greedy_picks import greedy_least_similar, greedy_least_similar_reference, greedy_least_similar_triton
+from .segment_gaps import fill_gaps, fill_gaps_reference, fill_gaps_triton
 from .static_windows import static_windows, static_windows_reference, static_windows_triton
 from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
 
@@ -37,6 +38,9 @@ __all__ = [
     "attention_column_mean_reference",
     "attention_column_mean_triton",
     "static_windows",
+    "fill_gaps",
+    "fill_gaps_reference",
+    "fill_gaps_triton",
     "static_windows_reference",
     "static_windows_triton",
     "block_mask_from_plan",

@@ -160,6 +160,11 @@ class EncoderMethod(Method):
     params = {"budget": Kept(), "scope": Scope()}
     budget_param = "budget"
     scopes: ClassVar[tuple[str, ...]] = ("crop", "image")
+    # the positions its kept tokens get on a family with 1-D positions that can give either (LLaVA-OneVision's
+    # videos): "renumber" (contiguous, the shorter prompt the model sees) or "original" (each keeps its place,
+    # with gaps, as FastVID's official code passes `position_ids = keep_indexs`). M-RoPE families keep the
+    # original (t, h, w) positions whatever this says
+    encoder_positions: ClassVar[str] = "renumber"
 
     def single_crop_requires(self) -> tuple[str, ...]:
         """The signals it needs when every image is one crop (`vtoken.select`): `requires` unless some serve only

@@ -57,9 +57,11 @@ class QwenVLAdapter(Adapter):
     multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
 
     def available_signals(self) -> set[str]:
-        # "received_attention" (HoloV's score="received") is "tower_attention" (HoliTom's) under HoloV's name
+        # "received_attention" (HoloV's score="received") is "tower_attention" (HoliTom's) under HoloV's name;
+        # "projected_merge": the merger runs before selection, so a merge of LLM-input tokens (PruneVid) reaches the
+        # LLM as it is
         return {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention",
-                "received_attention"}  # fmt: skip
+                "received_attention", "projected_merge"}  # fmt: skip
 
     def attention_probes(self) -> dict[str, VisionQueryKeyProbe]:
         """Probes on the ViT blocks whose attention the encoder method's signals read."""
