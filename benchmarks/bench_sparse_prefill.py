@@ -41,11 +41,11 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 from bench_families import _build  # noqa: E402
+
+import vtoken  # noqa: E402
 from vtoken.kernels import block_mask_from_plan, block_sparse_attention, causal_rows_probs  # noqa: E402
 from vtoken.kernels.block_sparse_flex import block_sparse_attention_flex, flex_unavailable  # noqa: E402
 from vtoken.kernels.sparse_speed import BreakEven, fit_kernel  # noqa: E402
-
-import vtoken  # noqa: E402
 from vtoken.methods.sparse_prefill import (  # noqa: E402
     a_shape_blocks,
     density_plan,

@@ -8,10 +8,10 @@ import contextlib
 import pytest
 import torch
 from conftest import video_inputs
-from vtoken.adapters import hf
-from vtoken.adapters.llm import prefill
 
 import vtoken
+from vtoken.adapters import hf
+from vtoken.adapters.llm import prefill
 from vtoken.launches import count_launches, no_host_syncs
 from vtoken.zoo import build_prompt, tiny_llava
 

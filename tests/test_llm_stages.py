@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import DEEP_LAYERS, OTHER_TINY_MODELS, captured_llm_input, inputs_for
 from transformers import DynamicCache
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.methods.mustdrop import dual_attention_filter
 from vtoken.zoo import TINY_MODELS
 
@@ -426,7 +426,8 @@ def test_mustdrop_on_llava_next_official_layout(photos):
             )
             placeholders = int((handle.adapter.calls.state.visual[image]).sum())  # the LLM's visual run
             assert placeholders == total
-            assert int(handle.adapter.calls.state.protected[image].sum()) == sum(r.tokens_out for r in keyset if r.image == image)
+            protected = handle.adapter.calls.state.protected[image]
+            assert int(protected.sum()) == sum(r.tokens_out for r in keyset if r.image == image)
         assert all(r.tokens_in == 576 for r in merged)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from vtoken.kernels import (
     duplicate_removal,
     duplicate_removal_reference,
@@ -21,7 +22,6 @@ from vtoken.kernels import (
     max_min_diversity,
     max_min_diversity_reference,
 )
-
 from vtoken.launches import count_launches
 
 pytest.importorskip("triton")
