@@ -54,7 +54,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     else:
         methods = importlib.import_module(".methods", __name__)
-        if name in getattr(methods, "__all__", ()):
+        if name in getattr(methods, "__all__", ()) or name in getattr(methods, "TOWER_METHODS", ()):
             value = getattr(methods, name)
         else:
             try:
@@ -101,6 +101,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         Method,
         MMTok,
         MustDrop,
+        PixelPrune,
         Pool,
         PrefillMethod,
         PyramidDrop,
@@ -108,6 +109,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         ScoreMethod,
         SparsePrefill,
         SparseVLM,
+        ToMe,
+        TowerMethod,
+        TowerShape,
         VidCom2,
         VisionZip,
         VisPruner,
@@ -157,10 +161,14 @@ __all__ = [
     "HoliTom",
     "CDPruner",
     "HoloV",
+    "ToMe",
+    "PixelPrune",
     "Method",
     "EncoderMethod",
     "PrefillMethod",
     "ScoreMethod",
+    "TowerMethod",
+    "TowerShape",
     "Selection",
     "VisualTokens",
     "LayerTokens",

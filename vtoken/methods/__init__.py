@@ -1,6 +1,6 @@
 """Methods, one file each; importing this package registers them."""
 
-from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
+from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod, TowerMethod, TowerShape  # noqa: F401
 from .cdpruner import CDPruner
 from .dart import DART
 from .divprune import DivPrune
@@ -14,11 +14,13 @@ from .holitom import HoliTom
 from .holov import HoloV
 from .mmtok import MMTok
 from .mustdrop import MustDrop
+from .pixelprune import PixelPrune  # noqa: F401 (TOWER_METHODS)
 from .pool import Pool
 from .pyramiddrop import PyramidDrop
 from .random import Random
 from .sparse_prefill import SparsePrefill
 from .sparsevlm import SparseVLM
+from .tome import ToMe  # noqa: F401 (TOWER_METHODS)
 from .vidcom2 import VidCom2
 from .visionzip import VisionZip
 from .vispruner import VisPruner
@@ -50,3 +52,8 @@ __all__ = [
     "CDPruner",
     "HoloV",
 ]
+
+# The tower stage's methods and base (vtoken.ToMe, vtoken.PixelPrune): exported, but registered by name (the
+# registry reads `__all__`) only once the engine runs the "tower" stage (`vtoken.registry.STAGES`); then they move
+# into `__all__`.
+TOWER_METHODS = ["TowerMethod", "TowerShape", "ToMe", "PixelPrune"]
