@@ -49,7 +49,7 @@ def unit_values(pixels: torch.Tensor, grids: list[tuple[int, ...]], tower: Tower
     Qwen (`tower.merge` > 1): pixels [S, channels * temporal * patch * patch], S = sum of t * h * w over `grids`
     ((t, h, w) patches per image, t = 1): a unit is the merge group's merge^2 rows, frame 0 of each.
     LLaVA (`tower.merge` == 1): pixels [C, channels, H, W], `grids` the (H / patch, W / patch) of each crop: a
-    unit is one patch."""
+    unit is one patch (pixels past the last whole patch, which the patch embedding ignores, are left out)."""
     channels, patch = tower.channels, tower.patch
     mean, std = to_device(np.array([tower.mean, tower.std], dtype=np.float32), pixels.device)
     if tower.merge > 1:
@@ -57,7 +57,8 @@ def unit_values(pixels: torch.Tensor, grids: list[tuple[int, ...]], tower: Tower
         rows = pixels.float().view(-1, group, channels, tower.temporal, patch * patch)[:, :, :, 0]
         return (rows * std[:, None] + mean[:, None]).flatten(1)
     crops, _, height, width = pixels.shape
-    grid = pixels.float().view(crops, channels, height // patch, patch, width // patch, patch)
+    rows, cols = height // patch, width // patch  # a convolution with stride `patch` leaves the remainder out
+    grid = pixels.float()[:, :, : rows * patch, : cols * patch].reshape(crops, channels, rows, patch, cols, patch)
     values = grid.permute(0, 2, 4, 1, 3, 5) * std[:, None, None] + mean[:, None, None]
     return values.reshape(-1, channels * patch * patch)
 
