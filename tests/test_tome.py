@@ -311,3 +311,25 @@ def test_merging_is_a_fixed_burst_without_syncs():
         bursts.add(launches.kernels - stock.kernels)
     assert len(bursts) == 1, bursts  # the same whatever the crops and r
     assert bursts.pop() <= 2 * 40  # two merging blocks: tens of kernels each
+
+
+def test_a_patched_tower_deep_copies_and_pickles():
+    import copy
+    import pickle
+
+    tower = clip_tower(3)
+    shape = TowerShape("llava-1.5", cls=True, feature_block=1)
+    pixels = torch.randn(1, 3, 112, 112, generator=torch.Generator().manual_seed(4))
+    patch = ToMeTower(vtoken.ToMe(r=10), tower.encoder.layers, shape, "sdpa")
+    patch.install()
+    pickled = pickle.loads(pickle.dumps(tower))  # before a run: transformers' own output hooks do not pickle
+    with torch.no_grad():
+        want = hf.hidden_states(tower, [2], pixels)[0]
+        for twin in (copy.deepcopy(tower), pickled):
+            assert torch.equal(hf.hidden_states(twin, [2], pixels)[0], want)
+            twin_patch = twin.encoder.layers[0].forward.__self__.owner
+            assert twin_patch is not patch and twin_patch.layers is twin.encoder.layers
+            twin_patch.remove()  # removes the copy's own forwards and hooks, not the original's
+            assert hf.hidden_states(twin, [2], pixels)[0].shape[1] == 65
+    assert hf.hidden_states(tower, [2], pixels)[0].shape[1] == 65 - 20
+    patch.remove()

@@ -54,7 +54,7 @@ def unit_values(pixels: torch.Tensor, grids: list[tuple[int, ...]], tower: Tower
     mean, std = to_device(np.array([tower.mean, tower.std], dtype=np.float32), pixels.device)
     if tower.merge > 1:
         group = tower.merge**2
-        rows = pixels.float().view(-1, group, channels, tower.temporal, patch * patch)[:, :, :, 0]
+        rows = pixels.float().reshape(-1, group, channels, tower.temporal, patch * patch)[:, :, :, 0]
         return (rows * std[:, None] + mean[:, None]).flatten(1)
     crops, _, height, width = pixels.shape
     rows, cols = height // patch, width // patch  # a convolution with stride `patch` leaves the remainder out
