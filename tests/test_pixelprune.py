@@ -423,3 +423,20 @@ def test_exports():
     assert vtoken.PixelPrune is PixelPrune and vtoken.ToMe.name == "tome"
     assert issubclass(vtoken.PixelPrune, vtoken.TowerMethod) and vtoken.PixelPrune.acts == "input"
     assert vtoken.ToMe.acts == "layers" and vtoken.ToMe.stages == ("tower",)
+
+
+def test_records_say_units_and_vit_rows():
+    from vtoken.adapters.tower import pixelprune_records
+    from vtoken.timing import Stopwatch
+
+    shape = TowerShape("qwen3-vl", merge=2, patch=2, temporal=1, channels=1, mean=(0.0,), std=(1.0,))
+    values = torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1], [2, 0, 1, 1]], dtype=torch.float32)
+    rows = values.flatten().repeat_interleave(4)[:, None].expand(-1, 4).contiguous()
+    selected = PixelPrune().select_input(torch.cat([rows, rows[:8]]), [(1, 6, 8), (1, 2, 4)], shape)
+    records = pixelprune_records(PixelPrune(), selected, Stopwatch(torch.device("cpu")).start().stop(), 2, [3, 4])
+    first, second = records
+    assert (first.stage, first.method, first.image, first.tokens_in, first.tokens_out) == ("tower", "pixelprune",
+                                                                                          3, 12, 5)  # fmt: skip
+    assert first.kept.tolist() == [0, 3, 6, 8, 9] and first.grid == (3, 4)
+    assert first.extra == {"patches_in": 48, "patches_out": 20}
+    assert (second.image, second.tokens_in, second.tokens_out, second.kept.tolist()) == (4, 2, 1, [0])

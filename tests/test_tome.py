@@ -333,3 +333,19 @@ def test_a_patched_tower_deep_copies_and_pickles():
             assert hf.hidden_states(twin, [2], pixels)[0].shape[1] == 65
     assert hf.hidden_states(tower, [2], pixels)[0].shape[1] == 65 - 20
     patch.remove()
+
+
+def test_records_say_merges_per_block_and_sources():
+    from vtoken.adapters.tower import tome_records
+    from vtoken.timing import Stopwatch
+
+    tower = clip_tower(3)
+    shape = TowerShape("llava-1.5", cls=True, feature_block=1)
+    _, state = run_tome(tower, vtoken.ToMe(r=10), shape, torch.randn(2, 3, 112, 112))
+    records = list(tome_records(vtoken.ToMe(r=10), state, Stopwatch(torch.device("cpu")).start().stop(), (8, 8),
+                                [0, 0], [0, 1]))  # fmt: skip
+    assert [(r.stage, r.crop, r.tokens_in, r.tokens_out, r.kept) for r in records] == [
+        ("tower", 0, 64, 44, None), ("tower", 1, 64, 44, None)
+    ]  # fmt: skip
+    assert records[1].extra["r"] == [10, 10] and records[1].extra["sources"].shape == (64,)
+    assert records[1].extra["sources"].max() == 43

@@ -35,6 +35,8 @@ from vtoken.methods.base import TowerShape
 from vtoken.methods.pixelprune import Selected, to_device
 from vtoken.methods.tome import MergeState, ToMe
 from vtoken.question import image_processor_of, processor_for
+from vtoken.records import LazyRecords, Record
+from vtoken.timing import Stopwatch
 
 from . import hf
 
@@ -352,3 +354,61 @@ class KeptPatches:
 def attention_of(module: nn.Module) -> str:
     """The attention implementation a tower runs (`hf.attention_implementation`)."""
     return hf.attention_implementation(module)
+
+
+# ----------------------------------------------------------------- records
+def pixelprune_records(
+    method: Any, selected: Selected, timer: Stopwatch, merge: int, images: list[int] | None = None,
+    device: torch.device | str = "cpu",
+) -> LazyRecords:  # fmt: skip
+    """PixelPrune's records, one per image (or crop) of `selected`, built when read: stage "tower", tokens_in/out
+    the LLM-level tokens (units), `kept` its ascending kept units (on `device`), grid the unit grid, extra
+    `patches_in`/`patches_out` (ViT rows: merge^2 per unit). images: each entry's image index in the call
+    (default 0, 1, ...); every entry takes an equal share of the selection's time."""
+    images = list(range(len(selected.counts))) if images is None else images
+
+    def build() -> list[Record]:
+        share = 1.0 / max(len(selected.counts), 1)
+        out = []
+        for entry, (count, grid) in enumerate(zip(selected.counts, selected.grids, strict=True)):
+            units = grid[0] * grid[1]
+            extra = {"patches_in": units * merge * merge, "patches_out": count * merge * merge}
+            kept = to_device(selected.kept_of(entry), device)
+            out.append(Record("tower", method.name, images[entry], 0 if merge > 1 else entry, units, count, kept,
+                              tuple(grid), timer, share, extra=extra))  # fmt: skip
+        return out
+
+    return LazyRecords(build)
+
+
+def tome_records(
+    method: Any, state: MergeState, timer: Stopwatch, grid: tuple[int, int], images: list[int], crops: list[int]
+) -> LazyRecords:
+    """ToMe's records, one per crop of the tower call (`images`/`crops`: each crop's image and crop index), built
+    when read: stage "tower", tokens_in the crop's patches, tokens_out what leaves the feature layer ([CLS]
+    excluded), `kept` None (merged), extra `r` (merges per block 0..F) and `sources` ([N] every patch's output
+    token)."""
+
+    def build() -> list[Record]:
+        sources = state.patch_sources()
+        patches = grid[0] * grid[1]
+        out_tokens = patches - sum(state.done)
+        share = 1.0 / max(len(images), 1)
+        return [
+            Record(
+                "tower",
+                method.name,
+                image,
+                crop,
+                patches,
+                out_tokens,
+                None,
+                tuple(grid),
+                timer,
+                share,
+                extra={"r": list(state.done), "sources": sources[index]},
+            )  # fmt: skip
+            for index, (image, crop) in enumerate(zip(images, crops, strict=True))
+        ]
+
+    return LazyRecords(build)
