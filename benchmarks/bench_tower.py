@@ -15,8 +15,9 @@ PixelPrune's time within 1.1x of (kept rows / all rows) of the unpatched time, T
     python benchmarks/bench_tower.py --out benchmarks/results                  # CPU cut (results/tower_cpu.md)
 
 On a CPU the Qwen towers are cut to `--cpu-layers` blocks (Qwen2.5-VL keeps one full-attention block among
-them; Qwen3-VL its DeepStack from the first blocks), CLIP to `--cpu-clip-layers` (feature layer: the output of the
-second-to-last block, so ToMe merges in all but the last), and the pages are `--cpu-size` px; the table says so.
+them; Qwen3-VL its DeepStack from the first blocks) and the pages are `--size` px (448 by default); CLIP runs at
+full depth (`--cpu-clip-layers` cuts it; its feature layer stays the output of the second-to-last block, so ToMe
+merges in all but the last). The table says so.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per config (default: 10 cuda, 3 cpu)")
     parser.add_argument("--cpu-layers", type=int, default=2, help="Qwen tower blocks on a CPU")
-    parser.add_argument("--cpu-clip-layers", type=int, default=6, help="CLIP blocks on a CPU")
+    parser.add_argument("--cpu-clip-layers", type=int, default=24, help="CLIP blocks on a CPU (default: all)")
     parser.add_argument("--size", type=int, default=None, help="Qwen page side in px (default: 1344 cuda, 448 cpu)")
     parser.add_argument("--only", choices=["qwen2.5-vl", "qwen3-vl", "clip"], default=None)
     args = parser.parse_args()
@@ -289,7 +290,7 @@ def main() -> None:
         del tower
     if args.only in (None, "clip"):
         tower, shape = clip_tower(clip_layers, device, dtype)
-        depth = "full depth" if clip_layers is None else f"cut to {clip_layers} blocks"
+        depth = "full depth" if clip_layers in (None, 24) else f"cut to {clip_layers} blocks"
         for name, image in images.items():
             title = f"clip-l-336 tower ({depth}; feature layer: block {shape.feature_block}'s output), {name} image"
             results[title] = measure_clip(tower, shape, clip_pixels(image, shape, device), repeats, device, dtype)
