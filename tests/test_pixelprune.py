@@ -440,3 +440,27 @@ def test_records_say_units_and_vit_rows():
     assert first.kept.tolist() == [0, 3, 6, 8, 9] and first.grid == (3, 4)
     assert first.extra == {"patches_in": 48, "patches_out": 20}
     assert (second.image, second.tokens_in, second.tokens_out, second.kept.tolist()) == (4, 2, 1, [0])
+
+
+def test_kept_patches_add_a_fixed_burst_without_syncs():
+    from vtoken.adapters import hf
+
+    model, _ = TINY_MODELS["tiny-llava"]()
+    tower = model.model.vision_tower
+    shape = tower_shape(model, "llava-1.5")
+    extra = set()
+    for crops in (1, 3):
+        pixels = torch.randn(crops, 3, 336, 336, generator=torch.Generator().manual_seed(crops))
+        pixels[:, :, :168] = 0.5  # the upper half flat: crops keep different numbers of patches
+        pixels[0, :, 168:] = 0.25
+        selected = PixelPrune().select_input(pixels, [(24, 24)] * crops, shape)
+        assert crops == 1 or len(set(selected.counts)) > 1
+        with torch.no_grad(), count_launches() as launches:
+            patches = KeptPatches(tower.encoder, selected, shape.cls, "sdpa", "cpu")
+            with patches:
+                hf.hidden_states(tower, [-2], pixels)
+        with torch.no_grad(), count_launches() as stock:
+            hf.hidden_states(tower, [-2], pixels)
+        assert launches.syncs == stock.syncs == 0, launches.describe()
+        extra.add((crops > 1, launches.kernels - stock.kernels))
+    assert all(k <= 12 for _, k in extra), extra  # a gather (and the padding mask when crops differ)

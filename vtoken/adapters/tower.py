@@ -38,8 +38,6 @@ from vtoken.question import image_processor_of, processor_for
 from vtoken.records import LazyRecords, Record
 from vtoken.timing import Stopwatch
 
-from . import hf
-
 OPENAI_CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
 HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 # (mean, std) of every family's published checkpoints' image processors: the last fallback. (transformers'
@@ -309,8 +307,9 @@ class KeptPatches:
         self.width = max(counts, default=0)
         patches = grids[0][0] * grids[0][1] if grids else 0
         kept = np.full((len(counts), self.width), patches, dtype=np.int64)
-        for crop, count in enumerate(counts):  # host table building (numpy), no device work per crop
-            kept[crop, :count] = selected.kept_of(crop)
+        crop = np.repeat(np.arange(len(counts)), counts)  # every kept unit's crop (crops alike: patches units each)
+        slot = np.arange(len(selected.kept)) - np.repeat(np.cumsum([0, *counts[:-1]]), counts)
+        kept[crop, slot] = selected.kept - crop * patches
         self.kept = to_device(kept, device)
         self.valid = self.kept < patches
         p = int(cls)
@@ -349,11 +348,6 @@ class KeptPatches:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-
-def attention_of(module: nn.Module) -> str:
-    """The attention implementation a tower runs (`hf.attention_implementation`)."""
-    return hf.attention_implementation(module)
 
 
 # ----------------------------------------------------------------- records
