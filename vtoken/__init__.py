@@ -90,7 +90,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     )
     from .functional import encode, select
     from .methods import *  # noqa: F403 - every method class (found in vtoken/methods/, `vtoken.methods.__all__`)
-    from .methods import EncoderMethod, Method, PrefillMethod, ScoreMethod
+    from .methods import EncoderMethod, Method, PrefillMethod, ScoreMethod, TowerMethod, TowerShape
     from .modelview import ModelView, model_view
     from .question import remember_tokenizer
     from .records import Record

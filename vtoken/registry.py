@@ -38,7 +38,7 @@ _loaded = False
 _lock = threading.RLock()  # lookups from several threads (the demo's, a served model's) load once
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-STAGES = ("encoder", "prefill", "decode", "sparse")
+STAGES = ("tower", "encoder", "prefill", "decode", "sparse")
 LAYOUTS = ("native", "official")
 OFFICIAL_PACKING = ("unpad after selection", "unpad before selection", "newline after base-only image")
 

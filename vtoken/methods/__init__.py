@@ -11,8 +11,10 @@ from .base import EncoderMethod as EncoderMethod
 from .base import Method
 from .base import PrefillMethod as PrefillMethod
 from .base import ScoreMethod as ScoreMethod
+from .base import TowerMethod as TowerMethod
+from .base import TowerShape as TowerShape
 
-BASES = ["Method", "EncoderMethod", "PrefillMethod", "ScoreMethod"]
+BASES = ["Method", "EncoderMethod", "PrefillMethod", "ScoreMethod", "TowerMethod", "TowerShape"]
 
 
 def builtin_methods() -> dict[str, type[Method]]:

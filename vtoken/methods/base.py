@@ -433,3 +433,74 @@ class PrefillMethod(Method):
         """Decode stage: layers whose KV cache is cut, after prefill, to the visual tokens that survived every
         drop (none by default)."""
         return range(0)
+
+
+@dataclass(frozen=True)
+class TowerShape:
+    """What a tower method knows of the vision tower it acts in; the adapter describes it at `patch`.
+
+    family: the adapter's family ("llava-1.5", "qwen3-vl", ...). cls: a [CLS] token comes first in the tower's
+    sequence (CLIP; not SigLIP or Qwen). feature_block: F, the block whose output the LLM reads (LLaVA's
+    `vision_feature_layer = -2` of 24 blocks: 22); -1 when the LLM reads the embeddings. merge: ViT patches per LLM
+    token along each side (Qwen's 2x2 merger: 2; LLaVA: 1). patch: pixels per patch side. temporal: frames per
+    patch (Qwen: 2; LLaVA: 1). channels: colour channels. mean, std: the processor's per-channel normalisation
+    (pixels = (value - mean) / std), for methods that read pixel values.
+    """
+
+    family: str
+    cls: bool = False
+    feature_block: int = -1
+    merge: int = 1
+    patch: int = 14
+    temporal: int = 1
+    channels: int = 3
+    mean: tuple[float, ...] = (0.0, 0.0, 0.0)
+    std: tuple[float, ...] = (1.0, 1.0, 1.0)
+
+    @property
+    def merging_layers(self) -> int:
+        """Blocks 0..F: the layers whose output reaches the LLM's feature layer."""
+        return self.feature_block + 1
+
+
+@dataclass
+class TowerMethod(Method):
+    """A method acting before or inside the vision tower (stage "tower"), so that the tower itself runs on fewer
+    tokens (post-tower methods leave the tower's cost, which dominates batch-1 time to first token on Qwen-VL).
+
+    Its declaration adds: acts: "input" (drops patch rows before block 0: `select_input`) or "layers" (changes the
+    sequence inside blocks, per block from the hidden states and that block's keys). families: the families it
+    applies to, each with how ("official" or "extension: ..."); refusals: family -> why it is refused (the message
+    of the `VTokenError` at `patch`). keeps_grid: whether its output keeps the crop's token grid (holes marked
+    invalid), so that a later encoder method may read grid signals. positions: the positions of the tokens
+    leaving the tower: "original" (kept tokens keep theirs where the family's positions are multi-axis, Qwen's
+    M-RoPE) or "renumber".
+    How many tokens leave the tower it says before any model compute, with `count_before_encoding`.
+    """
+
+    stages: ClassVar[tuple[str, ...]] = ("tower",)
+    modalities: ClassVar[tuple[str, ...]] = ("image",)
+    acts: ClassVar[str] = "input"
+    families: ClassVar[dict[str, str]] = {}
+    refusals: ClassVar[dict[str, str]] = {}
+    keeps_grid: ClassVar[bool] = False
+    positions: ClassVar[str] = "renumber"
+
+    def check_family(self, family: str) -> None:
+        """Raise `VTokenError` naming why the method cannot act in `family`'s tower (a refusal of the spec, or a
+        family it was never made for); nothing when it applies. Called at `patch`, before the model is touched."""
+        from ..errors import VTokenError
+
+        if family in self.families:
+            return
+        reason = self.refusals.get(family, f"it was not made for {family}'s vision tower")
+        raise VTokenError(f"{self.name} is refused on {family}: {reason}. It applies to: {', '.join(self.families)}")
+
+    def count_before_encoding(
+        self, grids: list[tuple[int, ...]], pixels: torch.Tensor | None = None, tower: TowerShape | None = None
+    ) -> list[int]:
+        """Tokens leaving the tower (LLM-level tokens) per crop, before any model compute: from host integers
+        (`grids`: every crop's patch grid, (H, W) or Qwen's (t, h, w)) or from the preprocessed `pixels`; `tower`
+        describes the tower. The prompt is shrunk from it before the tower runs; serving engines size their
+        placeholders from it."""
+        raise NotImplementedError
