@@ -95,7 +95,7 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen2.5-vl", {"method": "random", "budget": 0.25, "scope": "image"}, ["vtoken", "random", "from the data"]),
     ("qwen3-vl", {"method": "fastervlm"}, ["vtoken", "fastervlm", "cls_attention"]),
     ("qwen3-vl", {"method": "visionzip"}, ["vtoken", "visionzip", "cls_attention"]),
-    ("llava", {"method": "vidcom2"}, ["vtoken", "vidcom2", "video only"]),
+    ("llava", {"method": "vidcom2"}, ["vtoken", "vidcom2", "video inputs only"]),
     ("qwen2.5-vl", {"method": "vidcom2"}, ["vtoken", "vidcom2", "from the data"]),  # frame budgets follow the data
     # the video mergers read the tower's attention, which the plugin does not take from vLLM's towers (and their
     # counts follow the data); on families served for images they are refused as video-only

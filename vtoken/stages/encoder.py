@@ -236,11 +236,18 @@ def check_takes(method: Method, takes: Iterable[str], owner: str, advice: str = 
         )
 
 
-def check_signals(method: Method, provided: set[str], owner: str, requires: Sequence[str] | None = None) -> None:
-    """Refuse a method needing signals `owner` cannot provide (`provided`: its own, besides the common ones),
-    naming them, what is provided and the method's note and hint."""
+def check_signals(
+    method: Method,
+    provided: set[str],
+    owner: str,
+    requires: Sequence[str] | None = None,
+    common: Iterable[str] = COMMON_SIGNALS,
+) -> None:
+    """Refuse a method needing signals `owner` cannot provide (`provided`: its own, besides the `common` ones it
+    serves: all of `COMMON_SIGNALS` unless the caller says fewer), naming them, what is provided and the method's
+    note and hint."""
     requires = tuple(method.requires if requires is None else requires)
-    available = set(provided) | set(COMMON_SIGNALS)
+    available = set(provided) | set(common)
     missing = unmet(requires, available)
     if not missing:
         return

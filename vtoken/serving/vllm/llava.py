@@ -23,7 +23,7 @@ from vllm.model_executor.models.llava import (
 
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
-from vtoken.stages.encoder import EncoderStage, SignalSources, check_signals, check_takes
+from vtoken.stages.encoder import COMMON_SIGNALS, EncoderStage, SignalSources, check_signals, check_takes
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
@@ -127,10 +127,11 @@ def check_modality(method, family: str) -> None:
         raise error(str(err)) from None
 
 
-def check_signals_served(method, available: set[str], family: str) -> None:
-    """Refuse a method needing signals `family` cannot provide in vLLM (the encoder stage's check)."""
+def check_signals_served(method, available: set[str], family: str, common=COMMON_SIGNALS) -> None:
+    """Refuse a method needing signals `family` cannot provide in vLLM (the encoder stage's check; `common`: the
+    common signals this family's vLLM path fills)."""
     try:
-        check_signals(method, available, f"{family} in vLLM")
+        check_signals(method, available, f"{family} in vLLM", common=common)
     except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
         raise error(str(err)) from None
 

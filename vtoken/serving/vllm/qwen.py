@@ -42,6 +42,8 @@ from .config import ServingConfig, error, serving_config
 from .llava import check_signals_served, why_counts
 
 SIGNALS = {"patch_features", "grid", "resized_grid"}
+# of the common signals, the Qwen path fills only the projected tokens (no question, no pre-merger features)
+COMMON = {"projected"}
 
 
 def frames_of(grid: tuple[int, int], frames: int = 1) -> VisualTokens:
@@ -91,7 +93,7 @@ class QwenFamily:
 
     def check(self, config: ServingConfig) -> None:
         method = config.method
-        check_signals_served(method, SIGNALS, self.name)
+        check_signals_served(method, SIGNALS, self.name, COMMON)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
         if method.count_before_encoding(48, (6, 8), 1) is None:
