@@ -1,6 +1,6 @@
 """Kernels, each beside a PyTorch reference with the same signature; dispatch picks Triton on CUDA.
 
-The greedy selections (DivPrune, MMTok, VisPruner) are PyTorch custom ops in the `vtoken` namespace
+The greedy selections (DivPrune, MMTok, SCOPE, VisPruner) are PyTorch custom ops in the `vtoken` namespace
 (`torch.ops.vtoken.*`): the reference is their CPU implementation, the Triton kernels their CUDA one.
 """
 
@@ -23,7 +23,14 @@ from .block_sparse_attention import (
     block_sparse_attention_reference,
     block_sparse_attention_triton,
 )
-from .coverage import greedy_max_coverage, greedy_max_coverage_reference, greedy_max_coverage_triton
+from .coverage import (
+    greedy_max_coverage,
+    greedy_max_coverage_reference,
+    greedy_max_coverage_triton,
+    greedy_weighted_coverage,
+    greedy_weighted_coverage_reference,
+    greedy_weighted_coverage_triton,
+)
 from .diversity import max_min_diversity, max_min_diversity_reference, max_min_diversity_triton
 from .dpp import dpp_greedy, dpp_greedy_reference, dpp_greedy_triton
 from .duplicates import duplicate_removal, duplicate_removal_reference, duplicate_removal_triton
@@ -60,6 +67,9 @@ __all__ = [
     "greedy_max_coverage",
     "greedy_max_coverage_reference",
     "greedy_max_coverage_triton",
+    "greedy_weighted_coverage",
+    "greedy_weighted_coverage_reference",
+    "greedy_weighted_coverage_triton",
     "max_min_diversity",
     "max_min_diversity_reference",
     "max_min_diversity_triton",
