@@ -87,6 +87,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .functional import encode, select
     from .methods import (
         DART,
+        SCOPE,
         CDPruner,
         DivPrune,
         DyCoke,
@@ -95,6 +96,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         FastV,
         FastVID,
         FourierDCT,
+        HiPrune,
         HiRED,
         HoliTom,
         HoloV,
@@ -157,6 +159,8 @@ __all__ = [
     "HoliTom",
     "CDPruner",
     "HoloV",
+    "HiPrune",
+    "SCOPE",
     "Method",
     "EncoderMethod",
     "PrefillMethod",

@@ -9,6 +9,7 @@ from .fastervlm import FasterVLM
 from .fastv import FastV
 from .fastvid import FastVID
 from .fourier import FourierDCT
+from .hiprune import HiPrune
 from .hired import HiRED
 from .holitom import HoliTom
 from .holov import HoloV
@@ -17,6 +18,7 @@ from .mustdrop import MustDrop
 from .pool import Pool
 from .pyramiddrop import PyramidDrop
 from .random import Random
+from .scope import SCOPE
 from .sparse_prefill import SparsePrefill
 from .sparsevlm import SparseVLM
 from .vidcom2 import VidCom2
@@ -49,4 +51,6 @@ __all__ = [
     "HoliTom",
     "CDPruner",
     "HoloV",
+    "HiPrune",
+    "SCOPE",
 ]
