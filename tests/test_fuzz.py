@@ -157,9 +157,10 @@ def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-lla
     if name == "hiprune":  # split budgets share an image's over its crops (not a keep-all setting on anyres)
         score = draw(st.sampled_from(["received", "received", "cls"]))
         layers = st.sampled_from([None, None, 0, -1])  # None: the family's official block (or depth // 2 - 1)
+        scope = "crop" if full else draw(st.sampled_from(["crop", "split"]))
         return vtoken.HiPrune(budget=budget, alpha=draw(st.floats(0, 1)), object_layer=draw(layers),
                               deep_layer=draw(layers), border=draw(st.sampled_from(["official", "grid"])),
-                              score=score, scope="crop" if full else draw(st.sampled_from(["crop", "split"])))  # fmt: skip
+                              score=score, scope=scope)  # fmt: skip
     if name == "scope":
         if not full:  # its greedy takes k steps (the PyTorch reference on CPU): small budgets keep the suite fast
             budget = draw(st.one_of(st.floats(0.01, 0.25), st.integers(1, 64)))
