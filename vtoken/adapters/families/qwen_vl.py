@@ -273,7 +273,8 @@ class QwenVLAdapter(Adapter):
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals.update({"merge_features": pooled, "vision_features": pooled})
-            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device))
+            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device),
+                                 image_of_crop=[index] * frames)  # fmt: skip
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
                 resized_grid_thw(frames, selection.grid or grid, self.merge)
