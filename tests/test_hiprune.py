@@ -497,3 +497,54 @@ def test_videos_are_refused_when_the_call_starts():
     model, processor = TINY_MODELS["tiny-qwen2.5-vl"]()
     with vtoken.patched(model, "hiprune"), pytest.raises(vtoken.InputError, match="hiprune acts on image inputs"):
         model(**video_inputs(processor))
+
+
+# --------------------------------------------------------------------------- the tools
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-fastvlm"])
+def test_applicable_methods_and_the_variants_the_tools_pick(name):
+    """HiPrune everywhere but FastVLM (its object layer resolved on the tower); SCOPE's [CLS] saliency where there
+    is a [CLS], its received variant where the tower serves it (what the demo and `vtoken eval` start from)."""
+    from vtoken.applicability import applicable_methods, fitting_params
+
+    model, _ = TINY_MODELS[name]()
+    verdicts = applicable_methods(model)
+    assert (verdicts["hiprune"] is None) == (name != "tiny-fastvlm"), verdicts["hiprune"]
+    assert (verdicts["scope"] is None) == (name != "tiny-fastvlm"), verdicts["scope"]
+    if name != "tiny-fastvlm":
+        assert fitting_params(model, "hiprune") == {"object_layer": 0}  # a 2-3 block tower: depth // 2 - 1
+    assert fitting_params(model, "scope") == ({} if name == "tiny-llava" else
+                                              {"saliency": "received"} if name != "tiny-fastvlm" else {})  # fmt: skip
+
+
+def test_the_cli_eval_and_demo_take_them_by_name(capsys):
+    from vtoken.cli import main, method_params
+    from vtoken.demo import controls
+    from vtoken.eval.options import build_methods
+    from vtoken.eval.sweep import settings
+
+    assert main(["run", "--method", "hiprune", "--budget", "36"]) == 0
+    assert "hiprune" in capsys.readouterr().out
+    hiprune, fastv = build_methods("hiprune+fastv", {"budget": 64, "border": "grid", "keep": 0.5}, [])
+    assert (hiprune.budget, hiprune.border, fastv.keep) == (64, "grid", 0.5)
+    (scope,) = build_methods("scope", {"budget": 160, "scope": "split", "saliency": "received"}, [])
+    assert (scope.budget, scope.scope, scope.saliency) == (160, "split", "received")
+    points = settings(["hiprune", "scope"], [64, 0.25], {})
+    assert [(p.method, p.budget) for p in points][1:] == [(m, b) for m in ("hiprune", "scope") for b in (64, 0.25)]
+    assert method_params("scope", None, ["saliency=received", "alpha=0.5"]) == {
+        "scope.budget": 0.25, "saliency": "received", "alpha": 0.5,
+    }  # fmt: skip
+    specs = {(c.method, c.param): c.kind for c in controls.control_specs()}
+    assert specs[("hiprune", "border")] == "choice" and specs[("hiprune", "scope")] == "choice"
+    assert specs[("scope", "saliency")] == "choice" and specs[("scope", "alpha")] == "float"
+    model, _ = TINY_MODELS["tiny-qwen2.5-vl"]()
+    assert controls.default_params(model, "scope")["saliency"] == "received"
+
+
+def test_internvl_videos_are_refused_too():
+    """InternVL's videos arrive as runs of image tiles ("FrameN:" labels tell them apart): an image-only method
+    refuses them when the call starts, as on the families with a video input."""
+    from conftest import video_inputs
+
+    model, processor = TINY_MODELS["tiny-internvl"]()
+    with vtoken.patched(model, vtoken.HiPrune()), pytest.raises(vtoken.InputError, match="hiprune takes images only"):
+        model(**video_inputs(processor))

@@ -27,6 +27,7 @@ per image on 5 crops, 32 each).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +37,9 @@ from ..budget import Budget
 from ..params import Choice, Real
 from ..tokens import Selection, VisualTokens
 from .base import EncoderMethod, valid_mask
+
+if TYPE_CHECKING:
+    from ..modelview import ModelView
 
 SALIENCY = {"cls": ("cls_attention", "vision_features"), "received": ("received_attention", "projected")}
 
@@ -73,6 +77,14 @@ class SCOPE(EncoderMethod):
     @property
     def requires(self) -> tuple[str, ...]:
         return SALIENCY[self.saliency]
+
+    @classmethod
+    def fit(cls, model: ModelView) -> dict[str, Any]:
+        """The received-attention saliency (`saliency="received"`, AngelSlim's form) where there is no [CLS] but the
+        tower serves it (the Qwen towers, OneVision, Gemma 3)."""
+        if "cls_attention" not in model.signals and "received_attention" in model.signals:
+            return {"saliency": "received"}
+        return {}
 
     def missing_signal_hint(self, missing: list[str]) -> str:
         if "cls_attention" in missing:

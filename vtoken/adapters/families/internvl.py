@@ -197,6 +197,13 @@ class InternVLAdapter(FlatFeatures, Adapter):
                     f"{self.encoder_method.name} acts on videos only; image {images[0]} of this call is an image, "
                     'not a video frame (no "FrameN: <img>" before it in the prompt)'
                 )
+        if "video" not in self.encoder_method.modalities:  # an image method: no item may be a video
+            videos = [i for i, (kind, _, _) in enumerate(items) if kind == "video"]
+            if videos:
+                raise InputError(
+                    f"{self.encoder_method.name} takes images only (its official code covers images); item "
+                    f'{videos[0]} of this call is a video (its frames follow "FrameN:" labels in the prompt)'
+                )
         self._state.family["tiles"] = [sum(end - start for start, end in spans) // per_crop for _, _, spans in items]
         return [sum(end - start for start, end in spans) for _, _, spans in items]
 
