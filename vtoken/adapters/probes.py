@@ -205,7 +205,7 @@ class VisionQueryKeyProbe(_Capture):
 RECEIVED = "received_attention"
 
 
-def _named_block(name: str, kind: str, method, family: str, depth: int, feature: int | None) -> int | None:
+def named_block(name: str, kind: str, method, family: str, depth: int, feature: int | None) -> int | None:
     """The block `name` ("<kind>", "<kind>@L" or "<kind>@<alias>") reads on a tower of `depth` blocks whose features
     come out of block `feature` (None: of no block); None when `name` is not of `kind` or names no block of this
     tower."""
@@ -229,7 +229,7 @@ def tower_signals(method, kind: str, family: str, depth: int) -> set[str]:
     names = {kind} | {f"{kind}@{i}" for i in range(-depth, depth)}
     for entry in getattr(method, "requires", ()) or ():
         for name in entry.split("|"):
-            if name not in names and _named_block(name, kind, method, family, depth, 0) is not None:
+            if name not in names and named_block(name, kind, method, family, depth, 0) is not None:
                 names.add(name)
     return names
 
@@ -239,7 +239,7 @@ def tower_blocks(method, kind: str, family: str, depth: int, feature: int | None
     out = {}
     for entry in getattr(method, "requires", ()) or ():
         for name in entry.split("|"):
-            block = _named_block(name, kind, method, family, depth, feature)
+            block = named_block(name, kind, method, family, depth, feature)
             if block is not None:
                 out[name] = block
     return out
