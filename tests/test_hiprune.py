@@ -476,9 +476,14 @@ def test_identity_and_a_padded_batch_equals_its_rows(name):
 
 
 def test_refusals():
+    """FastVLM: HiPrune, and SCOPE in both forms ([CLS] named with its variant, then the variant itself)."""
     model, processor = TINY_MODELS["tiny-fastvlm"]()
     with pytest.raises(vtoken.MissingSignalError, match=r"received_attention.*received_attention@L.*FastViTHD"):
         vtoken.patch(model, "hiprune")
+    with pytest.raises(vtoken.MissingSignalError, match='cls_attention.*saliency="received"'):
+        vtoken.patch(model, "scope")
+    with pytest.raises(vtoken.MissingSignalError, match="received_attention.*FastViTHD"):
+        vtoken.patch(model, vtoken.SCOPE(saliency="received"))
     assert vtoken.handle_of(model) is None
     model, _ = TINY_MODELS["tiny-qwen2.5-vl"]()
     with pytest.raises(vtoken.MissingSignalError, match="cls_attention.*score='received'"):
@@ -500,20 +505,18 @@ def test_videos_are_refused_when_the_call_starts():
 
 
 # --------------------------------------------------------------------------- the tools
-@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-fastvlm"])
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2.5-vl", "tiny-onevision"])
 def test_applicable_methods_and_the_variants_the_tools_pick(name):
-    """HiPrune everywhere but FastVLM (its object layer resolved on the tower); SCOPE's [CLS] saliency where there
-    is a [CLS], its received variant where the tower serves it (what the demo and `vtoken eval` start from)."""
+    """HiPrune applies (its object layer resolved on the tower); SCOPE's [CLS] saliency where there is a [CLS], its
+    received variant where the tower serves it (what the demo and `vtoken eval` start from). (FastVLM refuses both:
+    `test_refusals`.)"""
     from vtoken.applicability import applicable_methods, fitting_params
 
     model, _ = TINY_MODELS[name]()
     verdicts = applicable_methods(model)
-    assert (verdicts["hiprune"] is None) == (name != "tiny-fastvlm"), verdicts["hiprune"]
-    assert (verdicts["scope"] is None) == (name != "tiny-fastvlm"), verdicts["scope"]
-    if name != "tiny-fastvlm":
-        assert fitting_params(model, "hiprune") == {"object_layer": 0}  # a 2-3 block tower: depth // 2 - 1
-    assert fitting_params(model, "scope") == ({} if name == "tiny-llava" else
-                                              {"saliency": "received"} if name != "tiny-fastvlm" else {})  # fmt: skip
+    assert verdicts["hiprune"] is None and verdicts["scope"] is None, (verdicts["hiprune"], verdicts["scope"])
+    assert fitting_params(model, "hiprune") == {"object_layer": 0}  # a 2-3 block tower: depth // 2 - 1
+    assert fitting_params(model, "scope") == ({} if name == "tiny-llava" else {"saliency": "received"})
 
 
 def test_the_cli_eval_and_demo_take_them_by_name(capsys):
