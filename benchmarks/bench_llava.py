@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
-from vtoken.adapters import hf  # noqa: E402
-from vtoken.adapters.probes import ClsAttentionProbe  # noqa: E402
 
 import vtoken  # noqa: E402
+from vtoken.adapters import hf  # noqa: E402
+from vtoken.adapters.probes import ClsAttentionProbe  # noqa: E402
 from vtoken.budget import tokens_to_keep  # noqa: E402
 from vtoken.images import example_image  # noqa: E402
 from vtoken.zoo import build_prompt, llava_config, llava_processor, tiny_tokenizer  # noqa: E402

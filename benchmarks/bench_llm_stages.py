@@ -48,9 +48,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 from bench_families import _build, first_k, qwen_7b_lm  # noqa: E402
-from vtoken.adapters import hf  # noqa: E402
 
 import vtoken  # noqa: E402
+from vtoken.adapters import hf  # noqa: E402
 from vtoken.images import example_clip, example_image  # noqa: E402
 from vtoken.timing import Timing, compare  # noqa: E402
 from vtoken.zoo import build_prompt, tiny_llava, tiny_onevision  # noqa: E402
@@ -280,6 +280,7 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
         f"vidcom2 {retention:.3f}": lambda: vtoken.VidCom2(budget=retention),
         f"fastvid {retention:.3f}": lambda: vtoken.FastVID(budget=retention),
         f"holitom {retention:.3f}": lambda: vtoken.HoliTom(budget=retention),
+        "prunevid (encoder stage, official settings)": lambda: vtoken.PruneVid(layer=None),
         "oracle (first tokens of each frame)": lambda: first_k(retention),
     }
     runs, contexts, selection, tokens = {}, {}, {}, {}

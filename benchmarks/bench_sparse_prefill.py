@@ -41,11 +41,11 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 from bench_families import _build  # noqa: E402
+
+import vtoken  # noqa: E402
 from vtoken.kernels import block_mask_from_plan, block_sparse_attention, causal_rows_probs  # noqa: E402
 from vtoken.kernels.block_sparse_flex import block_sparse_attention_flex, flex_unavailable  # noqa: E402
 from vtoken.kernels.sparse_speed import BreakEven, fit_kernel  # noqa: E402
-
-import vtoken  # noqa: E402
 from vtoken.methods.sparse_prefill import (  # noqa: E402
     a_shape_blocks,
     density_plan,
@@ -342,7 +342,7 @@ def llm_facts(model, inputs, methods, probe_layer) -> dict:
                     model(**inputs, logits_to_keep=1)  # not 64k x 152k logits
                 return {"llm_tokens": seen["llm_tokens"], "density": None, "recall": None, "ran": "model's own"}
             with vtoken.patched(model, methods) as handle:
-                stage = handle.adapter._sparse
+                stage = handle.adapter.sparse
                 stock = stage._sparse
 
                 def capture(index, scale, q, k, v, rows, call, verdict):

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+
 from vtoken.kernels import block_sparse_attention_reference
 
 pytest.importorskip("triton")
@@ -319,7 +320,6 @@ def test_the_custom_op_is_one_launch_and_traces():
     """`block_sparse_attention` is the custom op vtoken::block_sparse_attention: one launch to a counter, a fake
     implementation for meta tensors, and no graph break under torch.compile."""
     from vtoken.kernels import block_sparse_attention
-
     from vtoken.launches import count_launches
 
     g = torch.Generator().manual_seed(0)
@@ -457,6 +457,7 @@ def test_line_sums_kernels_compile_for_h100_without_a_gpu():
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     from vtoken.kernels import line_sums
 
     def compile_for_h100(kernel, pointers, floats, constexprs):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import assert_identity, make_image, shortened_prompt, video_inputs
 from test_vidcom2 import _clip, _placed
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.applicability import applicable_methods, fitting_params
 from vtoken.methods.dycoke import frame_counts
 from vtoken.tokens import VisualTokens

@@ -22,9 +22,9 @@ from test_fastvid import assert_frames_equal, qwen_block_query_keys, raster_orde
 from test_qwen_vl import _prompt, _reference_generate
 from test_vidcom2 import _clip, _placed
 from video_references import holitom, windows
-from vtoken.kernels import static_windows_reference
 
 import vtoken
+from vtoken.kernels import static_windows_reference
 from vtoken.launches import count_launches
 from vtoken.methods.holitom import window_gains
 from vtoken.tokens import VisualTokens

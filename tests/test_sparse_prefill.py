@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import assert_identity, inputs_for, video_inputs
 from PIL import Image
-from vtoken.adapters import hf
-from vtoken.kernels import block_mask_from_plan
 
 import vtoken
+from vtoken.adapters import hf
+from vtoken.kernels import block_mask_from_plan
 from vtoken.methods.sparse_prefill import (
     a_shape_blocks,
     a_shape_plan,

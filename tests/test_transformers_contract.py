@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import inputs_for, make_image
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.zoo import tiny_qwen2_5_vl, tiny_qwen2_vl, tiny_qwen3_vl
 
 VERSION = f"transformers {hf.INSTALLED}"
