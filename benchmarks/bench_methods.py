@@ -53,6 +53,9 @@ METHODS = {
     "holov": lambda b: vtoken.HoloV(budget=b),
     "holov-received": lambda b: vtoken.HoloV(budget=b, score="received", chunks="auto"),  # the Qwen proxy
     "cdpruner-llm": lambda b: vtoken.CDPruner(budget=b, relevance="llm"),  # vtoken's variant (no CLIP text tower)
+    "hiprune": lambda b: vtoken.HiPrune(budget=b),
+    "scope": lambda b: vtoken.SCOPE(budget=b),
+    "scope-received": lambda b: vtoken.SCOPE(budget=b, saliency="received"),  # AngelSlim's form (no [CLS])
     "fastvid": lambda b: vtoken.FastVID(budget=b),
     "holitom": lambda b: vtoken.HoliTom(budget=b),
     # PruneVid has no budget (its counts follow the video): the budget sets its groups' share of density-peak
@@ -70,6 +73,8 @@ APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the
         "divprune",
         "cdpruner",
         "holov",
+        "hiprune",
+        "scope",
         "random",
         "pool",
     ),  # fmt: skip
@@ -82,10 +87,22 @@ APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the
         "divprune",
         "cdpruner",
         "holov",
+        "hiprune",
+        "scope",
         "random",
         "pool",
     ),  # fmt: skip
-    "qwen2.5-vl-7b": ("mmtok", "fourier", "divprune", "cdpruner-llm", "holov-received", "random", "pool"),
+    "qwen2.5-vl-7b": (
+        "mmtok",
+        "fourier",
+        "divprune",
+        "cdpruner-llm",
+        "holov-received",
+        "hiprune",
+        "scope-received",
+        "random",
+        "pool",
+    ),  # fmt: skip
     "llava-onevision-7b video": ("vidcom2", "fastvid", "holitom", "prunevid", "divprune", "mmtok", "random", "pool"),
 }
 # CLIP ViT-L/14's text tower (random weights like the rest), for CDPruner's official relevance on the LLaVAs

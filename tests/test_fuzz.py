@@ -57,7 +57,7 @@ VIDEO = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-llava-next-
 QWEN3 = {"tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}
 OFFICIAL_LAYOUT = {"tiny-llava-next", "tiny-llava-next-video"}
 OFFICIAL_LAYOUT_METHODS = {"fastervlm", "mmtok", "random", "pool", "hired", "mustdrop", "vispruner", "visionzip",
-                           "cdpruner", "holov"}  # fmt: skip
+                           "cdpruner", "holov", "hiprune", "scope"}  # fmt: skip
 # no [CLS] attention to score by
 NO_CLS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-onevision", "tiny-gemma3", "tiny-fastvlm"} | QWEN3
 MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl"} | QWEN3  # (t, h, w) positions: an LLM stage keeps the original ones
@@ -82,11 +82,14 @@ REFUSED = {
     "holitom": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
     # videos only, where a merge of the LLM-input tokens reaches the LLM as it is (no projector after selection)
     "prunevid": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
-    "holov": NO_CLS,  # score="cls"; score="received": the Qwen towers only (MROPE below)
+    "holov": NO_CLS,  # score="cls"; score="received": every tower but FastVLM's (below)
+    "hiprune": {"tiny-fastvlm"},  # score="received" (official); score="cls": NO_CLS (below)
+    "scope": NO_CLS,  # saliency="cls" (official); saliency="received": every tower but FastVLM's (below)
 }
+NO_RECEIVED = {"tiny-fastvlm"}  # FastViTHD exposes no attention: no received_attention
 # CDPruner's official relevance: a CLIP vision tower whose checkpoint has a text tower (a tiny CLIP is built to fit)
 CLIP_FAMILIES = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video"}
-IMAGE_ONLY = {"cdpruner", "holov"}
+IMAGE_ONLY = {"cdpruner", "holov", "hiprune", "scope"}
 SENDS_CLS = {"tiny-llava", "tiny-llava-next", "tiny-llava-next-video", "tiny-video-llava"}  # VisionZip's [CLS]
 HIRED_BANDS_ONLY = {"tiny-internvl"}  # the processor gives the tile count, not the grid: partition="tiles" refused
 QUESTIONS = (
@@ -120,7 +123,8 @@ budgets = st.one_of(fractions, st.integers(min_value=1, max_value=800), st.just(
 
 
 ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop", "visionzip", "vispruner",
-                   "divprune", "vidcom2", "dycoke", "fastvid", "holitom", "prunevid", "cdpruner", "holov")  # fmt: skip
+                   "divprune", "vidcom2", "dycoke", "fastvid", "holitom", "prunevid", "cdpruner", "holov", "hiprune",
+                   "scope")  # fmt: skip
 VIDEO_MERGERS = ("fastvid", "holitom", "prunevid")  # counts follow segments / windows
 PREFILL_METHODS = ("fastv", "dart", "pyramiddrop", "sparsevlm")  # LLM stages that compose with encoder methods
 METHODS = (*ENCODER_METHODS, *PREFILL_METHODS)
@@ -146,12 +150,25 @@ def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-lla
         theta = draw(st.one_of(st.none(), st.floats(0.05, 0.95)))
         question = draw(st.one_of(st.none(), st.sampled_from(QUESTIONS)))  # None: read from the prompt
         return vtoken.CDPruner(budget=budget, theta=theta, relevance=relevance, question=question, **clip)
-    if name == "holov":  # the [CLS] score, or where there is none mostly the attention received (Qwen towers)
+    if name == "holov":  # the [CLS] score, or where there is none mostly the attention received
         score = draw(
             st.sampled_from(["received", "received", "cls"] if family in NO_CLS else ["cls", "cls", "received"])
         )
         chunks = draw(st.one_of(st.integers(1, 40), st.just("auto"), st.just(16)))
         return vtoken.HoloV(budget=budget, chunks=chunks, alpha=draw(st.floats(0, 1)), score=score)
+    if name == "hiprune":  # split budgets share an image's over its crops (not a keep-all setting on anyres)
+        score = draw(st.sampled_from(["received", "received", "cls"]))
+        layers = st.sampled_from([None, None, 0, -1])  # None: the family's official block (or depth // 2 - 1)
+        scope = "crop" if full else draw(st.sampled_from(["crop", "split"]))
+        return vtoken.HiPrune(budget=budget, alpha=draw(st.floats(0, 1)), object_layer=draw(layers),
+                              deep_layer=draw(layers), border=draw(st.sampled_from(["official", "grid"])),
+                              score=score, scope=scope)  # fmt: skip
+    if name == "scope":
+        if not full:  # its greedy takes k steps (the PyTorch reference on CPU): small budgets keep the suite fast
+            budget = draw(st.one_of(st.floats(0.01, 0.25), st.integers(1, 64)))
+        saliency = draw(st.sampled_from(["received", "received", "cls"] if family in NO_CLS else ["cls", "received"]))
+        return vtoken.SCOPE(budget=budget, alpha=draw(st.floats(0, 2)), saliency=saliency,
+                            scope="crop" if full else draw(st.sampled_from(["crop", "split"])))  # fmt: skip
     if name in ("fastervlm", "random"):
         scope = draw(st.sampled_from(["crop", "image"]))
         seed = {"seed": draw(st.integers(0, 2**31))} if name == "random" else {}
@@ -344,10 +361,18 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
             family in REFUSED[name]
         ):
             return True
-        if name == "holov" and (family in REFUSED[name] if method.score == "cls" else family not in MROPE):
+        if name == "holov" and (family in REFUSED[name] if method.score == "cls" else family == "tiny-fastvlm"):
             return True
         if name == "cdpruner" and method.relevance == "clip" and family not in CLIP_FAMILIES:
             return True
+        if name in ("hiprune", "scope"):
+            cls = (method.score if name == "hiprune" else method.saliency) == "cls"
+            # PerceptionLM serves [CLS] attention at its last block only, not HiPrune's two blocks
+            cls_refused = NO_CLS | ({"tiny-perception-lm"} if name == "hiprune" else set())
+            if family in (cls_refused if cls else NO_RECEIVED):
+                return True
+            if method.scope == "split" and family == "tiny-onevision":  # base view and grid selected apart
+                return True
         if name == "hired" and method.partition == "tiles" and family in HIRED_BANDS_ONLY:
             return True
         if name == "mustdrop":
@@ -478,6 +503,15 @@ def check_encoder_records(family: str, method, records: list) -> None:
             groups[r.image].append(r)
         for group in groups.values():
             assert sum(r.tokens_out for r in group) == keep(method.budget, sum(r.tokens_in for r in group)), group
+    elif name in ("hiprune", "scope"):  # per crop, or an image's budget shared equally by its crops
+        groups = defaultdict(list)
+        for r in mine:
+            groups[r.modality, r.image].append(r)
+        for group in groups.values():
+            share = keep(method.budget, sum(r.tokens_in for r in group)) // len(group)
+            for r in group:
+                want = keep(method.budget, r.tokens_in) if method.scope == "crop" else min(share, r.tokens_in)
+                assert r.tokens_out == want, (r, group)
     elif name in ("vispruner", "divprune", "cdpruner"):  # per crop; DivPrune: per image (video), its placed tokens
         for r in mine:
             assert r.tokens_out == keep(method.budget, r.tokens_in), r

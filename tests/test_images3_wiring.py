@@ -25,10 +25,11 @@ def test_the_family_table(name):
     # CDPruner: everywhere, as CDPruner-LLM where the official CLIP relevance cannot apply (the tiny towers' width
     # is not CLIP-L's, and most families have no CLIP text tower at all)
     assert verdicts["cdpruner"] is None and fitting_params(model, "cdpruner") == {"relevance": "llm"}
-    # HoloV: [CLS] attention where there is a [CLS]; the Qwen towers' received attention as the opt-in
-    assert (verdicts["holov"] is None) == (name not in NO_CLS - QWEN_TOWERS), verdicts["holov"]
-    assert fitting_params(model, "holov") == ({"score": "received"} if name in QWEN_TOWERS else {})
-    if name in NO_CLS - QWEN_TOWERS:
+    # HoloV: [CLS] attention where there is a [CLS]; the received attention as the opt-in on towers without it
+    # (every tower whose attention vtoken reads: not FastVLM's)
+    assert (verdicts["holov"] is None) == (name != "tiny-fastvlm"), verdicts["holov"]
+    assert fitting_params(model, "holov") == ({"score": "received"} if name in NO_CLS - {"tiny-fastvlm"} else {})
+    if name == "tiny-fastvlm":
         assert "cls_attention" in verdicts["holov"] and "score='received'" in verdicts["holov"]
     with pytest.raises(vtoken.VTokenError, match="relevance='llm'"):  # the official default, refused with the way
         vtoken.patch(model, "cdpruner")

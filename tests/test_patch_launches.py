@@ -24,7 +24,7 @@ QUESTION_READS = 3  # the tokenizer's host tensors of the question (ids, mask) a
 READS = {("hired", "tiny-llava-next"): 1, ("mmtok", "tiny-llava"): 1, ("vidcom2", "tiny-llava-next-video"): 1,
          ("holov", "tiny-llava-next"): 1}  # fmt: skip
 IMAGE_METHODS = ["random", "pool", "fastervlm", "hired", "fourier", "visionzip", "vispruner", "divprune", "mmtok",
-                 "cdpruner", "holov"]  # fmt: skip
+                 "cdpruner", "holov", "hiprune", "scope"]  # fmt: skip
 PARAMS = {"cdpruner": {"relevance": "llm"}}  # CLIP relevance needs a CLIP checkpoint: test_cdpruner counts it
 CASES = [
     (name, family)

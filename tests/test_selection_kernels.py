@@ -18,7 +18,8 @@ from vtoken.kernels import (
     duplicate_removal,
     duplicate_removal_reference,
     greedy_max_coverage,
-    greedy_max_coverage_reference,
+    greedy_weighted_coverage,
+    greedy_weighted_coverage_reference,
     max_min_diversity,
     max_min_diversity_reference,
 )
@@ -78,29 +79,40 @@ print("kernel ok")
 
 COVERAGE = """
 import torch
-from vtoken.kernels import coverage, greedy_max_coverage_reference, greedy_max_coverage_triton
+from vtoken.kernels import coverage, greedy_max_coverage_triton
+from vtoken.kernels import greedy_weighted_coverage_reference, greedy_weighted_coverage_triton
 coverage.BLOCK_N, coverage.BLOCK_R = {block}, {block}
 device = "{device}"
 g = torch.Generator().manual_seed(2)
 
-def check(matrix, excluded, counts, width):
+def check(matrix, weight, excluded, counts, width, splits=None):
     matrix, excluded, counts = matrix.to(device), excluded.to(device), torch.tensor(counts).to(device)
-    want = greedy_max_coverage_reference(matrix, excluded, counts, width)
-    got = greedy_max_coverage_triton(matrix, excluded, counts, width)
+    weight = None if weight is None else weight.to(device)
+    want = greedy_weighted_coverage_reference(matrix, weight, excluded, counts, width)
+    got = greedy_weighted_coverage_triton(matrix, weight, excluded, counts, width, splits)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
 
-# several crops, columns spread over several programs and rows over several chunks; excluded columns; k = 0, 1, N
+# several crops, columns spread over several programs and rows over several chunks and programs (partial sums);
+# excluded columns; k = 0, 1, N; unweighted (MMTok) and weighted (SCOPE), zero weights included
 matrix = torch.rand(3, 50, 40, generator=g) ** 3
 excluded = torch.zeros(3, 40, dtype=torch.bool)
 excluded[1, 2] = True
 excluded[2, 30:] = True
-check(matrix, excluded, [7, 1, 0], 7)
-check(matrix, excluded, [40, 39, 30], 40)
-# ties: equal columns (the first is picked), and columns that cover nothing once the rows are covered
+weight = torch.rand(3, 40, generator=g)
+weight[0, 5:9] = 0.0
+check(matrix, None, excluded, [7, 1, 0], 7, 1)
+check(matrix, weight, excluded, [7, 1, 0], 7, 3)
+check(matrix[:, :20, 22:], weight[:, 22:], excluded[:, 22:], [18, 17, 8], 18, 2)  # k = every valid column
+# ties: equal columns (the first is picked), and columns that cover nothing once the rows are covered (then the
+# lowest unpicked index); all weights 1 = MMTok's picks
 ties = torch.rand(2, 9, 12, generator=g)
 ties[:, :, 7] = ties[:, :, 2]
 ties[1, :, 5] = ties[1, :, 9] = 0.0
-check(ties, torch.zeros(2, 12, dtype=torch.bool), [12, 6], 12)
+check(ties, torch.ones(2, 12), torch.zeros(2, 12, dtype=torch.bool), [12, 6], 12, 2)
+mmtok = greedy_max_coverage_triton(ties.to(device), torch.zeros(2, 12, dtype=torch.bool).to(device),
+                                   torch.tensor([12, 6]).to(device), 12)  # fmt: skip
+assert torch.equal(mmtok.cpu(), greedy_weighted_coverage_reference(ties, None, torch.zeros(2, 12, dtype=torch.bool),
+                                                                   torch.tensor([12, 6]), 12))  # fmt: skip
 print("kernel ok")
 """
 
@@ -151,10 +163,32 @@ def test_kernel_matches_reference_on_cuda(kernel, block):
     exec(textwrap.dedent(CHECKS[kernel]).format(device="cuda", block=block), {})
 
 
+def coverage_agrees(got: torch.Tensor, want: torch.Tensor, matrix: torch.Tensor, weight, tolerance: float) -> int:
+    """Greedy coverage picks [B, k] of two paths that round differently (the kernel sums rows in blocks and splits,
+    the reference in one reduction): equal step by step until the first step where a crop's picks part, where the
+    reference's gains of the two picks must be within `tolerance` (relative to the step's largest gain: a
+    near-tie); returns the steps compared equal over all crops."""
+    agreed = 0
+    for b in range(matrix.shape[0]):
+        best = torch.zeros(matrix.shape[1], device=matrix.device)
+        for step, (mine, theirs) in enumerate(zip(got[b].tolist(), want[b].tolist(), strict=True)):
+            if mine == theirs:
+                if theirs < matrix.shape[2]:
+                    best = torch.maximum(best, matrix[b, :, theirs])
+                agreed += 1
+                continue
+            gain = (matrix[b] - best[:, None]).clamp(min=0).sum(0) * (1 if weight is None else weight[b])
+            gap = float(gain[theirs] - gain[mine])
+            assert abs(gap) <= tolerance * float(gain.max()), (b, step, mine, theirs, gap)
+            break
+    return agreed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernels_at_model_shapes_on_cuda():
     """LLaVA-NeXT's 5 x 576 tokens (DivPrune: the 2,928 placed ones) and MMTok's N = 2,916, as the benchmarks run
-    them; MMTok through its graph-replayed op, twice (the second call replays the captured graph)."""
+    them; MMTok and SCOPE (weighted) through their ops, twice (the second call repeats the first bit for bit), picks
+    compared with the reference under the near-tie policy."""
     g = torch.Generator(device="cuda").manual_seed(0)
     placed = torch.randn(1, 2928, 4096, device="cuda", generator=g)
     valid = torch.ones(1, 2928, dtype=torch.bool, device="cuda")
@@ -165,9 +199,13 @@ def test_kernels_at_model_shapes_on_cuda():
         matrix = torch.rand(crops, n + 12, n, device="cuda", generator=g) ** 3 / n
         excluded = torch.zeros(crops, n, dtype=torch.bool, device="cuda")
         counts = torch.full((crops,), k, device="cuda")
-        want = greedy_max_coverage_reference(matrix, excluded, counts, k)
-        for _ in range(2):
-            assert torch.equal(greedy_max_coverage(matrix, excluded, counts, k), want)
+        for weight in (None, torch.rand(crops, n, device="cuda", generator=g)):
+            want = greedy_weighted_coverage_reference(matrix, weight, excluded, counts, k)
+            first = greedy_weighted_coverage(matrix, weight, excluded, counts, k)
+            assert torch.equal(greedy_weighted_coverage(matrix, weight, excluded, counts, k), first)
+            assert coverage_agrees(first, want, matrix, weight, 1e-5) >= crops * k // 2
+            if weight is None:
+                assert torch.equal(greedy_max_coverage(matrix, excluded, counts, k), first)
     features = torch.randn(5, 576, 1024, device="cuda", generator=g)
     residual = torch.stack([torch.randperm(576, device="cuda", generator=g) for _ in range(5)])
     lengths, keep = torch.full((5,), 544, device="cuda"), torch.full((5,), 32, device="cuda")
@@ -180,6 +218,9 @@ OPS = {
                                                       torch.tensor([3, 7]), 7)),
     "greedy_max_coverage": (greedy_max_coverage, lambda: (torch.rand(2, 5, 6), torch.zeros(2, 6, dtype=torch.bool),
                                                           torch.tensor([2, 4]), 4)),
+    "greedy_weighted_coverage": (greedy_weighted_coverage, lambda: (torch.rand(2, 5, 6), torch.rand(2, 6),
+                                                                    torch.zeros(2, 6, dtype=torch.bool),
+                                                                    torch.tensor([2, 4]), 4)),
     "duplicate_removal": (duplicate_removal, lambda: (torch.randn(2, 9, 3), torch.arange(9).expand(2, 9),
                                                       torch.tensor([9, 6]), torch.tensor([4, 2]), 4)),
 }  # fmt: skip
@@ -206,10 +247,11 @@ AHEAD = {  # kernel -> (its module, pointer types, constexprs, num_warps as the 
     "_greedy_kernel": ("diversity", {"gram_ptr": "*fp32", "valid_ptr": "*i8", "second_ptr": "*fp32",
                                      "counts_ptr": "*i32", "picks_ptr": "*i64", "closest_ptr": "*fp32"},
                        {"BLOCK_L": 2048}, 8),
-    "_coverage_step_kernel": ("coverage", {"cov_ptr": "*fp32", "best_ptr": "*fp32", "blocked_ptr": "*i8",
-                                           "counts_ptr": "*i32", "picks_ptr": "*i64", "part_val_ptr": "*fp32",
-                                           "part_idx_ptr": "*i32", "tickets_ptr": "*i32"},
-                              {"BLOCK_N": 64, "BLOCK_R": 64}, 4),
+    "_coverage_step_kernel": ("coverage", {"cov_ptr": "*fp32", "weight_ptr": "*fp32", "best_ptr": "*fp32",
+                                           "blocked_ptr": "*i8", "counts_ptr": "*i32", "picks_ptr": "*i64",
+                                           "partial_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
+                                           "col_tickets_ptr": "*i32", "tickets_ptr": "*i32"},
+                              {"WEIGHTED": True, "SPLIT": True, "BLOCK_N": 64, "BLOCK_R": 64}, 4),
     "_dedup_kernel": ("duplicates", {"gram_ptr": "*fp32", "residual_ptr": "*i64", "lengths_ptr": "*i32",
                                      "keep_ptr": "*i32", "out_ptr": "*i64", "lists_ptr": "*i64", "sim_ptr": "*fp32"},
                       {"ROUND": 8, "BLOCK": 64}, 4),

@@ -16,7 +16,8 @@ BUDGETS = (0.25, 0.1)
 # methods whose definition makes a count depend on the data: the counts are read back once
 ONE_READ = {"hired": 1, "vidcom2": 1}
 KERNELS = 100  # "tens": the most kernels any selection below may launch
-METHODS = ["random", "pool", "fastervlm", "hired", "fourier", "vidcom2", "visionzip", "vispruner", "divprune", "mmtok"]
+METHODS = ["random", "pool", "fastervlm", "hired", "fourier", "vidcom2", "visionzip", "vispruner", "divprune", "mmtok",
+           "hiprune", "scope", "scope_split", "hiprune_split"]  # fmt: skip
 
 
 def _cut(crops: int) -> tuple[torch.Tensor, list[int]]:
@@ -42,6 +43,8 @@ def tokens_for(name: str, crops: int, cut: bool, seed: int = 0) -> VisualTokens:
         "vision_features": features,
         "projected": torch.randn(crops, N, 2 * WIDTH, generator=g),
         "cls_token": torch.randn(crops, WIDTH, generator=g),
+        "received_attention@object": torch.rand(crops, N, generator=g),  # HiPrune's two blocks
+        "received_attention": torch.rand(crops, N, generator=g),
     }
     valid, counts = _cut(crops) if cut else (None, None)
     question = torch.randn(5, 2 * WIDTH, generator=g)
@@ -55,13 +58,15 @@ def tokens_for(name: str, crops: int, cut: bool, seed: int = 0) -> VisualTokens:
                             valid_counts=[int(keep.sum())] if cut else None)  # fmt: skip
     return VisualTokens(
         features, (SIDE, SIDE), signals, torch.zeros(crops, dtype=torch.long), valid, torch.arange(crops), grid,
-        query, counts,
+        query, counts, [0] * crops,
     )  # fmt: skip
 
 
 def method_for(name: str, budget: float):
     if name == "vidcom2":
         return vtoken.VidCom2(budget=budget)
+    if name.endswith("_split"):  # an image's budget shared equally by its crops
+        return vtoken.make_method(name.removesuffix("_split"), budget=budget, scope="split")
     return vtoken.make_method(name, budget=budget)
 
 

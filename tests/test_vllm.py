@@ -52,6 +52,8 @@ PARITY = {
         ("divprune", {"budget": 8}),
         ("holov", {"budget": 0.25}),  # one crop per image: the image's budget is known before encoding
         ("cdpruner", {"budget": 24, "clip": TINY_CLIP}),  # the CLIP relevance from a directory; picks clear of ties
+        ("hiprune", {"budget": 0.25}),  # received attention at two blocks (the column means of vLLM's qkv)
+        ("scope", {"budget": 24}),  # the weighted coverage greedy
     ],
     "llava-sharp": [("fastervlm", {"budget": 0.25})],
     "llava-small-sharp": [("vispruner", {"budget": 0.75})],
@@ -63,6 +65,9 @@ PARITY = {
         ("visionzip", {"budget": 0.25, "layout": "official"}),
         ("divprune", {"budget": 4}),
         ("cdpruner", {"budget": 24, "relevance": "llm", "layout": "official"}),  # one min-max per image
+        # the official LLaVA-NeXT runs: an image's budget split equally over its crops, known before encoding
+        ("hiprune", {"budget": 0.25, "scope": "split", "layout": "official"}),
+        ("scope", {"budget": 80, "scope": "split", "layout": "official"}),
     ],
     "llava-next-sharp": [("fastervlm", {"budget": 0.25, "layout": "official"})],
     # DivPrune: picks from the encoder's output, made when the request is added (positions are fixed then)
@@ -117,6 +122,10 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("llava-next", {"method": "holov", "layout": "official"}, ["vtoken", "holov", "from the data"]),
     ("qwen2.5-vl", {"method": "cdpruner"}, ["vtoken", "cdpruner", "clip_features"]),
     ("llava", {"method": "cdpruner"}, ["vtoken", "cdpruner", "vision width 1024", "relevance='llm'"]),
+    # HiPrune and SCOPE pick from the tower's attention: on Qwen the plugin fixes positions before the encoder
+    ("qwen2.5-vl", {"method": "hiprune"}, ["vtoken", "hiprune", "received_attention"]),
+    ("qwen2.5-vl", {"method": "scope", "saliency": "received"}, ["vtoken", "scope", "received_attention"]),
+    ("llava-next", {"method": "scope", "scope": "split"}, ["vtoken", "scope", "newline", "layout='official'"]),
     # architectures not served: named, with the served ones (never silently run unpruned)
     ("llama", {"method": "random", "budget": 0.25},
      ["vtoken", "LlamaForCausalLM", "not served", "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",

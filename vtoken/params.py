@@ -196,13 +196,14 @@ class MergeSchedule(Param):
 @dataclass(frozen=True)
 class Scope(Choice):
     """What an encoder method's budget counts over: one of the method class's `scopes` ("crop": every crop or
-    video frame keeps its budget; "image": an image or video keeps its budget over all its crops or frames)."""
+    video frame keeps its budget; "image": an image or video keeps its budget over all its crops or frames;
+    "split": an image's budget shared equally by its crops)."""
 
     def choices(self, method: Any) -> tuple:
         return tuple(method.scopes)
 
     def text(self) -> str:
-        return "what the budget counts over: one of the method's `scopes` ('crop', 'image')"
+        return "what the budget counts over: one of the method's `scopes` ('crop', 'image', 'split')"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from vtoken.errors import MissingSignalError, UnsupportedModelError, VTokenError
-from vtoken.kernels import attention_row_probs
+from vtoken.kernels import attention_column_mean, attention_row_probs
 
 ACCEPTED_TOWERS = (
     "a timm VisionTransformer or Eva, an open_clip VisionTransformer (e.g. `open_clip_model.visual`), or a "
@@ -128,6 +128,41 @@ class TimmRowProbe(AttentionRowProbe):
                 keys = keys.repeat_interleave(groups, dim=1)
             self.keys = keys.transpose(1, 2)  # [B, S, H, d]
         return super().probs()
+
+
+class TimmColumnProbe(TimmRowProbe):
+    """The attention every token receives in a timm attention block (`AttentionRope`, `EvaAttention`, ...): the
+    post-softmax map's mean over heads and over every query row (prefix tokens included), from q and k read after
+    their norms and rotated as timm rotates them; `scores` [B, S] (the column-mean op, no [B, H, S, S] map)."""
+
+    def _on_query(self, module, args, output):
+        self._raw_query = output  # [B, H, S, d]
+
+    def install(self):
+        self._raw_query = None
+        return super().install()
+
+    def _rotated(self, values: torch.Tensor) -> torch.Tensor:
+        if self.rope is None:
+            return values
+        from timm.layers import apply_rot_embed_cat
+
+        npt = self.num_prefix_tokens
+        half = getattr(self.attention, "rotate_half", False)
+        rotated = apply_rot_embed_cat(values[:, :, npt:], self.rope, half=half)
+        return torch.cat([values[:, :, :npt], rotated.type_as(values)], dim=2)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        if self._masked:
+            raise VTokenError("received attention is computed for unmasked attention; this tower ran with an attn_mask")
+        if self._raw_query is None or self._raw_keys is None:
+            raise RuntimeError("the probed attention layer did not run")
+        query, keys = self._rotated(self._raw_query), self._rotated(self._raw_keys)
+        groups = query.shape[1] // keys.shape[1]  # grouped-query attention: kv head h // groups
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+        return attention_column_mean(query.transpose(1, 2), keys.transpose(1, 2), self.scale)
 
 
 class MultiheadRowProbe(AttentionRowProbe):

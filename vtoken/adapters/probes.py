@@ -158,6 +158,11 @@ class ColumnAttentionProbe(_Capture):
         shape = (batch, seq, self.num_heads, self.head_dim)
         return attention_column_mean(self._query.reshape(shape), self._keys.reshape(shape), self.scale)
 
+    @property
+    def patch_scores(self) -> torch.Tensor:
+        """[B, S - 1] `scores` without the first ([CLS]) token's column; the [CLS] row stays among the queries."""
+        return self.scores[:, 1:]
+
 
 class VisionQueryKeyProbe(_Capture):
     """A Qwen-VL vision block's queries and keys after rotary, [S, H, d] each (S: every patch of the call, in the
@@ -194,3 +199,47 @@ class VisionQueryKeyProbe(_Capture):
         query, keys, _ = self._qkv.reshape(self._qkv.shape[0], 3, self.num_heads, -1).unbind(1)
         cos, sin = self._tables
         return self._rotary(query, keys, cos, sin)
+
+
+# ----------------------------------------------------------------- which tower block a signal reads
+RECEIVED = "received_attention"
+
+
+def named_block(name: str, kind: str, method, family: str, depth: int, feature: int | None) -> int | None:
+    """The block `name` ("<kind>", "<kind>@L" or "<kind>@<alias>") reads on a tower of `depth` blocks whose features
+    come out of block `feature` (None: of no block); None when `name` is not of `kind` or names no block of this
+    tower."""
+    if name == kind:
+        return feature
+    if not name.startswith(kind + "@"):
+        return None
+    where = name.removeprefix(kind + "@")
+    if where.lstrip("-").isdigit():
+        block = int(where)
+        return block % depth if -depth <= block < depth else None
+    resolve = getattr(method, "tower_block", None)
+    block = resolve(where, family, depth) if resolve is not None else None
+    return block if block is not None and 0 <= block < depth else None
+
+
+def tower_signals(method, kind: str, family: str, depth: int) -> set[str]:
+    """Names of signal `kind` (e.g. "received_attention") a tower of `depth` blocks serves: the bare name (its
+    feature layer's), "<kind>@L" for every block L (negative L counts from the end), and the aliases the encoder
+    `method` requires and resolves on `family` (`Method.tower_block`: HiPrune's "received_attention@object")."""
+    names = {kind} | {f"{kind}@{i}" for i in range(-depth, depth)}
+    for entry in getattr(method, "requires", ()) or ():
+        for name in entry.split("|"):
+            if name not in names and named_block(name, kind, method, family, depth, 0) is not None:
+                names.add(name)
+    return names
+
+
+def tower_blocks(method, kind: str, family: str, depth: int, feature: int | None) -> dict[str, int]:
+    """The signals of `kind` the encoder `method` requires -> the tower block each reads (see `tower_signals`)."""
+    out = {}
+    for entry in getattr(method, "requires", ()) or ():
+        for name in entry.split("|"):
+            block = named_block(name, kind, method, family, depth, feature)
+            if block is not None:
+                out[name] = block
+    return out

@@ -1,8 +1,8 @@
 """Kernels, each beside a PyTorch reference with the same signature; dispatch picks Triton on CUDA.
 
-The greedy selections (DivPrune, MMTok, VisPruner) and PixelPrune's anchored predictor are PyTorch custom ops in the
-`vtoken` namespace (`torch.ops.vtoken.*`): the reference is their CPU implementation, the Triton kernels their CUDA
-one.
+The greedy selections (DivPrune, MMTok, SCOPE, VisPruner) and PixelPrune's anchored predictor are PyTorch custom
+ops in the `vtoken` namespace (`torch.ops.vtoken.*`): the reference is their CPU implementation, the Triton kernels
+their CUDA one.
 """
 
 from .attention_columns import (
@@ -24,7 +24,14 @@ from .block_sparse_attention import (
     block_sparse_attention_reference,
     block_sparse_attention_triton,
 )
-from .coverage import greedy_max_coverage, greedy_max_coverage_reference, greedy_max_coverage_triton
+from .coverage import (
+    greedy_max_coverage,
+    greedy_max_coverage_reference,
+    greedy_max_coverage_triton,
+    greedy_weighted_coverage,
+    greedy_weighted_coverage_reference,
+    greedy_weighted_coverage_triton,
+)
 from .diversity import max_min_diversity, max_min_diversity_reference, max_min_diversity_triton
 from .dpp import dpp_greedy, dpp_greedy_reference, dpp_greedy_triton
 from .duplicates import duplicate_removal, duplicate_removal_reference, duplicate_removal_triton
@@ -66,6 +73,9 @@ __all__ = [
     "greedy_max_coverage",
     "greedy_max_coverage_reference",
     "greedy_max_coverage_triton",
+    "greedy_weighted_coverage",
+    "greedy_weighted_coverage_reference",
+    "greedy_weighted_coverage_triton",
     "max_min_diversity",
     "max_min_diversity_reference",
     "max_min_diversity_triton",

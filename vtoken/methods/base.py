@@ -124,6 +124,13 @@ class Method:
         """A sentence `patch` adds when a model lacks the signals `missing` (e.g. the variant that needs none)."""
         return ""
 
+    def tower_block(self, alias: str, family: str, depth: int) -> int | None:
+        """For a tower signal it requires by an alias rather than a block number ("received_attention@object"):
+        the vision-tower block (0-based) the alias means on `family`'s tower of `depth` blocks, which the adapter
+        then probes; None: not one of its aliases. (A method knows its official layers per family; the adapter
+        knows the tower.)"""
+        return None
+
 
 def unmet(requires: tuple[str, ...], provided: set[str]) -> list[str]:
     """The entries of `requires` that `provided` does not meet (an "a|b" entry is met by either)."""
@@ -151,7 +158,10 @@ class EncoderMethod(Method):
     """A method acting on the vision features, before the LLM.
 
     budget: fraction kept or token count. scope: what the budget counts over: "crop" (every crop or video frame
-    keeps its budget) or "image" (an image or video keeps its budget over all its crops or frames together).
+    keeps its budget), "image" (an image or video keeps its budget over all its crops or frames together, shared
+    by the data) or "split" (an image's budget T shared equally by its c crops: each keeps floor(T / c), at most
+    its valid tokens; one crop: as "crop"). `crop_counts` / `crop_counts_tensor` give the "crop" and "split"
+    counts of a call.
     """
 
     budget: Budget = 0.25
@@ -188,7 +198,8 @@ class EncoderMethod(Method):
         return tokens_to_keep_tensor(self.budget, n)
 
     def planned_count(self, n: int) -> int | None:
-        """Tokens a crop of n keeps, when known before its features exist (None: decided from the data).
+        """Tokens a crop of n keeps, when known before its features exist (None: decided from the data, or by the
+        image's other crops: scope "split").
 
         Knowing "how many" before the encoder runs lets the adapter shrink the prompt while the GPU is still idle.
         """
@@ -198,13 +209,55 @@ class EncoderMethod(Method):
         """Tokens a crop keeps, from what a serving engine knows before the encoder runs (None: only the data
         decides): n = the crop's valid tokens, grid = its (H, W) token grid, crops = how many crops its image has.
 
-        A serving engine (vLLM) sizes the prompt's placeholders from this. Default: `planned_count(n)`.
+        A serving engine (vLLM) sizes the prompt's placeholders from this. Default: `planned_count(n)`; scope
+        "split": floor(T / crops) of the image's budget T over crops x n tokens (every crop of the image has n
+        valid tokens where an engine sizes before encoding: LLaVA-NeXT's official layout, no unpadding).
         """
+        if self.scope == "split":
+            return split_share(self.budget, [n] * crops)[0] if n else 0
         return self.planned_count(n)
+
+    def crop_counts(self, tokens: VisualTokens) -> list[int]:
+        """Tokens every crop keeps, on the host, for scopes "crop" (its budget of its valid tokens) and "split"
+        (floor(T / c) of its image's budget T over the image's valid tokens, at most its own valid tokens)."""
+        valid = tokens.host_valid_counts()
+        if self.scope != "split":
+            return [self.keep_count(v) if v else 0 for v in valid]
+        images = tokens.host_image_index()
+        per_image: dict[int, list[int]] = {}
+        for image, v in zip(images, valid, strict=True):
+            per_image.setdefault(image, []).append(v)
+        shares = {image: split_share(self.budget, counts) for image, counts in per_image.items()}
+        seen: dict[int, int] = {}
+        out = []
+        for image in images:
+            out.append(shares[image][seen.get(image, 0)])
+            seen[image] = seen.get(image, 0) + 1
+        return out
+
+    def crop_counts_tensor(self, valid: torch.Tensor, tokens: VisualTokens) -> torch.Tensor:
+        """`crop_counts` computed on the device from `valid` [C, N] (the same IEEE double arithmetic), no host
+        sync: [C] int64."""
+        per_crop = valid.sum(1)
+        if self.scope != "split":
+            return self.keep_counts(per_crop)
+        slot = image_slots(tokens, valid.device)
+        zeros = torch.zeros_like(per_crop)
+        total = zeros.index_add(0, slot, per_crop)[slot]  # every crop's image's valid tokens
+        crops = zeros.index_add(0, slot, torch.ones_like(per_crop))[slot]
+        return torch.div(tokens_to_keep_tensor(self.budget, total), crops, rounding_mode="floor").minimum(per_crop)
 
     def select(self, tokens: VisualTokens) -> Selection:
         """Decide which tokens of every crop reach the LLM."""
         raise NotImplementedError
+
+
+def split_share(budget: Budget, valid: list[int]) -> list[int]:
+    """Scope "split": the tokens each crop of one image keeps, given every crop's valid tokens: the image's budget
+    T over them all, floor(T / c) each (the official `int(RETENTION / crops)`), at most the crop's valid tokens."""
+    total = sum(valid)
+    share = tokens_to_keep(budget, total) // len(valid) if total else 0
+    return [min(share, v) for v in valid]
 
 
 def topk_per_crop(scores: torch.Tensor, counts: list[int], limit: torch.Tensor | None = None) -> Selection:

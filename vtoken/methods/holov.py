@@ -19,10 +19,11 @@ attention at the feature layer), projected tokens x and a budget of k:
    "tokens"; here the missing ones are the most attended tokens not yet kept (the first on ties): exactly k real
    tokens. Kept: ascending in the sequence (the official orders them by chunk, then by attention).
 
-`score="received"` is vtoken's proxy for the Qwen towers, which have no [CLS] (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3.5): the attention each merged token receives in the tower's last full-attention block, head-mean, averaged
-over its frame's queries and its 2 x 2 patches, in raster order (what the official Qwen path means; its branch on
-the weights' shape scores every token 1, and it pools in the window order).
+`score="received"` is vtoken's proxy for towers without [CLS] (the Qwen towers, LLaVA-OneVision, Gemma 3): the
+attention each token receives in the tower's feature layer (Qwen: its last full-attention block), head-mean,
+averaged over its frame's queries (Qwen: and its 2 x 2 patches, in raster order: what the official Qwen path means;
+its branch on the weights' shape scores every token 1, and it pools in the window order); pooled like the tokens
+elsewhere (the signal "received_attention").
 
 No host sync on single-crop images: counts come from the budget and the adapter's host-side token counts, every
 image of a run of images of the same geometry is scored in one batch. On images of several crops (LLaVA-NeXT) one
@@ -176,7 +177,7 @@ class HoloV(EncoderMethod):
     params = {
         "chunks": ChunkCount(),
         "alpha": Real("[0, inf)", hint="the weight of the similarity variance"),
-        "score": Choice(tuple(SCORES), hint="'cls' official; 'received' vtoken's proxy on the Qwen towers"),
+        "score": Choice(tuple(SCORES), hint="'cls' official; 'received' vtoken's proxy on towers without [CLS]"),
     }
     layouts = ("native", "official")
     official_packing = ("unpad before selection",)  # one HoloV over the base view + the unpadded grid
@@ -189,7 +190,7 @@ class HoloV(EncoderMethod):
     @classmethod
     def fit(cls, model: ModelView) -> dict[str, Any]:
         """The received-attention proxy (`score="received"`, labelled) where there is no [CLS] but the tower
-        serves it (the Qwen towers)."""
+        serves it (the Qwen towers, OneVision, Gemma 3)."""
         if "cls_attention" not in model.signals and "received_attention" in model.signals:
             return {"score": "received"}
         return {}
@@ -197,14 +198,14 @@ class HoloV(EncoderMethod):
     def missing_signal_hint(self, missing: list[str]) -> str:
         if "cls_attention" in missing:
             return (
-                "HoloV scores tokens by [CLS] attention; on towers without [CLS] (Qwen2.5-VL, Qwen3-VL) "
-                "score='received' (a vtoken proxy: the attention each token receives in the tower's last "
-                "full-attention block) is the explicit opt-in"
+                "HoloV scores tokens by [CLS] attention; on towers without [CLS] (Qwen2.5-VL, Qwen3-VL, OneVision, "
+                "Gemma 3) score='received' (a vtoken proxy: the attention each token receives in the tower's "
+                "feature layer, the last full-attention block on Qwen) is the explicit opt-in"
             )
         if "received_attention" in missing:
             return (
-                "score='received' reads the Qwen towers' attention (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5); "
-                "elsewhere use score='cls'"
+                "score='received' reads a tower block's attention from its queries and keys, which this tower does "
+                "not expose (FastVLM's FastViTHD has no attention maps); elsewhere use score='cls'"
             )
         return ""
 

@@ -11,8 +11,8 @@ the crop's own vision tokens. For a crop with projected tokens v [N, D] (the LLM
 Greedy max coverage, k steps: gain_j = sum over rows of max(C[row, j] - best[row], 0) (chosen and excluded
 columns -inf), pick the first argmax, best <- max(best, C[:, j]). Kept indices ascending; a crop of N <= k
 valid tokens keeps them all. The greedy runs as the custom op `vtoken::greedy_max_coverage`
-(`vtoken.kernels.coverage`): on CUDA one Triton launch per step over every crop, replayed from a CUDA graph; its
-PyTorch reference (k batched steps) elsewhere. Counts come from the host-side valid counts (LLaVA-1.5's pad border
+(`vtoken.kernels.coverage`, the step kernel SCOPE's weighted greedy shares): on CUDA one Triton launch per step
+over every crop; its PyTorch reference (k batched steps) elsewhere. Counts come from the host-side valid counts (LLaVA-1.5's pad border
 is read from the pixels: its valid counts are read back once, the one host sync).
 
 The question is read from the prompt (see `vtoken.question`). LLaVA families use its keywords (lmms-eval answer

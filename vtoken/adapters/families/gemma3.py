@@ -8,7 +8,9 @@ The prompt holds `<start_of_image>` + 256 image soft tokens + `<end_of_image>` p
 renumbered (1-D RoPE). `token_type_ids` (1 on soft tokens) make the LLM attend bidirectionally inside each image
 block: they shrink with the prompt, so the kept tokens of a block still see each other.
 
-There is no [CLS] token: methods that need [CLS] attention fail at `patch` time. The LLM stages (FastV,
+There is no [CLS] token: methods that need [CLS] attention fail at `patch` time. "received_attention" (at the last
+SigLIP block, whose output the projector pools) and "received_attention@L" (block L): the attention each patch
+receives, mean over heads and queries, average-pooled 4 x 4 like the tokens. The LLM stages (FastV,
 MustDrop's prefill filter) are refused at `patch` too: Gemma 3's decoder interleaves sliding-window and global
 attention layers, each type with its own mask (a dict per layer type, bidirectional inside image blocks) and its
 own rotary tables, which the shared LLM stages do not rebuild after a drop.
@@ -16,6 +18,7 @@ own rotary tables, which the shared LLM stages do not rebuild after a drop.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from vtoken.tokens import VisualTokens
 
 from ..base import Adapter, EncodedImages, Modality, flat_kept
 from ..flat_features import FlatFeatures
+from ..probes import RECEIVED, ColumnAttentionProbe, tower_blocks, tower_signals
 
 
 class Gemma3Adapter(FlatFeatures, Adapter):
@@ -55,7 +59,9 @@ class Gemma3Adapter(FlatFeatures, Adapter):
 
     def available_signals(self) -> set[str]:
         # "resized_grid": positions are renumbered, so a smaller grid only means fewer placeholders
-        return {"patch_features", "grid", "resized_grid"}
+        depth = len(self.inner.vision_tower.encoder.layers)
+        return {"patch_features", "grid", "resized_grid"} | tower_signals(self.encoder_method, RECEIVED, self.family,
+                                                                          depth)  # fmt: skip
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The projector after its pooling: RMS norm and the linear map into the LLM ([..., Dv] -> [..., D])."""
@@ -71,18 +77,34 @@ class Gemma3Adapter(FlatFeatures, Adapter):
             )
         return [self.grid[0] * self.grid[1]] * pixel_values.shape[0]
 
-    def pooled(self, crops: torch.Tensor) -> torch.Tensor:
-        """Crops [C, 3, H, W] -> [C, N, Dv]: SigLIP's last hidden state average-pooled as the projector pools it."""
+    def pooled(self, crops: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Crops [C, 3, H, W] -> [C, N, Dv]: SigLIP's last hidden state average-pooled as the projector pools it,
+        and the received-attention signals the method requires (callables of [C, N], pooled the same way)."""
         tower = self.inner.vision_tower
-        hidden = tower(pixel_values=crops.to(tower.dtype)).last_hidden_state
+        layers = tower.encoder.layers
+        wanted = tower_blocks(self.encoder_method, RECEIVED, self.family, len(layers), len(layers) - 1)
+        probes = {block: ColumnAttentionProbe(layers[block].self_attn) for block in set(wanted.values())}
+        with ExitStack() as stack:
+            for probe in probes.values():
+                stack.enter_context(probe)
+            hidden = tower(pixel_values=crops.to(tower.dtype)).last_hidden_state
+        features = self.pool(hidden)
+        signals = {name: (lambda probe=probes[block]: self.pool(probe.scores[..., None])[..., 0])
+                   for name, block in wanted.items()}  # fmt: skip
+        return features, signals
+
+    def pool(self, values: torch.Tensor) -> torch.Tensor:
+        """[C, P, D] per-patch values (SigLIP's P patches in raster order) -> [C, N, D], the projector's average
+        pool."""
         side = self.projector.patches_per_image
-        maps = hidden.transpose(1, 2).reshape(hidden.shape[0], hidden.shape[-1], side, side)
+        maps = values.transpose(1, 2).reshape(values.shape[0], values.shape[-1], side, side)
         return self.projector.avg_pool(maps).flatten(2).transpose(1, 2)
 
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
-        features = self.pooled(pixel_values)
+        features, signals = self.pooled(pixel_values)
         crops = features.shape[0]
-        tokens = VisualTokens(features, self.grid, {}, torch.arange(crops, device=features.device))
+        tokens = VisualTokens(features, self.grid, signals, torch.arange(crops, device=features.device),
+                              image_of_crop=list(range(crops)))  # fmt: skip
         selection, timer = self.select(tokens)
         projected = tokens.signals.get("projected")
         if projected is not None and selection.kept is not None:  # a method already projected every token (MMTok)

@@ -41,7 +41,7 @@ from ..base import Adapter, EncodedImages, Modality, flat_kept
 from ..calls import PROMPT_IDS
 from ..flat_features import FlatFeatures
 from ..frames import host_placeholder_runs
-from ..probes import ClsAttentionProbe
+from ..probes import RECEIVED, ClsAttentionProbe, ColumnAttentionProbe, tower_blocks, tower_signals
 
 FRAME_LABEL = re.compile(r"Frame(\d+):\s*(?:<img>)?\s*$")  # the text the processor puts before a video frame
 
@@ -98,9 +98,13 @@ class InternVLAdapter(FlatFeatures, Adapter):
     def available_signals(self) -> set[str]:
         # "resized_grid": positions are renumbered, so a smaller grid only means fewer placeholders
         signals = {"patch_features", "grid", "resized_grid"}
+        depth = len(self.tower.encoder.layer)
         if self.model.config.vision_feature_select_strategy == "default":  # a [CLS] token the model drops
             signals |= {"cls_attention", "cls_attention@-1", "keys"}
-            signals |= {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layer))}
+            signals |= {f"cls_attention@{i}" for i in range(depth)}
+            signals |= tower_signals(self.encoder_method, "cls_attention", self.family, depth)  # aliases (HiPrune)
+            # the attention every token receives (its [CLS] column dropped), per 2 x 2 pixel-shuffle group
+            signals |= tower_signals(self.encoder_method, RECEIVED, self.family, depth)
         return signals
 
     def validate(self) -> None:
@@ -191,6 +195,13 @@ class InternVLAdapter(FlatFeatures, Adapter):
                     f"{self.encoder_method.name} acts on videos only; image {images[0]} of this call is an image, "
                     'not a video frame (no "FrameN: <img>" before it in the prompt)'
                 )
+        if "video" not in self.encoder_method.modalities:  # an image method: no item may be a video
+            videos = [i for i, (kind, _, _) in enumerate(items) if kind == "video"]
+            if videos:
+                raise InputError(
+                    f"{self.encoder_method.name} takes images only (its official code covers images); item "
+                    f'{videos[0]} of this call is a video (its frames follow "FrameN:" labels in the prompt)'
+                )
         self._state.family["tiles"] = [sum(end - start for start, end in spans) // per_crop for _, _, spans in items]
         return [sum(end - start for start, end in spans) for _, _, spans in items]
 
@@ -234,18 +245,24 @@ class InternVLAdapter(FlatFeatures, Adapter):
         signals the method needs, as callables of [C, N] scores."""
         self.check_select_strategy(vision_feature_select_strategy)
         layer = self._feature_layer(vision_feature_layer)
-        probes, wanted = {}, {}  # layer -> its probe; signal name -> its layer
-        for name in self.encoder_method.requires:
-            if name in ("cls_attention", "keys"):
-                index = self._attention_layer(layer)
-            elif name.startswith("cls_attention@"):
-                index = int(name.removeprefix("cls_attention@")) % len(self.tower.encoder.layer)
-            else:
-                continue
-            attention = self.tower.encoder.layer[index].attention
+        method, blocks = self.encoder_method, self.tower.encoder.layer
+        probes, wanted = {}, {}  # (layer, kind) -> its probe; signal name -> (layer, kind)
+        rows = tower_blocks(method, "cls_attention", self.family, len(blocks), None)
+        if {"cls_attention", "keys"} & set(method.requires):
+            rows.update({name: self._attention_layer(layer) for name in ("cls_attention", "keys")
+                         if name in method.requires})  # fmt: skip
+        for name, index in rows.items():
             # q and k as the attention uses them: after QK-norm (Identity without it)
-            probes.setdefault(index, ClsAttentionProbe(attention, projections=("q_norm", "k_norm")))
-            wanted[name] = index
+            probes.setdefault((index, "row"), ClsAttentionProbe(blocks[index].attention,
+                                                                projections=("q_norm", "k_norm")))  # fmt: skip
+            wanted[name] = (index, "row")
+        received = tower_blocks(method, RECEIVED, self.family, len(blocks), None)
+        if RECEIVED in method.requires:
+            received[RECEIVED] = self._attention_layer(layer)
+        for name, index in received.items():
+            probes.setdefault((index, "column"), ColumnAttentionProbe(blocks[index].attention,
+                                                                      projections=("q_norm", "k_norm")))  # fmt: skip
+            wanted[name] = (index, "column")
         with ExitStack() as stack:
             for probe in probes.values():
                 stack.enter_context(probe)
@@ -256,8 +273,9 @@ class InternVLAdapter(FlatFeatures, Adapter):
         shuffled = hf.pixel_shuffle(self.inner, patches, self.model.config.downsample_ratio)
         features = shuffled.reshape(hidden.shape[0], self.tokens_per_crop, -1)
 
-        def grouped(probe: ClsAttentionProbe) -> torch.Tensor:  # mean over each pixel-shuffle group
-            maps = probe.scores.view(-1, 1, side, side)
+        def grouped(probe: ClsAttentionProbe | ColumnAttentionProbe) -> torch.Tensor:  # each pixel-shuffle group's mean
+            scores = probe.scores if isinstance(probe, ClsAttentionProbe) else probe.patch_scores
+            maps = scores.reshape(-1, 1, side, side)
             return F.avg_pool2d(maps, self.group).flatten(1)
 
         def shuffled_keys(probe: ClsAttentionProbe) -> torch.Tensor:  # a token's key: its group's, concatenated
@@ -265,8 +283,8 @@ class InternVLAdapter(FlatFeatures, Adapter):
             shuffled = hf.pixel_shuffle(self.inner, keys, self.model.config.downsample_ratio)
             return shuffled.reshape(hidden.shape[0], self.tokens_per_crop, -1)
 
-        signals = {name: (lambda probe=probes[index], name=name: (shuffled_keys if name == "keys" else grouped)(probe))
-                   for name, index in wanted.items()}  # fmt: skip
+        signals = {name: (lambda probe=probes[key], name=name: (shuffled_keys if name == "keys" else grouped)(probe))
+                   for name, key in wanted.items()}  # fmt: skip
         return features, signals
 
     def encode(
@@ -291,7 +309,8 @@ class InternVLAdapter(FlatFeatures, Adapter):
                 crop_grid[item] = (1, tiles - 1)  # only the tile count is known (HiRED's "bands" need no more)
         device = features.device
         tokens = VisualTokens(features, self.grid, signals, repeated(list(range(len(item_tiles))), item_tiles, device),
-                              None, on_device(base_first, device), crop_grid or None)  # fmt: skip
+                              None, on_device(base_first, device), crop_grid or None,
+                              image_of_crop=image_index)  # fmt: skip
         selection, timer = self.select(tokens)
         projected = tokens.signals.get("projected")
         if projected is not None and selection.kept is not None:  # a method already projected every token (MMTok)

@@ -19,7 +19,7 @@ from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
 from ..base import Adapter, EncodedImages, Modality
-from ..probes import ClsAttentionProbe
+from ..probes import RECEIVED, ClsAttentionProbe, ColumnAttentionProbe, tower_blocks, tower_signals
 
 
 class LlavaAdapter(Adapter):
@@ -64,11 +64,15 @@ class LlavaAdapter(Adapter):
         has_cls = self.model.config.vision_feature_select_strategy == "default"  # a [CLS] token that LLaVA drops
         layer = self._attention_layer(self._feature_layers()[-1])
         attention = getattr(self.tower.encoder.layers[layer], "self_attn", None) if layer is not None else None
+        depth = len(self.tower.encoder.layers)
         if has_cls and attention is not None and hasattr(attention, "q_proj") and hasattr(attention, "k_proj"):
             # at the feature layer, and "cls_attention@L" at any encoder layer L
             signals |= {"cls_attention", "cls_attention@-1", "keys"}  # keys: the feature layer's
-            signals |= {f"cls_attention@{i}" for i in range(len(self.tower.encoder.layers))}
+            signals |= {f"cls_attention@{i}" for i in range(depth)}
+            signals |= tower_signals(self.encoder_method, "cls_attention", self.family, depth)  # aliases (HiPrune)
             signals.add("tower_merge")  # a merge inside the tower (MustDrop), with [CLS] kept apart
+            # the attention every token receives (mean over heads and queries) at the feature layer or any block
+            signals |= tower_signals(self.encoder_method, RECEIVED, self.family, depth)
         if self.clip_tower and hasattr(self.tower, "post_layernorm") and len(self._feature_layers()) == 1:
             signals.add("clip_features")  # the tower's own final norm on the feature layer's patches
         return signals
@@ -115,27 +119,32 @@ class LlavaAdapter(Adapter):
         tower = tower or self.tower
         self.check_select_strategy(vision_feature_select_strategy)
         layers = self._feature_layers(vision_feature_layer)
-        probes = {}  # layer -> its probe
-        wanted = {}  # signal name -> (layer, what to read)
-        for name in self.encoder_method.requires:
-            if name in ("cls_attention", "keys"):
-                layer = self._attention_layer(layers[-1])
-            elif name.startswith("cls_attention@"):
-                layer = int(name.removeprefix("cls_attention@"))
-            else:
-                continue
-            layer %= len(tower.encoder.layers)
-            probes.setdefault(layer, ClsAttentionProbe(tower.encoder.layers[layer].self_attn, key_valid=key_valid))
-            wanted[name] = (layer, "patch_keys" if name == "keys" else "scores")
+        method, depth = self.encoder_method, len(tower.encoder.layers)
+        feature = self._attention_layer(layers[-1])  # None: the embeddings (no attention there)
+        feature = None if feature is None else feature % depth
+        probes = {}  # (layer, kind) -> its probe
+        wanted = {}  # signal name -> (probe key, what to read)
+        for name, layer in tower_blocks(method, "cls_attention", self.family, depth, feature).items():
+            probes.setdefault((layer, "row"), ClsAttentionProbe(tower.encoder.layers[layer].self_attn,
+                                                                key_valid=key_valid))  # fmt: skip
+            wanted[name] = ((layer, "row"), "scores")
+        if "keys" in method.requires and feature is not None:
+            layer = feature
+            probes.setdefault((layer, "row"), ClsAttentionProbe(tower.encoder.layers[layer].self_attn,
+                                                                key_valid=key_valid))  # fmt: skip
+            wanted["keys"] = ((layer, "row"), "patch_keys")
+        for name, layer in tower_blocks(method, RECEIVED, self.family, depth, feature).items():
+            probes.setdefault((layer, "column"), ColumnAttentionProbe(tower.encoder.layers[layer].self_attn))
+            wanted[name] = ((layer, "column"), "patch_scores")
         with ExitStack() as stack:
             for probe in probes.values():
                 stack.enter_context(probe)
             states = hf.hidden_states(tower, layers, crops)
         hidden = torch.cat(list(states), dim=-1)
         features = hidden if with_cls else hidden[:, 1:]
-        # callables: the [CLS] rows are computed inside the selection timer of `select`
-        signals = {name: (lambda probe=probes[layer], read=read: getattr(probe, read))
-                   for name, (layer, read) in wanted.items()}  # fmt: skip
+        # callables: the [CLS] rows and received attention are computed inside the selection timer of `select`
+        signals = {name: (lambda probe=probes[key], read=read: getattr(probe, read))
+                   for name, (key, read) in wanted.items()}  # fmt: skip
         if "cls_token" in self.encoder_method.uses:
             signals["cls_token"] = hidden[:, 0]
         if "clip_features" in self.encoder_method.requires:  # CDPruner: as CLIP's image embedding is made

@@ -20,7 +20,7 @@ import copy
 import functools
 import math
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from vtoken.tokens import VisualTokens
 
 from .. import hf
 from ..base import EncodedImages, Modality, flat_kept, output_places
-from ..probes import ColumnAttentionProbe
+from ..probes import RECEIVED, ColumnAttentionProbe, tower_blocks, tower_signals
 from .llava import LlavaAdapter
 
 SIGLIP_CHECKPOINT = "google/siglip-so400m-patch14-384"  # the tower of the LLaVA-OneVision checkpoints
@@ -101,11 +101,22 @@ class LlavaOnevisionAdapter(LlavaAdapter):
 
     def available_signals(self) -> set[str]:
         # SigLIP has no [CLS]; video frames are plain grids, so they can be resized; "projected_merge": the projector
-        # and pooling run before selection, so a merge of LLM-input tokens (PruneVid) reaches the LLM as it is
+        # and pooling run before selection, so a merge of LLM-input tokens (PruneVid) reaches the LLM as it is.
+        # Images: "received_attention" (the feature layer's block) and "received_attention@L", the attention every
+        # patch receives, stitched, unpadded and downsampled with the tokens as one-channel maps
+        depth = len(self.tower.encoder.layers)
         return {"patch_features", "grid", "resized_grid", "siglip_head_attention", "siglip_head_pooled",
-                "tower_attention", "projected_merge"}  # fmt: skip
+                "tower_attention", "projected_merge"} | tower_signals(self.encoder_method, RECEIVED, self.family,
+                                                                      depth)  # fmt: skip
 
     def validate(self) -> None:
+        method = self.encoder_method
+        if method is not None and getattr(method, "scope", None) == "split":
+            raise VTokenError(
+                f"{method.name}: scope='split' shares an image's budget equally over its crops, and "
+                f"{self.family} selects an anyres image's base view and its stitched grid apart (they are not "
+                "crops of one geometry); use scope='crop' (each keeps its budget)"
+            )
         super().validate()
         self._pooling_head = None
         method = self.encoder_method
@@ -303,14 +314,34 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         sizes = self.on_host("image_sizes", image_sizes)
         if pixel_values.dim() == 5:
             pixel_values = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])
-        embeds = self._projected(pixel_values, vision_feature_layer, vision_feature_select_strategy)
+        layers = self._feature_layers(vision_feature_layer)
+        depth = len(self.tower.encoder.layers)
+        wanted = tower_blocks(self.encoder_method, RECEIVED, self.family, depth,
+                              self._attention_layer(layers[-1]) % depth)  # fmt: skip
+        probes = {block: ColumnAttentionProbe(self.tower.encoder.layers[block].self_attn)
+                  for block in set(wanted.values())}  # fmt: skip
+        with ExitStack() as stack:
+            for probe in probes.values():
+                stack.enter_context(probe)
+            embeds = self._projected(pixel_values, vision_feature_layer, vision_feature_select_strategy)
         # the model's own stitching, unpadding and downsampling, without newlines: base view, then the grid
         aspect = vision_aspect_ratio or self.model.config.vision_aspect_ratio
         packed = hf.pack_anyres_features(self.inner, list(embeds.split(counts)), sizes, aspect)
         side = self.grid[0]
         base = torch.stack([p[: side * side] for p in packed])
         device = base.device
-        base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed), device=device))
+        maps = {}  # block -> every image's scores packed like its tokens (one-channel maps), computed when read
+
+        def packed_scores(block: int) -> list[torch.Tensor]:
+            if block not in maps:
+                scores = probes[block].scores[:, -embeds.shape[1] :, None]  # the tokens the projector got
+                maps[block] = [p[:, 0] for p in hf.pack_anyres_features(self.inner, list(scores.split(counts)),
+                                                                        sizes, aspect)]  # fmt: skip
+            return maps[block]
+
+        base_signals = {name: (lambda block=block: torch.stack([p[: side * side] for p in packed_scores(block)]))
+                        for name, block in wanted.items()}  # fmt: skip
+        base_tokens = VisualTokens(base, self.grid, base_signals, torch.arange(len(packed), device=device))
         selection, timer = self.select(base_tokens)
         images = list(range(len(packed)))
         parts = [self.encoder.crop_records(base_tokens, selection, timer, [0] * len(packed), images=images)]
@@ -328,7 +359,9 @@ class LlavaOnevisionAdapter(LlavaAdapter):
                 continue
             height, width = self.stitched_grid(sizes[i], vision_aspect_ratio)
             stitched = features[side * side :][None]
-            tokens = VisualTokens(stitched, (height, width), {}, torch.full((1,), i, device=device))
+            grid_signals = {name: (lambda block=block, i=i: packed_scores(block)[i][side * side :][None])
+                            for name, block in wanted.items()}  # fmt: skip
+            tokens = VisualTokens(stitched, (height, width), grid_signals, torch.full((1,), i, device=device))
             chosen, watch = self.select(tokens)
             parts.append(self.encoder.crop_records(tokens, chosen, watch, [1], images=[i]))
             grids.append(AnyresGrid(1, 1, (height, width), 0, height, 0, width))

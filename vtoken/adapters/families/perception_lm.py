@@ -15,6 +15,7 @@ pooled token's score is the mean score of the patches it averages.
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -23,9 +24,10 @@ import torch.nn.functional as F
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.tables import repeated
 from vtoken.tokens import VisualTokens
-from vtoken.towers import TimmRowProbe
+from vtoken.towers import TimmColumnProbe, TimmRowProbe
 
 from ..base import Adapter, EncodedImages, Modality, flat_kept
+from ..probes import RECEIVED, tower_blocks, tower_signals
 
 
 class PerceptionLMAdapter(Adapter):
@@ -61,6 +63,10 @@ class PerceptionLMAdapter(Adapter):
         signals = {"grid", "resized_grid"}
         if self.has_cls and hasattr(self.timm_model.blocks[-1].attn, "q_norm"):
             signals |= {"cls_attention", "keys"}
+        blocks = self.timm_model.blocks
+        if all(hasattr(block.attn, "q_norm") and hasattr(block.attn, "k_norm") for block in blocks):
+            # the attention every patch receives (a [CLS] column dropped), pooled like the tokens
+            signals |= tower_signals(self.encoder_method, RECEIVED, self.family, len(blocks))
         return signals
 
     def validate(self) -> None:
@@ -92,16 +98,22 @@ class PerceptionLMAdapter(Adapter):
         """Tiles [T, 3, H, W] -> the model's own pooled, projected tokens [T, n, D] and the signals methods need
         (callables, so that scores are computed inside the selection timer)."""
         probe = None
+        blocks, prefix = self.timm_model.blocks, self.timm_model.num_prefix_tokens
+        probes = []
         if {"cls_attention", "keys"} & set(self.encoder_method.requires):
-            probe = TimmRowProbe(self.timm_model.blocks[-1].attn, 0, self.timm_model.num_prefix_tokens)
-            with probe:
-                hidden = self.inner.vision_tower(tiles, return_dict=True).last_hidden_state
-        else:
+            probe = TimmRowProbe(blocks[-1].attn, 0, prefix)
+            probes.append(probe)
+        received = tower_blocks(self.encoder_method, RECEIVED, self.family, len(blocks), len(blocks) - 1)
+        columns = {block: TimmColumnProbe(blocks[block].attn, 0, prefix) for block in set(received.values())}
+        with ExitStack() as stack:
+            for each in [*probes, *columns.values()]:
+                stack.enter_context(each)
             hidden = self.inner.vision_tower(tiles, return_dict=True).last_hidden_state
-        if self.model.config.vision_use_cls_token:
-            hidden = hidden[:, 1:]
+        drop = 1 if self.model.config.vision_use_cls_token else 0
+        hidden = hidden[:, drop:]
         features = self.inner.multi_modal_projector(hidden)
-        signals = {}
+        signals = {name: (lambda column=columns[block]: self.pooled_scores(column.scores[:, drop:]))
+                   for name, block in received.items()}  # fmt: skip
         if probe is not None:
             signals["cls_attention"] = lambda: self.pooled_scores(probe.probs().mean(dim=1)[:, 1:])
             # the patch keys before RoPE (their content, not their place), mean over heads, pooled like the features
@@ -122,8 +134,8 @@ class PerceptionLMAdapter(Adapter):
         items, tiles = pixel_values.shape[:2]
         features, signals = self.tile_tokens(pixel_values.flatten(0, 1))
         owners = [i for i in range(items) for _ in range(tiles)]
-        tokens = VisualTokens(features, self.grid, signals, repeated(list(range(items)), [tiles] * items,
-                                                                     features.device))  # fmt: skip
+        image_index = repeated(list(range(items)), [tiles] * items, features.device)
+        tokens = VisualTokens(features, self.grid, signals, image_index, image_of_crop=owners)
         selection, timer = self.select(tokens)
         per_tile = selection.counts_per_crop()
         kept = flat_kept(selection, features).split([sum(per_tile[i * tiles : (i + 1) * tiles]) for i in range(items)])

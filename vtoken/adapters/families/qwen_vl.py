@@ -34,7 +34,7 @@ from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
 from ..base import Adapter, EncodedImages, Modality, flat_kept, output_places
-from ..probes import VisionQueryKeyProbe
+from ..probes import RECEIVED, VisionQueryKeyProbe, tower_blocks, tower_signals
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
@@ -57,37 +57,48 @@ class QwenVLAdapter(Adapter):
     multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
 
     def available_signals(self) -> set[str]:
-        # "received_attention" (HoloV's score="received") is "tower_attention" (HoliTom's) under HoloV's name;
-        # "projected_merge": the merger runs before selection, so a merge of LLM-input tokens (PruneVid) reaches the
-        # LLM as it is
+        # "received_attention": the attention each merged token receives in the last full-attention block (HoloV's
+        # score="received", SCOPE's saliency="received"; "tower_attention", HoliTom's, under another name), and
+        # "received_attention@L" in any block L (HiPrune's two layers), over whole frames; "projected_merge": the
+        # merger runs before selection, so a merge of LLM-input tokens (PruneVid) reaches the LLM as it is
+        depth = len(self.inner.visual.blocks)
         return {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention",
-                "received_attention", "projected_merge"}  # fmt: skip
+                "projected_merge"} | tower_signals(self.encoder_method, RECEIVED, self.family, depth)  # fmt: skip
 
     def attention_probes(self) -> dict[str, VisionQueryKeyProbe]:
-        """Probes on the ViT blocks whose attention the encoder method's signals read."""
-        visual, method, probes = self.inner.visual, self.encoder_method, {}
+        """Probes on the ViT blocks whose attention the encoder method's signals read (signal -> its block's probe;
+        signals reading one block share its probe)."""
+        visual, method, probes, blocks = self.inner.visual, self.encoder_method, {}, {}
+
+        def probe(block: int) -> VisionQueryKeyProbe:
+            if block not in blocks:
+                blocks[block] = VisionQueryKeyProbe(visual.blocks[block].attn)
+            return blocks[block]
+
+        last_full = hf.full_attention_blocks(visual)[-1]  # the last block attending over whole frames
         if method.wants("vit_query_attention"):
-            probes["vit_query_attention"] = VisionQueryKeyProbe(visual.blocks[-1].attn)
-        for name in ("tower_attention", "received_attention"):  # the last block attending over whole frames
-            if method.wants(name):
-                probes[name] = VisionQueryKeyProbe(visual.blocks[hf.full_attention_blocks(visual)[-1]].attn)
+            probes["vit_query_attention"] = probe(len(visual.blocks) - 1)
+        if method.wants("tower_attention"):
+            probes["tower_attention"] = probe(last_full)
+        for name, block in tower_blocks(method, RECEIVED, self.family, len(visual.blocks), last_full).items():
+            probes[name] = probe(block)  # over whole frames, windows ignored (as the official flash runs)
         return probes
 
     def attention_signals(
         self, probes: dict[str, VisionQueryKeyProbe], thw: list[tuple[int, int, int]]
     ) -> list[dict[str, Any]]:
         """Per item of the call, its signals [t, merged tokens] (raster order) as callables (`thw`: `grid_thw` read
-        on the host once)."""
+        on the host once). A block's received attention is computed once for every signal that reads it."""
         group = self.merge**2
         sizes = [t * h * w for t, h, w in thw]
 
-        def per_item(name: str) -> list[torch.Tensor]:
-            query, keys = probes[name].query_keys()  # [S, H, d], encoder order
+        def per_item(probe: VisionQueryKeyProbe, query_mean: bool) -> list[torch.Tensor]:
+            query, keys = probe.query_keys()  # [S, H, d], encoder order
             heads, dim = query.shape[1:]
             values = []
             for q, k, (frames, _, _) in zip(query.split(sizes), keys.split(sizes), thw, strict=True):
                 q, k = q.reshape(frames, -1, heads, dim), k.reshape(frames, -1, heads, dim)
-                if name == "vit_query_attention":  # the mean query against each merge group's mean key
+                if query_mean:  # the mean query against each merge group's mean key
                     mean_q, mean_k = q.float().mean(1), k.float().reshape(frames, -1, group, heads, dim).mean(2)
                     logits = (mean_k * mean_q[:, None]).sum(-1) * dim**-0.5  # [t, groups, H]
                     values.append(logits.softmax(dim=1).mean(-1).flatten())
@@ -97,12 +108,13 @@ class QwenVLAdapter(Adapter):
             ordered = self.raster_order(torch.cat(values)[:, None], thw)[:, 0]
             return list(ordered.split([n // group for n in sizes]))
 
-        cache: dict[str, list[torch.Tensor]] = {}
+        cache: dict[tuple[int, bool], list[torch.Tensor]] = {}
 
         def signal(name: str, item: int, frames: int) -> torch.Tensor:
-            if name not in cache:
-                cache[name] = per_item(name)
-            return cache[name][item].view(frames, -1)
+            key = (id(probes[name]), name == "vit_query_attention")
+            if key not in cache:
+                cache[key] = per_item(probes[name], key[1])
+            return cache[key][item].view(frames, -1)
 
         return [{name: (lambda name=name, i=i, t=t: signal(name, i, t)) for name in probes}
                 for i, (t, _, _) in enumerate(thw)]  # fmt: skip
@@ -240,7 +252,7 @@ class QwenVLAdapter(Adapter):
         visual = self.inner.visual
         probes = self.attention_probes()
         with ExitStack() as stack:
-            for probe in probes.values():
+            for probe in {id(p): p for p in probes.values()}.values():  # each block's probe once
                 stack.enter_context(probe)
             out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
         attention = self.attention_signals(probes, grids) if probes else None
@@ -260,7 +272,8 @@ class QwenVLAdapter(Adapter):
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals.update({"merge_features": pooled, "vision_features": pooled})
-            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device))
+            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device),
+                                 image_of_crop=[index] * frames)  # fmt: skip
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
                 resized_grid_thw(frames, selection.grid or grid, self.merge)

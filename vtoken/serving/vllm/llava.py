@@ -21,6 +21,7 @@ from vllm.model_executor.models.llava import (
     _build_llava_or_pixtral_hf_processor,
 )
 
+from vtoken.adapters.probes import RECEIVED, named_block, tower_signals
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.stages.encoder import COMMON_SIGNALS, EncoderStage, SignalSources, check_signals, check_takes
@@ -57,7 +58,8 @@ class LlavaFamily:
         """A [CLS] token the LLM never sees (LLaVA drops it), scored at any layer up to the feature layer."""
         return self.hf_config.vision_feature_select_strategy == "default" and self.feature_layer >= 0
 
-    def signals(self) -> set[str]:
+    def signals(self, method=None) -> set[str]:
+        """What the tower serves (`method`: the encoder method whose block aliases, HiPrune's, are resolved)."""
         signals = {"patch_features", "grid", "resized_grid"}
         if self.has_cls:
             signals |= {"cls_attention", "keys"} | {f"cls_attention@{i}" for i in range(self.feature_layer + 1)}
@@ -65,7 +67,21 @@ class LlavaFamily:
             # CDPruner's image embeds: the tower is CLIP-L/336's, its final norm the CLIP checkpoint's (vLLM builds
             # the tower up to the feature layer, without it)
             signals.add("clip_features")
+            # the attention every token receives, at the feature layer or any block vLLM builds (up to it)
+            signals |= {name for name in tower_signals(method, RECEIVED, self.name, self.num_layers)
+                        if self.tower_block(method, name) is not None}  # fmt: skip
+            signals |= {name for name in tower_signals(method, "cls_attention", self.name, self.num_layers)
+                        if self.tower_block(method, name) is not None}  # fmt: skip
         return signals
+
+    def tower_block(self, method, signal: str) -> int | None:
+        """The block a [CLS]-row or received-attention signal reads (`method` resolves its aliases); None: not such
+        a signal, or a block past the feature layer (vLLM builds the tower up to it)."""
+        for kind in ("cls_attention", RECEIVED):
+            block = named_block(signal, kind, method, self.name, self.num_layers, self.feature_layer)
+            if block is not None:
+                return block if block <= self.feature_layer else None
+        return None
 
     def attention_layer(self, signal: str) -> int:
         if signal in ("cls_attention", "keys"):
@@ -92,7 +108,7 @@ class LlavaFamily:
         """Refuse at start what this family cannot serve (signals, layout, counts decided by the data)."""
         method = config.method
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
-        check_signals_served(method, self.signals(), self.name)
+        check_signals_served(method, self.signals(method), self.name)
         check_clip(method, self.hf_config)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
@@ -276,10 +292,11 @@ def encode_crops(model, family: LlavaFamily, method, crops: torch.Tensor) -> tup
     probes: dict[int, QKVClsProbe] = {}
     wanted = {}  # signal -> (probe, what it reads)
     for name in method.requires:
-        if name.startswith("cls_attention") or name == "keys":
-            layer = family.attention_layer(name)
+        if name == "keys" or name.startswith("cls_attention") or name.startswith(RECEIVED):
+            layer = family.feature_layer if name == "keys" else family.tower_block(method, name)
             probe = probes.setdefault(layer, QKVClsProbe(layers[layer].self_attn))
-            wanted[name] = (probe, "patch_keys" if name == "keys" else "scores")
+            read = "patch_keys" if name == "keys" else "received" if name.startswith(RECEIVED) else "scores"
+            wanted[name] = (probe, read)
     with_cls = "cls_token" in method.uses and family.has_cls
     strategy = "full" if with_cls else model.config.vision_feature_select_strategy
     with ExitStack() as stack:

@@ -51,8 +51,8 @@ class LlavaNextFamily(LlavaFamily):
 
     name = "llava-next"
 
-    def signals(self) -> set[str]:
-        return super().signals() - {"resized_grid"}  # crops are stitched back on the grid: no smaller grids
+    def signals(self, method=None) -> set[str]:
+        return super().signals(method) - {"resized_grid"}  # crops are stitched back on the grid: no smaller grids
 
     def crops(self, image_size: Any) -> tuple[int, int]:
         """(rows, cols) of sub-image crops of an image of `image_size` (height, width)."""
@@ -82,7 +82,7 @@ class LlavaNextFamily(LlavaFamily):
     def check(self, config: ServingConfig) -> None:
         method, layout = config.method, config.layout
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
-        check_signals_served(method, self.signals(), self.name)
+        check_signals_served(method, self.signals(method), self.name)
         check_clip(method, self.hf_config)
         if layout not in LAYOUTS:
             raise error(f"layout={layout!r} is not available for {self.name}; it has: {', '.join(LAYOUTS)}")

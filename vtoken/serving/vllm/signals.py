@@ -2,7 +2,8 @@
 
 vLLM's CLIP attention never materialises attention probabilities (it calls a fused kernel on q, k, v), so the
 [CLS] row is computed from the layer's fused `qkv_proj` output: O(N * d) per head, as vtoken's transformers probe
-does from `q_proj`/`k_proj`. Under tensor parallelism each rank holds a slice of the heads: the head mean sums
+does from `q_proj`/`k_proj`; the attention every token receives (HiPrune's and SCOPE's `received_attention`) by the
+column-mean op from the same output. Under tensor parallelism each rank holds a slice of the heads: the head mean sums
 every rank's heads (an all-reduce) before dividing by the total.
 """
 
@@ -13,7 +14,7 @@ import threading
 import torch
 from torch import nn
 
-from vtoken.kernels import attention_row_probs
+from vtoken.kernels import attention_column_mean, attention_row_probs
 
 
 class QKVClsProbe:
@@ -76,3 +77,12 @@ class QKVClsProbe:
     def patch_keys(self) -> torch.Tensor:
         _, keys = self._query_keys()
         return self._head_mean(keys.sum(dim=2))[:, 1:]
+
+    @property
+    def received(self) -> torch.Tensor:
+        """[B, S - 1] the attention every patch receives (`received_attention`): the post-softmax map's mean over
+        every rank's heads and over every query row ([CLS] included), the [CLS] column dropped (the column-mean op,
+        one launch: no [B, H, S, S] map)."""
+        query, keys = self._query_keys()
+        summed = attention_column_mean(query, keys, self.scale) * self.local_heads  # this rank's heads' sum
+        return self._head_mean(summed)[:, 1:]
