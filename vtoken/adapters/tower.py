@@ -38,6 +38,8 @@ from vtoken.question import image_processor_of, processor_for
 from vtoken.records import LazyRecords, Record
 from vtoken.timing import Stopwatch
 
+from . import hf
+
 OPENAI_CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
 HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 # (mean, std) of every family's published checkpoints' image processors: the last fallback. (transformers'
@@ -353,13 +355,16 @@ class KeptPatches:
 # ----------------------------------------------------------------- records
 def pixelprune_records(
     method: Any, selected: Selected, timer: Stopwatch, merge: int, images: list[int] | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", crops: list[int] | None = None,
 ) -> LazyRecords:  # fmt: skip
     """PixelPrune's records, one per image (or crop) of `selected`, built when read: stage "tower", tokens_in/out
     the LLM-level tokens (units), `kept` its ascending kept units (on `device`), grid the unit grid, extra
-    `patches_in`/`patches_out` (ViT rows: merge^2 per unit). images: each entry's image index in the call
-    (default 0, 1, ...); every entry takes an equal share of the selection's time."""
+    `patches_in`/`patches_out` (ViT rows: merge^2 per unit). images / crops: each entry's image index in the call
+    (default 0, 1, ...) and crop index within it (default: 0 per Qwen image, the entry's index per LLaVA crop);
+    every entry takes an equal share of the selection's time."""
     images = list(range(len(selected.counts))) if images is None else images
+    if crops is None:
+        crops = [0 if merge > 1 else entry for entry in range(len(selected.counts))]
 
     def build() -> list[Record]:
         share = 1.0 / max(len(selected.counts), 1)
@@ -368,7 +373,7 @@ def pixelprune_records(
             units = grid[0] * grid[1]
             extra = {"patches_in": units * merge * merge, "patches_out": count * merge * merge}
             kept = to_device(selected.kept_of(entry), device)
-            out.append(Record("tower", method.name, images[entry], 0 if merge > 1 else entry, units, count, kept,
+            out.append(Record("tower", method.name, images[entry], crops[entry], units, count, kept,
                               tuple(grid), timer, share, extra=extra))  # fmt: skip
         return out
 
@@ -406,3 +411,179 @@ def tome_records(
         ]
 
     return LazyRecords(build)
+
+
+# ----------------------------------------------------------------- the tower stage on one patched model
+def on_grid(values: torch.Tensor, kept: torch.Tensor, tokens: int) -> torch.Tensor:
+    """values [C, K, ...] of every crop's kept slots (`KeptPatches`' layout) at their places on the crop's grid:
+    [C, tokens, ...], zeros at the dropped ones (`kept` [C, K]: each slot's token, padded with `tokens`)."""
+    crops, slots = kept.shape
+    out = values.new_zeros(crops, tokens + 1, *values.shape[2:])
+    index = kept.view(crops, slots, *[1] * (values.dim() - 2)).expand(crops, slots, *values.shape[2:])
+    return out.scatter(1, index, values)[:, :tokens]
+
+
+class TowerPlan:
+    """One call's tower stage for one modality, decided before the tower runs (`TowerSite.plan_crops` /
+    `plan_groups`), then filled while it runs.
+
+    counts: tokens leaving the tower per entry (a crop on the LLaVA families, an image on Qwen), host ints.
+    images / crops: each entry's image (within the modality) and crop index. grid: the (H, W) token grid of every
+    crop (LLaVA families) or None (Qwen: `selected.grids`). selected: an input method's kept units (`Selected`;
+    None for a method acting in the layers). timer: the selection's time (input), the tower's (layers).
+    patches: while a CLIP/SigLIP tower runs on kept patches, its `KeptPatches`; merges: ToMe's `MergeState` of
+    the call, once the tower ran. device: the pixels' device.
+    """
+
+    def __init__(self, site: TowerSite, counts: list[int], images: list[int], crops: list[int],
+                 grid: tuple[int, int] | None, selected: Selected | None, timer: Stopwatch,
+                 device: torch.device) -> None:  # fmt: skip
+        self.site, self.counts, self.images, self.crops = site, list(counts), list(images), list(crops)
+        self.grid, self.selected, self.timer, self.device = grid, selected, timer, device
+        self.patches: KeptPatches | None = None
+        self.merges: MergeState | None = None
+        self._kept: torch.Tensor | None = None
+
+    @property
+    def keeps_grid(self) -> bool:
+        return self.site.stage.keeps_grid
+
+    def item_counts(self) -> list[int]:
+        """Tokens leaving the tower per image (its entries' counts summed), host ints."""
+        out = [0] * (max(self.images, default=-1) + 1)
+        for image, count in zip(self.images, self.counts, strict=True):
+            out[image] += count
+        return out
+
+    # ----------------------------------------------------------------- a CLIP / SigLIP tower (LLaVA families)
+    def running(self, encoder: nn.Module, attention: str) -> Any:
+        """The context the tower runs in: the kept patches' rows (input) or a timer whose end takes the merge
+        state of this thread's call (layers)."""
+        return _Running(self, encoder, attention)
+
+    def key_valid(self) -> torch.Tensor | None:
+        """[C, p + K] the real keys of the tower's padded crops (PixelPrune), for probes reading [CLS] rows."""
+        if self.patches is None or not self.patches.ragged:
+            return None
+        valid = self.patches.valid
+        return torch.cat([torch.ones_like(valid[:, : int(self.patches.cls)]), valid], dim=1)
+
+    def crop_tokens(self, features: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]:
+        """What the encoder stage gets of every crop from the tower's output features [C, K, D] (patch tokens,
+        [CLS] dropped): (features, grid, valid). Input methods: the crop's full grid [C, H * W, D], the dropped
+        patches zero and invalid. Layers: the N' merged tokens as a 1 x N' row, all valid."""
+        if self.patches is None:
+            return features, (1, features.shape[1]), None
+        tokens = self.grid[0] * self.grid[1]
+        return on_grid(features, self.patches.kept, tokens), self.grid, self.grid_valid()
+
+    def grid_valid(self) -> torch.Tensor:
+        """[C, H * W] bool: the patches the tower kept, per crop."""
+        kept = self.patches.kept
+        mask = torch.zeros(kept.shape[0], self.grid[0] * self.grid[1] + 1, dtype=torch.bool, device=kept.device)
+        return mask.scatter(1, kept, True)[:, :-1]
+
+    def signal_on_grid(self, value: Any) -> Any:
+        """A per-token signal [C, K, ...] of the kept slots (or a callable giving one) put on the crops' grid."""
+        if self.patches is None:
+            return value
+        tokens, kept = self.grid[0] * self.grid[1], self.patches.kept
+        if callable(value):
+            return lambda: on_grid(value(), kept, tokens)
+        return on_grid(value, kept, tokens)
+
+    # ----------------------------------------------------------------- a Qwen-VL tower
+    def kept_groups(self) -> torch.Tensor:
+        """[K] the kept units' indices over all units of the call, on the pixels' device (copied once)."""
+        if self._kept is None:
+            self._kept = to_device(self.selected.kept, self.device)
+        return self._kept
+
+    def groups_on_grid(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [K, D] of the kept groups, image after image -> [U, D] every group of the call, zeros at the
+        dropped ones (raster order per image, images one after another)."""
+        units = len(self.selected.keep)
+        return rows.new_zeros(units, rows.shape[-1]).index_copy(0, self.kept_groups().to(rows.device), rows)
+
+    def offsets(self, device: torch.device | str) -> list[torch.Tensor]:
+        """Per image, the ascending offsets of its kept groups within its placeholder run (copied without a sync)."""
+        return [to_device(self.selected.kept_of(i), device) for i in range(len(self.counts))]
+
+    # ----------------------------------------------------------------- records
+    def records(self) -> LazyRecords:
+        """The tower records of this plan (built when read; ToMe's once the tower ran)."""
+        stage = self.site.stage
+        if self.selected is not None:
+            return pixelprune_records(stage.method, self.selected, self.timer, stage.shape.merge, self.images,
+                                      self.device, self.crops)  # fmt: skip
+        return LazyRecords(
+            lambda: (
+                list(tome_records(stage.method, self.merges, self.timer, self.grid, self.images, self.crops))
+                if self.merges is not None
+                else []
+            )
+        )
+
+
+class _Running:
+    """`TowerPlan.running`: the context around one CLIP / SigLIP tower call."""
+
+    def __init__(self, plan: TowerPlan, encoder: nn.Module, attention: str) -> None:
+        self.plan, self.encoder, self.attention = plan, encoder, attention
+        self._inner = None
+
+    def __enter__(self) -> TowerPlan:
+        plan = self.plan
+        if plan.selected is not None:
+            stage = plan.site.stage
+            self._inner = KeptPatches(self.encoder, plan.selected, stage.shape.cls, self.attention, plan.device)
+            plan.patches = self._inner.__enter__()
+        else:
+            plan.timer = Stopwatch(plan.device).start()
+        return plan
+
+    def __exit__(self, *exc: Any) -> None:
+        plan = self.plan
+        if self._inner is not None:
+            self._inner.__exit__(*exc)
+            return
+        plan.timer.stop()
+        plan.merges = plan.site.merging.last() if plan.site.merging is not None else None
+
+
+class TowerSite:
+    """Where the tower stage meets one transformers model (the adapter holds it beside its `TowerStage`): what
+    `patch` installs for the method (ToMe's merging blocks, through the adapter's hook owner) and, per call, the
+    plan made before the tower runs (`plan_crops`, `plan_groups`)."""
+
+    def __init__(self, stage: Any, tower: nn.Module | None = None) -> None:
+        """stage: the `vtoken.stages.tower.TowerStage`; tower: the CLIP / SigLIP tower a method acting in the
+        layers merges in (checked here, installed by `install`)."""
+        self.stage = stage
+        self.tower = tower
+        self.attention = hf.attention_implementation(tower) if tower is not None else "sdpa"
+        self.merging: ToMeTower | None = None
+        if stage.acts == "layers":
+            self.merging = ToMeTower(stage.method, tower.encoder.layers, stage.shape, self.attention)
+
+    def install(self, hooks: Any) -> None:
+        """Install what the method needs on the model, each undo kept by `hooks` (the adapter's `HookOwner`)."""
+        if self.merging is not None:
+            self.merging.install()
+            hooks.on_remove(self.merging.remove)
+
+    def plan_crops(self, crops: torch.Tensor, grid: tuple[int, int], images: list[int],
+                   crop_index: list[int]) -> TowerPlan:  # fmt: skip
+        """The plan of a CLIP / SigLIP tower call on crops [C, 3, H, W] of (H, W)-patch `grid` each."""
+        device = crops.device
+        if self.stage.acts == "input":
+            selected, timer = self.stage.select(crops, [grid] * crops.shape[0])
+            return TowerPlan(self, selected.counts, images, crop_index, grid, selected, timer, device)
+        counts = self.stage.counts([grid] * crops.shape[0])
+        return TowerPlan(self, counts, images, crop_index, grid, None, Stopwatch(device), device)
+
+    def plan_groups(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> TowerPlan:
+        """The plan of a Qwen-VL tower call on `pixel_values` [S, D] of images of (1, h, w) patches each."""
+        selected, timer = self.stage.select(pixel_values, grids)
+        images = list(range(len(grids)))
+        return TowerPlan(self, selected.counts, images, [0] * len(grids), None, selected, timer, pixel_values.device)
