@@ -117,6 +117,8 @@ class Adapter:
     # how tower methods (the "tower" stage) act in this family's tower, as this adapter wires them: "input" (rows
     # dropped before block 0: PixelPrune), "layers" (merges inside the blocks: ToMe); none: no tower stage
     tower_acts: ClassVar[tuple[str, ...]] = ()
+    # why tower methods are not wired here (added to the refusal at `patch`)
+    tower_note: ClassVar[str] = ""
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
@@ -356,10 +358,10 @@ class Adapter:
             check_takes(method, takes, f"the {self.family} adapter")
             unsupported = [s for s in method.stages if s not in stages]
             if unsupported:
+                note = self.tower_note if unsupported == ["tower"] else self.stages_note
                 raise VTokenError(
                     f"method {method.name!r} acts at stage(s) {unsupported}, which the {self.family} adapter does "
-                    f"not support; supported stages: {', '.join(stages)}"
-                    + (f". {self.stages_note}" if self.stages_note else "")
+                    f"not support; supported stages: {', '.join(stages)}" + (f". {note}" if note else "")
                 )
             if "tower" in method.stages and method.acts not in self.tower_acts:
                 raise VTokenError(
@@ -413,9 +415,9 @@ class Adapter:
 
     def tower_signals(self) -> set[str]:
         """The signals this family serves an encoder method on the tower's output after the tower method: those
-        of the output tokens themselves, and the grid where the tower keeps it (PixelPrune's holes invalid)."""
-        kept = set(OUTPUT_SIGNALS) | ({"grid"} if self.tower_stage.keeps_grid else set())
-        return self.available_signals() & kept
+        of the output tokens themselves. ("grid" is not among them: after PixelPrune the crop's grid has holes, not
+        the rectangle of valid tokens a grid method assumes; after ToMe there is none.)"""
+        return self.available_signals() & set(OUTPUT_SIGNALS)
 
     def plan_tower(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> TowerPlan | None:
         """Hook: the tower stage's plan of this call's `modality`, before the prompt is shrunk and the tower runs

@@ -11,7 +11,8 @@ sizes its placeholders from `TowerStage.counts`.
 
 Composition: tower -> encoder -> prefill/decode/sparse. The encoder method sees the tower's output as its crop:
 after a tower that keeps the grid (PixelPrune), the crop's full grid with the dropped units invalid, so its kept
-indices are the crop's own (a subset of the tower's kept units); after ToMe, the N' merged tokens of the crop as a
+indices are the crop's own (a subset of the tower's kept units; methods that need the "grid" signal, a rectangle
+of valid tokens, are refused); after ToMe, the N' merged tokens of the crop as a
 1 x N' row (no grid), so its kept indices index the merged tokens (`sources` in the tower record map every patch
 to them). Its budget counts over what the tower left. When no encoder method is given, `KeepAll` stands in for it:
 every token the tower left reaches the LLM, and it records nothing.

@@ -91,11 +91,11 @@ class LlavaAdapter(Adapter):
 
     # ----------------------------------------------------------------- the tower stage
     def tower_signals(self) -> set[str]:
-        """After PixelPrune the [CLS] rows and keys of the kept patches, put on the grid, and the grid itself; after
-        ToMe only what the merged tokens carry themselves (their CLIP features)."""
+        """After PixelPrune the [CLS] rows and keys of the kept patches, put on the crop's grid (the dropped patches
+        invalid); after ToMe only what the merged tokens carry themselves (their CLIP features)."""
         per_token = {"clip_features"}
         if self.tower_stage.keeps_grid:
-            per_token |= {"grid", "keys"} | {n for n in self.available_signals() if n.startswith("cls_attention")}
+            per_token |= {"keys"} | {n for n in self.available_signals() if n.startswith("cls_attention")}
         return self.available_signals() & (set(OUTPUT_SIGNALS) | per_token)
 
     def plan_tower(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> TowerPlan | None:

@@ -274,7 +274,7 @@ class QwenVLAdapter(Adapter):
         merged = out.pooler_output if plan is None else plan.groups_on_grid(out.pooler_output)
         device = merged.device
         sizes = [item_tokens(g, self.merge) for g in grids]
-        kept = None if plan is None else plan.selected.keep.to(device).split(sizes)
+        left = None if plan is None else plan.selected.keep.to(device).split(sizes)  # the tower's kept groups
         wants_groups = plan is None and bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
@@ -289,9 +289,9 @@ class QwenVLAdapter(Adapter):
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals.update({"merge_features": pooled, "vision_features": pooled})
-            valid = None if kept is None else kept[index].view(frames, -1)  # the tower's dropped groups: invalid
+            valid = None if left is None else left[index].view(frames, -1)  # the tower's dropped groups: invalid
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device), valid,
-                                 valid_counts=None if kept is None else [plan.counts[index]])  # fmt: skip
+                                 valid_counts=None if left is None else [plan.counts[index]])  # fmt: skip
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
                 resized_grid_thw(frames, selection.grid or grid, self.merge)
