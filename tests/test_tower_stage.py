@@ -326,3 +326,25 @@ def test_no_sync_beyond_pixelprunes_one_read(llava, qwen25):
     model, processor = qwen25
     _, syncs = _added(model, qwen_inputs(processor, [page()]), vtoken.PixelPrune())
     assert syncs <= 1
+
+
+# ----------------------------------------------------------------- the tools
+def test_the_tools_know_the_tower_stage(llava, qwen25, capsys):
+    from vtoken.applicability import applicable_methods
+    from vtoken.cli import main
+    from vtoken.eval.sweep import settings
+
+    verdicts = applicable_methods(llava[0])
+    assert verdicts["tome"] is None and verdicts["pixelprune"] is None
+    assert "pixelprune" in applicable_methods(qwen25[0])["tome"]
+    # eval: ToMe's budget replaces r at every budget; PixelPrune has none (the pixels decide): it runs once
+    points = [(p.method, p.budget, p.params) for p in settings(["tome", "pixelprune+random"], [0.5, 0.25], {})]
+    assert points[1:] == [("tome", 0.5, {"tome.budget": 0.5}), ("tome", 0.25, {"tome.budget": 0.25}),
+                          ("pixelprune+random", 0.5, {"random.budget": 0.5}),
+                          ("pixelprune+random", 0.25, {"random.budget": 0.25})]  # fmt: skip
+    run = ["run", "--repeats", "1", "--max-new-tokens", "1"]
+    assert main([*run, "--model", "tiny-llava", "--method", "tome"]) == 0
+    out = capsys.readouterr().out
+    assert "method:  tome(r=16" in out and "576 -> " in out  # r=16: ToMe's own, no common budget without --budget
+    assert main([*run, "--model", "tiny-qwen2.5-vl", "--method", "pixelprune"]) == 0
+    assert "kept tokens (16x16 grid" in capsys.readouterr().out  # the tower's kept groups drawn

@@ -173,7 +173,11 @@ class _MergingBlock:
                 _CALLS.caught = None
         hidden_states = residual + attended
         if state is not None:
+            clock = _clocks().get(id(owner))
+            watch = clock.start(hidden_states.device) if clock is not None else None
             hidden_states = method.merge_block(hidden_states, keys, owner.heads, block, state)
+            if watch is not None:
+                watch.stop()
         residual = hidden_states
         hidden_states = layer.mlp(layer.layer_norm2(hidden_states))
         return residual + hidden_states
@@ -238,6 +242,13 @@ class ToMeTower:
     def set_state(self, state: MergeState) -> None:
         _calls()[id(self)] = state
 
+    def time_merges(self, clock: Intervals | None) -> None:
+        """Time this thread's merges (each block's, the attention and MLP left out) into `clock`; None: stop."""
+        if clock is None:
+            _clocks().pop(id(self), None)
+        else:
+            _clocks()[id(self)] = clock
+
     def state(self) -> MergeState | None:
         return _calls().get(id(self))
 
@@ -251,6 +262,29 @@ def _calls() -> dict[int, MergeState]:
     if not hasattr(_CALLS, "states"):
         _CALLS.states = {}
     return _CALLS.states
+
+
+def _clocks() -> dict[int, Intervals]:
+    if not hasattr(_CALLS, "clocks"):
+        _CALLS.clocks = {}
+    return _CALLS.clocks
+
+
+class Intervals:
+    """Several timed intervals on one device read as their total, `seconds` (ToMe's merges, one per block): a
+    `Stopwatch` each, so nothing waits for the device until the total is read."""
+
+    def __init__(self) -> None:
+        self.watches: list[Stopwatch] = []
+
+    def start(self, device: torch.device) -> Stopwatch:
+        watch = Stopwatch(device).start()
+        self.watches.append(watch)
+        return watch
+
+    @property
+    def seconds(self) -> float:
+        return sum(watch.seconds for watch in self.watches)
 
 
 # ----------------------------------------------------------------- PixelPrune on Qwen-VL towers
@@ -430,13 +464,14 @@ class TowerPlan:
     counts: tokens leaving the tower per entry (a crop on the LLaVA families, an image on Qwen), host ints.
     images / crops: each entry's image (within the modality) and crop index. grid: the (H, W) token grid of every
     crop (LLaVA families) or None (Qwen: `selected.grids`). selected: an input method's kept units (`Selected`;
-    None for a method acting in the layers). timer: the selection's time (input), the tower's (layers).
+    None for a method acting in the layers). timer: the selection's time (input), the merges' inside the tower's
+    blocks (layers: `Intervals`).
     patches: while a CLIP/SigLIP tower runs on kept patches, its `KeptPatches`; merges: ToMe's `MergeState` of
     the call, once the tower ran. device: the pixels' device.
     """
 
     def __init__(self, site: TowerSite, counts: list[int], images: list[int], crops: list[int],
-                 grid: tuple[int, int] | None, selected: Selected | None, timer: Stopwatch,
+                 grid: tuple[int, int] | None, selected: Selected | None, timer: Stopwatch | Intervals,
                  device: torch.device) -> None:  # fmt: skip
         self.site, self.counts, self.images, self.crops = site, list(counts), list(images), list(crops)
         self.grid, self.selected, self.timer, self.device = grid, selected, timer, device
@@ -539,7 +574,8 @@ class _Running:
             self._inner = KeptPatches(self.encoder, plan.selected, stage.shape.cls, self.attention, plan.device)
             plan.patches = self._inner.__enter__()
         else:
-            plan.timer = Stopwatch(plan.device).start()
+            plan.timer = Intervals()
+            plan.site.merging.time_merges(plan.timer)
         return plan
 
     def __exit__(self, *exc: Any) -> None:
@@ -547,8 +583,8 @@ class _Running:
         if self._inner is not None:
             self._inner.__exit__(*exc)
             return
-        plan.timer.stop()
-        plan.merges = plan.site.merging.last() if plan.site.merging is not None else None
+        plan.site.merging.time_merges(None)
+        plan.merges = plan.site.merging.last()
 
 
 class TowerSite:
@@ -580,7 +616,7 @@ class TowerSite:
             selected, timer = self.stage.select(crops, [grid] * crops.shape[0])
             return TowerPlan(self, selected.counts, images, crop_index, grid, selected, timer, device)
         counts = self.stage.counts([grid] * crops.shape[0])
-        return TowerPlan(self, counts, images, crop_index, grid, None, Stopwatch(device), device)
+        return TowerPlan(self, counts, images, crop_index, grid, None, Intervals(), device)
 
     def plan_groups(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> TowerPlan:
         """The plan of a Qwen-VL tower call on `pixel_values` [S, D] of images of (1, h, w) patches each."""
