@@ -348,3 +348,11 @@ def test_the_tools_know_the_tower_stage(llava, qwen25, capsys):
     assert "method:  tome(r=16" in out and "576 -> " in out  # r=16: ToMe's own, no common budget without --budget
     assert main([*run, "--model", "tiny-qwen2.5-vl", "--method", "pixelprune"]) == 0
     assert "kept tokens (16x16 grid" in capsys.readouterr().out  # the tower's kept groups drawn
+
+
+def test_the_vllm_plugin_refuses_tower_methods_naming_why():
+    from vtoken.serving.vllm import ServingConfigError, parse
+
+    for method in ("pixelprune", "tome", ["pixelprune", "random"]):
+        with pytest.raises(ServingConfigError, match="tower stage.*vision tower.*vtoken.patch on transformers"):
+            parse({"method": method})
