@@ -11,12 +11,14 @@ needs from a vision tower, and applying what it decides.
   states); `KeptPatches` runs a CLIP/SigLIP tower on [CLS] and the kept patches (rows dropped after the
   embeddings, each patch keeping its position embedding; crops padded to the longest with a key mask).
 
-Contact with transformers' internals beyond module attributes (which belongs in `hf.py`, the lead's; listed here
-until it moves): the keyword arguments through which a Qwen-VL tower's forward takes precomputed tables
-(`position_ids`, `cu_seqlens`, `max_seqlen`, `interp_indices`/`interp_weights`, `window_index`/
-`cu_window_seqlens`/`max_window_seqlen`; `vision_utils.get_vision_*`, 5.19-5.24), a block's submodules
-(`layer_norm1`, `self_attn.k_proj`, `layer_norm2`, `mlp`, CLIP/SigLIP 5.19-5.24), the encoder's `inputs_embeds`/
-`attention_mask` arguments, and `AutoImageProcessor.from_pretrained` for a checkpoint's normalisation.
+Contact with transformers' internals goes through `hf.py`: the keyword arguments through which a Qwen-VL tower's
+forward takes precomputed tables (`hf.qwen_vision_forward`), a CLIP / SigLIP block's submodules
+(`hf.vision_block_missing`, `hf.key_projection`, `hf.vision_block_attention`), the encoder's `inputs_embeds` /
+`attention_mask` arguments (`hf.encoder_embeddings`, `hf.encoder_call`), a checkpoint's image processor
+(`hf.local_image_processor`).
+
+`TowerSite` and `TowerPlan` are where the engine meets these: the adapter holds a `TowerSite` (what `patch`
+installs) and each call's `TowerPlan` (made before the prompt is shrunk and the tower runs).
 """
 
 from __future__ import annotations
@@ -78,12 +80,7 @@ def pixel_normalisation(model: nn.Module, family: str, channels: int = 3) -> tup
         return _per_channel(mean, channels), _per_channel(std, channels), "the remembered processor"
     source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
     if source:
-        try:
-            from transformers import AutoImageProcessor
-
-            loaded = image_processor_of(AutoImageProcessor.from_pretrained(source, local_files_only=True))
-        except Exception:  # noqa: BLE001 - no local preprocessor config: the family's defaults
-            loaded = None
+        loaded = image_processor_of(hf.local_image_processor(source))
         if loaded is not None:
             mean, std = loaded.image_mean, loaded.image_std
             return _per_channel(mean, channels), _per_channel(std, channels), f"{source}'s preprocessor config"
@@ -155,7 +152,7 @@ class _MergingBlock:
             owner.set_state(method.start(hidden_states, owner.tower))
         state = owner.state()
         residual = hidden_states
-        normed = layer.layer_norm1(hidden_states)
+        normed = hf.vision_block_norm(layer, hidden_states)
         mask = attention_mask
         bias = state.attention_bias(normed.dtype) if state is not None and method.prop_attn else None
         if bias is not None:
@@ -165,7 +162,7 @@ class _MergingBlock:
             _CALLS.keys = {**getattr(_CALLS, "keys", {}), id(owner): block}
             _CALLS.caught = None
         try:
-            attended, _ = layer.self_attn(hidden_states=normed, attention_mask=mask, **kwargs)
+            attended = hf.vision_block_attention(layer, normed, mask, **kwargs)
         finally:
             keys = getattr(_CALLS, "caught", None) if merging else None
             if merging:
@@ -179,7 +176,7 @@ class _MergingBlock:
             if watch is not None:
                 watch.stop()
         residual = hidden_states
-        hidden_states = layer.mlp(layer.layer_norm2(hidden_states))
+        hidden_states = hf.vision_block_mlp(layer, hidden_states)
         return residual + hidden_states
 
 
@@ -192,12 +189,11 @@ class ToMeTower:
 
     def __init__(self, method: ToMe, layers: nn.ModuleList, tower: TowerShape, attention: str) -> None:
         for index, layer in enumerate(layers):
-            missing = [n for n in ("layer_norm1", "self_attn", "layer_norm2", "mlp") if not hasattr(layer, n)]
-            if missing or not hasattr(layer.self_attn, "k_proj"):
+            missing = hf.vision_block_missing(layer)
+            if missing:
                 raise VTokenError(
-                    f"tome: block {index} of the tower ({type(layer).__name__}) lacks "
-                    f"{missing or ['self_attn.k_proj']}; "
-                    "it merges in CLIP and SigLIP blocks (layer_norm1, self_attn with k_proj, layer_norm2, mlp)"
+                    f"tome: block {index} of the tower ({type(layer).__name__}) lacks {missing}; it merges in CLIP "
+                    "and SigLIP blocks (layer_norm1, self_attn with k_proj, layer_norm2, mlp)"
                 )
         if method.prop_attn and attention not in BIASED_ATTENTION:
             raise VTokenError(
@@ -211,8 +207,7 @@ class ToMeTower:
                 "tower; it needs a block to merge in, at or before the feature layer"
             )
         self.method, self.layers, self.tower = method, layers, tower
-        attention_module = layers[0].self_attn
-        self.heads = getattr(attention_module, "num_heads", None) or attention_module.config.num_attention_heads
+        self.heads = hf.attention_heads(layers[0])
         self.installed = False
 
     def install(self) -> None:
@@ -223,7 +218,7 @@ class ToMeTower:
         for block, layer in enumerate(self.layers):
             layer.forward = _MergingBlock(self, block).forward
             if block < self.tower.merging_layers:
-                layer.self_attn.k_proj.register_forward_hook(_KeyCatcher(self, block))
+                hf.key_projection(layer).register_forward_hook(_KeyCatcher(self, block))
         self.installed = True
 
     def remove(self) -> None:
@@ -233,7 +228,7 @@ class ToMeTower:
             if forward is not None and getattr(forward, "__self__", None) is not None:
                 if getattr(forward.__self__, "owner", None) is self:
                     del layer.__dict__["forward"]
-            hooks = layer.self_attn.k_proj._forward_hooks  # by identity: handles would not follow a deep copy
+            hooks = hf.forward_hooks(hf.key_projection(layer))  # by identity: handles would not follow a deep copy
             for key in [k for k, hook in hooks.items() if isinstance(hook, _KeyCatcher) and hook.owner is self]:
                 del hooks[key]
         _calls().pop(id(self), None)
@@ -301,11 +296,11 @@ def qwen_tables(visual: nn.Module, grids: list[tuple[int, int, int]], selected: 
         "cu_seqlens": to_device(cumulative, device),
         "max_seqlen": longest,
     }
-    if hasattr(visual, "num_grid_per_side"):  # Qwen3-VL, Qwen3.5: a learned, interpolated position embedding
+    if hf.has_learned_position_embedding(visual):  # Qwen3-VL, Qwen3.5: a learned, interpolated position embedding
         indices, weights = tables.interpolation(kept, grids, merge, visual.num_grid_per_side)
         out["interp_indices"] = to_device(indices, device)
         out["interp_weights"] = to_device(weights, device)
-    if hasattr(visual, "fullatt_block_indexes") and hasattr(visual, "window_size"):  # Qwen2.5-VL's windows
+    if hf.has_window_attention(visual):  # Qwen2.5-VL's windows
         order, windows, widest = tables.windows(kept, grids, merge, visual.window_size, visual.patch_size)
         out.update(window_index=to_device(order, device), cu_window_seqlens=to_device(windows, device),
                    max_window_seqlen=widest)  # fmt: skip
@@ -326,7 +321,7 @@ def qwen_pruned_tower(
     rows = to_device(tables.kept_rows(selected.kept, visual.spatial_merge_size), device)
     pixels = pixel_values[rows].type(visual.dtype)
     grid_thw = to_device(np.asarray(grids, dtype=np.int64).reshape(-1, 3), device)
-    return visual(pixels, grid_thw=grid_thw, **qwen_tables(visual, grids, selected, device), **kwargs)
+    return hf.qwen_vision_forward(visual, pixels, grid_thw, **qwen_tables(visual, grids, selected, device), **kwargs)
 
 
 # ----------------------------------------------------------------- PixelPrune on CLIP / SigLIP towers
@@ -363,17 +358,15 @@ class KeptPatches:
     def _gather(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if threading.get_ident() != self._thread:
             return None
-        if "inputs_embeds" in kwargs:
-            embeds = kwargs.pop("inputs_embeds")
-        else:
-            embeds, args = args[0], args[1:]
+        embeds, args, kwargs = hf.encoder_embeddings(args, kwargs)
         rows = embeds.gather(1, self.index[:, :, None].expand(-1, -1, embeds.shape[-1]))
+        mask = None
         if self.ragged:
             keys = torch.cat([torch.ones_like(self.valid[:, : int(self.cls)]), self.valid], dim=1)
             blocked = torch.zeros(keys.shape, dtype=embeds.dtype, device=embeds.device)
             blocked = blocked.masked_fill(~keys, torch.finfo(embeds.dtype).min)[:, None, None, :]
-            kwargs["attention_mask"] = blocked.expand(-1, 1, keys.shape[1], -1)
-        return args, {**kwargs, "inputs_embeds": rows}
+            mask = blocked.expand(-1, 1, keys.shape[1], -1)
+        return hf.encoder_call(args, kwargs, rows, mask)
 
     def __enter__(self) -> KeptPatches:
         self._thread = threading.get_ident()
