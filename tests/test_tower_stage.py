@@ -265,6 +265,13 @@ def test_refusals_at_patch_leave_the_model_intact(llava, qwen25):
     with pytest.raises(VTokenError, match="layout='official'"):
         vtoken.patch(next_model, "tome")
     vtoken.patch(next_model, "tome", layout="official").unpatch()
+    flash = copy.deepcopy(llava[0])
+    flash.model.vision_tower.config._attn_implementation = "flash_attention_2"  # (only read, never run here)
+    with pytest.raises(VTokenError, match="'sdpa' or 'eager'"):
+        vtoken.patch(flash, "pixelprune")
+    with pytest.raises(VTokenError, match="prop_attn=False"):
+        vtoken.patch(flash, "tome")
+    vtoken.patch(flash, vtoken.ToMe(prop_attn=False, weighted=False)).unpatch()  # LightCompress's: any attention
     onevision, _ = TINY_MODELS["tiny-onevision"]()
     with pytest.raises(VTokenError, match="not wired for LLaVA-OneVision"):
         vtoken.patch(onevision, "pixelprune")
@@ -291,11 +298,16 @@ def test_refusals_when_a_call_starts(llava, qwen25):
 def test_unpatch_puts_the_tower_back(llava):
     model, processor = llava
     inputs = llava_inputs(processor, page())
-    before = untouched(model)
     with torch.no_grad():
-        reference = model(**inputs).logits
+        reference = model(**inputs).logits  # (transformers installs its hidden-state capture on a first call)
+        before = untouched(model)
         vtoken.patch(model, vtoken.ToMe(r=8))
         assert all("forward" in layer.__dict__ for layer in model.model.vision_tower.encoder.layers)
+        merged = model(**inputs).logits
+        twin = copy.deepcopy(model)  # patched on its own: its blocks merge with its own weights
+        assert torch.equal(twin(**inputs).logits, merged)
+        vtoken.unpatch(twin)
+        assert torch.equal(twin(**inputs).logits, reference) and torch.equal(model(**inputs).logits, merged)
         vtoken.unpatch(model)
         assert torch.equal(model(**inputs).logits, reference)
     assert_untouched(model, before)

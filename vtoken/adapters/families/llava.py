@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.geometry.tables import on_device
@@ -28,7 +28,7 @@ from vtoken.tokens import Selection, VisualTokens
 from .. import hf
 from ..base import Adapter, EncodedImages, Modality
 from ..probes import ClsAttentionProbe
-from ..tower import TowerPlan
+from ..tower import BIASED_ATTENTION, TowerPlan
 
 # per-token signals of the kept patches that go on the crop's grid after PixelPrune (besides "cls_attention*")
 GRID_SIGNALS = ("keys", "clip_features")
@@ -66,6 +66,14 @@ class LlavaAdapter(Adapter):
 
     def validate(self) -> None:
         super().validate()
+        tower = self.tower_method
+        attention = hf.attention_implementation(self.tower)
+        if tower is not None and tower.acts == "input" and attention not in BIASED_ATTENTION:
+            raise VTokenError(
+                f"{tower.name} runs the tower on every crop's kept patches, padded to the longest crop with a key "
+                f"mask, which the {attention!r} attention of this tower cannot take; load the vision tower with "
+                "attn_implementation 'sdpa' or 'eager'"
+            )
         if "tower_merge" in getattr(self.encoder_method, "requires", ()):
             self.encoder_method.check_grid(self.grid)  # a merge by windows needs a grid they tile (MustDrop)
         if "clip_features" in getattr(self.encoder_method, "requires", ()):
