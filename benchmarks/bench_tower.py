@@ -21,6 +21,7 @@ head).
 
     python benchmarks/bench_tower.py --device cuda --out benchmarks/results    # full depth, bf16, 1344 px pages
     python benchmarks/bench_tower.py --out benchmarks/results                  # CPU cut (results/tower_cpu.md)
+    python benchmarks/bench_tower.py --only ttft --out benchmarks/results      # TTFT alone (tower_ttft_cpu.md)
 
 On a CPU the Qwen towers are cut to `--cpu-layers` blocks (Qwen2.5-VL keeps one full-attention block among
 them; Qwen3-VL its DeepStack from the first blocks) and the pages are `--size` px (448 by default); CLIP runs at
@@ -290,16 +291,21 @@ TTFT_MODELS = {
 }  # fmt: skip
 
 
+def gpu_models() -> dict:
+    """What `--device cuda` builds for its TTFT rows: (device, dtype) -> (model, processor), at full depth."""
+    return {key: (lambda device, dtype, build=build: build(None, None, device, dtype, 1344))
+            for key, (build, _) in TTFT_MODELS.items()}  # fmt: skip
+
+
 def measure_ttft(model, processor, image: Image.Image, methods: dict, repeats: int, device, dtype) -> dict:
     """TTFT (`generate` of one token) of the unpatched model and of every method through `vtoken.patch`, on one
     image; visual tokens reaching the LLM and the tower stage's own time (its records) per config."""
     from vtoken.zoo import build_prompt
 
     inputs = processor(images=[image], text=[build_prompt(processor, "What does the page say?")], return_tensors="pt")
+    # fp32 pixels, as the processor makes them: PixelPrune selects on them (half precision can merge distinct pixel
+    # values); the towers cast what they run on (CLIP's patch embedding, Qwen's gathered rows)
     inputs = {k: v.to(device) for k, v in inputs.items()}
-    for key in ("pixel_values",):
-        if key in inputs and inputs[key].dim() == 4:  # LLaVA: the tower's dtype (Qwen keeps fp32 pixels: the
-            inputs[key] = inputs[key].to(dtype)  # selection reads them; the tower casts its gathered rows)
     placeholders = sum(int((inputs["input_ids"] == i).sum()) for i in (model.config.image_token_id,))
     tokens, seconds = {"unpatched": placeholders}, {}
 
@@ -438,7 +444,8 @@ def main() -> None:
         "'selection' row times it alone. ToMe's counts hold at any depth; on a cut tower it merges in fewer blocks.",
         "On a CPU the times are the thread's CPU time with one torch thread (a shared machine's other load left out).",
     ]
-    common.report("tower", device, dtype, repeats, results, lines + notes, args.out)
+    name = "tower_ttft" if args.only == "ttft" else "tower"  # the TTFT part alone: its own result files
+    common.report(name, device, dtype, repeats, results, lines + notes, args.out)
 
 
 if __name__ == "__main__":
