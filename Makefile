@@ -136,6 +136,7 @@ bench-gpu: setup
 	$(BIN)/python benchmarks/bench_sparse_prefill.py $(GPU_BENCH) $(ARGS)
 	$(BIN)/python benchmarks/bench_families.py $(GPU_BENCH) --budgets 0.25 $(ARGS)
 	$(BIN)/python benchmarks/bench_qwen3_vl.py $(GPU_BENCH) --budgets 0.25 $(ARGS)
+	$(BIN)/python benchmarks/bench_tower.py $(GPU_BENCH) $(ARGS)
 
 # the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, anchor or API reference fails
 docs: setup

@@ -1,5 +1,5 @@
-"""benchmarks/bench_tower.py's `--device cuda` towers, built at full depth on the meta device (shapes only): a
-configuration that cannot be built fails here, not on a lent GPU."""
+"""benchmarks/bench_tower.py's `--device cuda` towers and TTFT models, built at full depth on the meta device (shapes
+only): a configuration that cannot be built fails here, not on a lent GPU."""
 
 import importlib
 import sys
@@ -24,3 +24,9 @@ def test_gpu_towers_build_at_full_depth_on_meta():
         assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in tower.parameters())
         assert shape.family in ("qwen2.5-vl", "qwen3-vl", "llava-1.5")
     assert bench.clip_tower(None, "meta", torch.bfloat16)[1].feature_block == 22
+    widths = {"qwen2.5-vl-7b": (3584, 28, 32), "qwen3-vl-8b": (4096, 36, 27), "llava-1.5-7b": (4096, 32, 24)}
+    for name, build in bench.gpu_models().items():  # the TTFT rows' whole models, patched through vtoken.patch
+        model, _ = build(torch.device("meta"), torch.bfloat16)
+        text, vision = model.config.text_config, model.config.vision_config
+        blocks = getattr(vision, "depth", None) or vision.num_hidden_layers
+        assert (text.hidden_size, text.num_hidden_layers, blocks) == widths[name], name

@@ -443,3 +443,66 @@ def test_vision_window_index():
     assert torch.equal(index.sort().values, torch.arange(8 * 12 // 4)), broken(
         "get_vision_window_index(grid_thw, merge, window, patch)[0] should permute the merge groups"
     )
+
+
+# ----------------------------------------------------------------- the tower stage
+def test_vision_blocks_are_pre_norm_attention_then_mlp(llava):
+    """ToMe replaces a CLIP / SigLIP block's forward with `hf`'s parts: the same output as the stock block."""
+    from vtoken.zoo import tiny_onevision
+
+    for model in (llava[0], tiny_onevision()[0]):
+        tower = model.model.vision_tower
+        block = tower.encoder.layers[0]
+        assert hf.vision_block_missing(block) == [] and hf.attention_heads(block) == tower.config.num_attention_heads
+        x = torch.randn(2, 5, tower.config.hidden_size)
+        with torch.no_grad():
+            h = x + hf.vision_block_attention(block, hf.vision_block_norm(block, x), None)
+            assert torch.allclose(block(x, None), h + hf.vision_block_mlp(block, h), atol=1e-6)
+            seen = {}
+            handle = hf.key_projection(block).register_forward_hook(lambda m, a, out, seen=seen: seen.update(keys=out))
+            assert len(hf.forward_hooks(hf.key_projection(block))) == 1
+            block(x, None)
+            handle.remove()
+        assert seen["keys"].shape == x.shape  # the keys of every token, before the heads are split
+
+
+def test_the_encoder_gets_the_embeddings_by_keyword(llava, llava_inputs):
+    """KeptPatches gathers rows of the encoder's `inputs_embeds` (and gives its key mask as `attention_mask`)."""
+    tower, seen = llava[0].model.vision_tower, {}
+
+    def grab(module, args, kwargs):
+        embeds, args, rest = hf.encoder_embeddings(args, kwargs)
+        seen["embeds"] = embeds
+        return hf.encoder_call(args, rest, embeds[:, :3], None)
+
+    handle = tower.encoder.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = tower(llava_inputs["pixel_values"], output_hidden_states=True)
+    finally:
+        handle.remove()
+    assert seen["embeds"].shape[1] == 1 + 24 * 24 and out.last_hidden_state.shape[1] == 3
+
+
+def test_qwen_towers_take_precomputed_tables():
+    """Every table vtoken hands a Qwen-VL tower is read from its kwargs by `vision_utils` (else it would be built
+    from the whole grid, silently)."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as qwen25
+    import transformers.utils.generic as generic
+    import transformers.vision_utils as vision_utils
+
+    source = "".join(inspect.getsource(m) for m in (vision_utils, generic, qwen25))  # the readers of the kwargs
+    for name in hf.QWEN_VISION_TABLES:
+        assert f'"{name}"' in source, name
+    assert hf.has_window_attention(tiny_qwen2_5_vl()[0].model.visual)
+    assert hf.has_learned_position_embedding(tiny_qwen3_vl()[0].model.visual)
+    with pytest.raises(TypeError, match="no precomputed"):
+        hf.qwen_vision_forward(None, torch.zeros(1, 1), torch.zeros(1, 3), rope=None)
+
+
+def test_a_checkpoint_s_image_processor_is_read_locally(tmp_path):
+    assert hf.local_image_processor(str(tmp_path)) is None  # nothing saved there: no network either
+    from vtoken.zoo import tiny_llava
+
+    tiny_llava()[1].image_processor.save_pretrained(tmp_path)
+    assert hf.local_image_processor(str(tmp_path)).image_mean == tiny_llava()[1].image_processor.image_mean

@@ -218,9 +218,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"answer (patched):   {answer!r}")
     if expected is not None:
         print(f"expected answer:    {expected!r} (from the scene's drawing parameters)")
-    encoder = [r for r in records if r.stage == "encoder"]
-    if len(encoder) == 1 and encoder[0].kept is not None:
-        print(f"kept tokens ({'x'.join(map(str, encoder[0].grid))} grid, '#' kept):\n{kept_map(encoder[0])}")
+    # the last stage before the LLM that kept tokens on a grid: the encoder's, else a tower method's (PixelPrune)
+    drawn = [r for r in records if r.stage == "encoder"] or [r for r in records if r.stage == "tower"]
+    if len(drawn) == 1 and drawn[0].kept is not None and drawn[0].grid[0] > 1:
+        print(f"kept tokens ({'x'.join(map(str, drawn[0].grid))} grid, '#' kept):\n{kept_map(drawn[0])}")
     if args.model in TINY_MODELS:
         print("note: built-in tiny models have random weights, so their answers are noise by design")
     return 0

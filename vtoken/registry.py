@@ -268,8 +268,9 @@ def method_class(name: str) -> type[Method] | None:
 
 def describe_method(method: Method) -> str:
     """What a method object applies, as rows and summaries show it: 'fastervlm(budget=25%)',
-    'fastv(layer=2, keep=50%)': its budget/keep (with their unit: % of tokens or a token count) and layer always,
-    every other parameter where it differs from the method's default."""
+    'fastv(layer=2, keep=50%)': its budget/keep (with their unit: % of tokens or a token count) and layer always
+    (a budget left None: the parameters standing for it, 'tome(r=16)'), every other parameter where it differs
+    from the method's default."""
     from .budget import describe
 
     always = ("budget", "keep", "layer")
@@ -279,6 +280,9 @@ def describe_method(method: Method) -> str:
     except (VTokenError, TypeError, ValueError):
         reference = None
     shown = []
+    # a budget left unset where parameters stand for it (ToMe's r): those are shown instead
+    knob = method.budget_param
+    instead = method.budget_alternatives if knob is not None and getattr(method, knob, 0) is None else ()
     for f in fields(method):
         if not f.init:
             continue
@@ -287,7 +291,9 @@ def describe_method(method: Method) -> str:
             default = getattr(reference, f.name)
         else:
             default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
-        if f.name in always or not _same(value, default):
+        if f.name == knob and instead:
+            continue
+        if f.name in always or f.name in instead or not _same(value, default):
             text = describe(value) if f.name in ("budget", "keep") else _short(value)
             shown.append(f"{f.name}={text}")
     return f"{method.name}({', '.join(shown)})" if shown else method.name

@@ -3,8 +3,11 @@
 An adapter (one subclass per family, in `families/`) is the only code that knows a model's internals: its
 geometry (placeholder counts, crop grids, positions), its towers and signals, and how its encoder output reaches the
 LLM. It holds, as collaborators with one job each:
+- `tower_stage` and `tower_site`: the tower stage (`vtoken.stages.tower.TowerStage`, what every caller shares of a
+  method acting before or inside the vision tower) and where it meets this model (`tower.TowerSite`: ToMe's
+  merging blocks, the plan each call makes before its tower runs), when a tower method is given;
 - `encoder`: the encoder stage (`vtoken.stages.encoder.EncoderStage`, the same object the vLLM plugin and
-  `vtoken.select` run);
+  `vtoken.select` run; after a tower method alone, `KeepAll`: every token the tower left);
 - `calls`: the call path (`calls.py`), whose forward pre-hook and generate wrapper encode the images and select
   tokens *before* the stock `generate` runs on the shorter prompt with the pre-encoded features
   (`mm_encoder_outputs`), so that generate's own beam/`num_return_sequences` expansion, masks and positions see a
@@ -26,10 +29,11 @@ from torch import nn
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.kept import flat_kept, output_places  # noqa: F401 - used by the family adapters
 from vtoken.geometry.tables import stack_padded
-from vtoken.methods.base import Method
+from vtoken.methods.base import Method, TowerMethod
 from vtoken.question import prompt_questions, tokenizer_for
 from vtoken.records import Record
 from vtoken.stages.encoder import EncoderStage, SignalSources, check_signals, check_takes, keep_all
+from vtoken.stages.tower import OUTPUT_SIGNALS, KeepAll, TowerStage
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
@@ -40,6 +44,7 @@ from .llm import LanguageModelStages, QueryKeyProbe
 from .prompt import PromptRuns, offset_tensors
 from .sparse_prefill import SparseAttention
 from .state import CallState, PatchedGenerate
+from .tower import TowerPlan, TowerSite, tower_shape
 
 
 @dataclass(frozen=True)
@@ -109,13 +114,23 @@ class Adapter:
     reads_prompt: ClassVar[bool] = False
     # every frame (temporal unit) of a video is its own placeholder run, with text between runs (Qwen3-VL)
     frame_runs: ClassVar[bool] = False
+    # how tower methods (the "tower" stage) act in this family's tower, as this adapter wires them: "input" (rows
+    # dropped before block 0: PixelPrune), "layers" (merges inside the blocks: ToMe); none: no tower stage
+    tower_acts: ClassVar[tuple[str, ...]] = ()
+    # why tower methods are not wired here (added to the refusal at `patch`)
+    tower_note: ClassVar[str] = ""
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
         self.methods = methods
         self.layout = layout
+        # a tower method without an encoder method: every token the tower left goes on (records: the tower's)
+        alone = self.tower_method is not None and not any("encoder" in m.stages for m in methods)
+        self._keep_all = KeepAll() if alone else None
         encoder = self.encoder_method
         self.encoder = None if encoder is None else EncoderStage(encoder)  # the encoder stage every caller runs
+        self.tower_stage: TowerStage | None = None  # made by `validate` (it reads the tower), with its site
+        self.tower_site: TowerSite | None = None
         self.calls = CallPath(self)
         self.hooks = HookOwner(model)
         self.llm: LanguageModelStages | None = None  # made when installed
@@ -181,16 +196,20 @@ class Adapter:
         raise NotImplementedError
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
-        """Per image, the placeholders that remain, when known before encoding (None: only after it)."""
-        return [self.encoder_method.planned_count(n) for n in run_lengths]
+        """Per image, the placeholders that remain, when known before encoding (None: only after it). After a tower
+        method, the encoder method's count of the tokens the tower leaves (one crop per image here)."""
+        plan = self.tower_plan(modality)
+        lengths = run_lengths if plan is None else plan.item_counts()
+        return [self.encoder_method.planned_count(n) for n in lengths]
 
     def planned_offsets(
         self, modality: Modality, run_lengths: list[int], planned: list[int]
     ) -> list[int | torch.Tensor] | None:
-        """Per image, the placeholders that remain when only their count is known (renumbered positions): the first
-        `planned[i]` ones (an int), unless an image's placeholders lie in several runs (see InternVL's videos; None:
-        where they stay is known only after selecting)."""
-        return list(planned)
+        """Per image, the placeholders that remain when only their count is known: with renumbered positions the
+        first `planned[i]` ones (an int), unless an image's placeholders lie in several runs (see InternVL's
+        videos); None: where they stay is known only after selecting (original positions, unless a family knows
+        them before: Qwen after PixelPrune alone)."""
+        return list(planned) if self.positions == "renumber" else None
 
     def on_host(self, name: str, value: Any) -> Any:
         """A call input the geometry needs as host integers (`Modality.host`, e.g. `image_sizes`), as lists: what
@@ -280,7 +299,19 @@ class Adapter:
     # ----------------------------------------------------------------- validation
     @property
     def encoder_method(self) -> Method | None:
+        """The encoder-stage method; after a tower method alone, `KeepAll` (every token the tower left)."""
         found = [m for m in self.methods if "encoder" in m.stages]
+        return found[0] if found else self._keep_all
+
+    @property
+    def tower_alone(self) -> bool:
+        """A tower method without an encoder method: the tokens leaving the tower reach the LLM (`KeepAll`)."""
+        return self._keep_all is not None
+
+    @property
+    def tower_method(self) -> TowerMethod | None:
+        """The method acting before or inside the vision tower (the "tower" stage), if any."""
+        found = [m for m in self.methods if "tower" in m.stages]
         return found[0] if found else None
 
     @property
@@ -305,7 +336,7 @@ class Adapter:
                 f"layout={self.layout!r} is not available for {type(self.model).__name__} ({self.family}); "
                 f"it has: {', '.join(self.layouts)}"
             )
-        for stage in ("encoder", "prefill", "decode", "sparse"):
+        for stage in ("tower", "encoder", "prefill", "decode", "sparse"):
             acting = [m.name for m in self.methods if stage in m.stages]
             if len(acting) > 1:
                 raise VTokenError(
@@ -320,14 +351,23 @@ class Adapter:
             )
         takes = {m.name for m in self.modalities} | ({"video"} if self.videos_as_image_runs else set())
         owner = f"{type(self.model).__name__} ({self.family})"
+        stages = (("tower",) if self.tower_acts else ()) + tuple(self.stages)
         for method in self.methods:
+            if "tower" in method.stages:  # the method's own refusals (the spec's reasons) first
+                TowerStage.check_family(method, self.family)
             check_takes(method, takes, f"the {self.family} adapter")
-            unsupported = [s for s in method.stages if s not in self.stages]
+            unsupported = [s for s in method.stages if s not in stages]
             if unsupported:
+                note = self.tower_note if unsupported == ["tower"] else self.stages_note
                 raise VTokenError(
                     f"method {method.name!r} acts at stage(s) {unsupported}, which the {self.family} adapter does "
-                    f"not support; supported stages: {', '.join(self.stages)}"
-                    + (f". {self.stages_note}" if self.stages_note else "")
+                    f"not support; supported stages: {', '.join(stages)}" + (f". {note}" if note else "")
+                )
+            if "tower" in method.stages and method.acts not in self.tower_acts:
+                raise VTokenError(
+                    f"{method.name} acts {'inside the blocks' if method.acts == 'layers' else 'on the input rows'} "
+                    f"of the vision tower, which the {self.family} adapter does not wire yet; it wires tower methods "
+                    f"acting on: {', '.join(self.tower_acts)}"
                 )
             check_signals(method, self.available_signals(), owner)
             if "question" in method.requires:
@@ -361,6 +401,32 @@ class Adapter:
                 QueryKeyProbe.check(read.self_attn, f"{llm.name}: {type(read).__name__} {select - 1}")
         sparse = [m for m in self.methods if "sparse" in m.stages]
         self.sparse = SparseAttention(self, sparse[0]) if sparse else None  # checks the model, installs nothing
+        tower = self.tower_method
+        if tower is not None:  # reads the tower (and checks ToMe's blocks): nothing installed yet
+            self.tower_stage = TowerStage(tower, tower_shape(self.model, self.family))
+            self.tower_stage.check_encoder(self.encoder_method, self.tower_signals(), owner)
+            self.tower_site = TowerSite(self.tower_stage, self.merging_tower if tower.acts == "layers" else None)
+
+    # ----------------------------------------------------------------- the tower stage
+    @property
+    def merging_tower(self) -> nn.Module:
+        """The CLIP / SigLIP tower (`encoder.layers`) a tower method acting in the blocks (ToMe) merges in."""
+        return self.tower
+
+    def tower_signals(self) -> set[str]:
+        """The signals this family serves an encoder method on the tower's output after the tower method: those
+        of the output tokens themselves. ("grid" is not among them: after PixelPrune the crop's grid has holes, not
+        the rectangle of valid tokens a grid method assumes; after ToMe there is none.)"""
+        return self.available_signals() & set(OUTPUT_SIGNALS)
+
+    def plan_tower(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> TowerPlan | None:
+        """Hook: the tower stage's plan of this call's `modality`, before the prompt is shrunk and the tower runs
+        (tokens leaving the tower; PixelPrune's kept units). Called after `plan` checked the inputs."""
+        raise NotImplementedError(f"{self.family} declares tower_acts but plans no tower call")
+
+    def tower_plan(self, modality: Modality) -> TowerPlan | None:
+        """The calling thread's tower plan of `modality` in the running call (None: no tower stage for it)."""
+        return self._state.tower.get(modality)
 
     # ----------------------------------------------------------------- the prompt's text
     _tokenizer = None
@@ -404,6 +470,8 @@ class Adapter:
         hooks.wrap_generate(PatchedGenerate(self))
         if self.sparse is not None:
             self.sparse.install(hooks)
+        if self.tower_site is not None:
+            self.tower_site.install(hooks)
         hooks.installed = True
 
     def remove(self) -> None:

@@ -104,14 +104,17 @@ class CallPath:
             )
         parts, changed, protected_parts = [], False, {}
         method = self.adapter.encoder_method
+        tower = self.adapter.tower_stage
         present = self.adapter.present(kwargs)
         for modality in present:
             frames = self.adapter.videos_as_image_runs and "video" in method.modalities  # the adapter tells them apart
             if not frames:  # e.g. images given to a video method
                 self.adapter.encoder.check_call_modality(modality.name, modality.pixel_key)
+            if tower is not None:  # a tower method on images only: videos refused before anything runs
+                tower.check_call_modality(modality.name, modality.pixel_key)
         layout = self.read_call_layout(kwargs, present)
         state = self.state
-        state.host = layout.values
+        state.host, state.tower = layout.values, {}
         try:
             kwargs = self.adapter.before_shrinking(kwargs)
             mm = hf.encoder_outputs(kwargs)
@@ -120,6 +123,8 @@ class CallPath:
                 encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
                 run_lengths = self.adapter.plan(modality, pixel_values, **encoder_kwargs)
                 runs = layout.runs(self.adapter.placeholder_id(modality), run_lengths, modality.name)
+                if tower is not None:  # before the prompt is shrunk and the tower runs: how many leave it (which)
+                    state.tower[modality] = self.adapter.plan_tower(modality, pixel_values, **encoder_kwargs)
                 if "question" in method.requires:
                     prompt = layout.values.get(PROMPT_IDS), layout.values.get(PROMPT_MASK)
                     state.questions = self.adapter.item_questions(
@@ -139,9 +144,11 @@ class CallPath:
                 # "How many" before the encoder, "which" after: with contiguous positions only the count matters to
                 # the prompt, so for fixed-count methods it is shrunk while the accelerator is still idle.
                 placed = self.adapter.encoder.placed  # selects among the packed tokens (DivPrune), after `encode`
-                planned = [method.planned_count(n) for n in run_lengths] if placed else \
-                    self.adapter.planned_counts(modality, run_lengths)  # fmt: skip
-                early = self.adapter.positions == "renumber" and None not in planned
+                if placed:  # (after a tower stage, the packed tokens are known only after the tower)
+                    planned = [None if tower else method.planned_count(n) for n in run_lengths]
+                else:
+                    planned = self.adapter.planned_counts(modality, run_lengths)
+                early = None not in planned
                 offsets = self.adapter.planned_offsets(modality, run_lengths, planned) if early else None
                 early = offsets is not None  # (None: where they stay is known only after selecting)
                 if early:
@@ -158,7 +165,8 @@ class CallPath:
                 else:
                     kept = encoded.keep_offsets
                     compressed = shrink([len(f) for f in encoded.features] if kept is None else kept)
-                parts.append(encoded.records)
+                plan = state.tower.get(modality)
+                parts += [plan.records(), encoded.records] if plan is not None else [encoded.records]
                 if encoded.protected is not None:
                     protected_parts[modality] = torch.cat(encoded.protected)
                 # a list where items differ in length: `join_ragged` joins them for the forward
@@ -177,7 +185,7 @@ class CallPath:
                         if kwargs.get(key) is not None:
                             kwargs[key] = gather_columns(kwargs[key], compressed.index, fill)
         finally:
-            state.host = {}
+            state.host, state.tower = {}, {}
         self.records = LazyRecords.chain(parts)
         state.protected = None
         if protected_parts:

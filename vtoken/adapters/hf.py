@@ -344,3 +344,108 @@ def full_attention_blocks(visual: nn.Module) -> list[int]:
     `fullatt_block_indexes` (the others attend within windows), every block elsewhere."""
     full = getattr(visual, "fullatt_block_indexes", None)
     return list(full) if full is not None else list(range(len(visual.blocks)))
+
+
+# ----------------------------------------------------------------- the tower stage: towers run on some of their rows
+VISION_BLOCK_PARTS = ("layer_norm1", "self_attn", "layer_norm2", "mlp")
+"""The submodules of a CLIP / SigLIP encoder block (`CLIPEncoderLayer`, `SiglipEncoderLayer`: pre-norm attention
+then pre-norm MLP, each with its residual), whose forward ToMe replaces on the instance; the attention's key
+projection is `self_attn.k_proj` (unchanged 5.19-5.24)."""
+
+
+def vision_block_missing(block: nn.Module) -> list[str]:
+    """The parts of `VISION_BLOCK_PARTS` (and `self_attn.k_proj`) a tower block lacks: [] for a CLIP / SigLIP one."""
+    missing = [name for name in VISION_BLOCK_PARTS if not hasattr(block, name)]
+    if not missing and not hasattr(block.self_attn, "k_proj"):
+        missing.append("self_attn.k_proj")
+    return missing
+
+
+def key_projection(block: nn.Module) -> nn.Module:
+    """The key projection of a CLIP / SigLIP block's attention (`self_attn.k_proj`, bias included)."""
+    return block.self_attn.k_proj
+
+
+def attention_heads(block: nn.Module) -> int:
+    """Attention heads of a CLIP / SigLIP block (`self_attn.num_heads`, else its config's)."""
+    attention = block.self_attn
+    return getattr(attention, "num_heads", None) or attention.config.num_attention_heads
+
+
+def vision_block_norm(block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A CLIP / SigLIP block's attention input: its first norm (`layer_norm1`) of `hidden` [C, T, D]."""
+    return block.layer_norm1(hidden)
+
+
+def vision_block_mlp(block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A CLIP / SigLIP block's MLP branch on `hidden` [C, T, D] (`mlp(layer_norm2(hidden))`, without the residual)."""
+    return block.mlp(block.layer_norm2(hidden))
+
+
+def vision_block_attention(block: nn.Module, normed: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any):
+    """The attention output [C, T, D] of a CLIP / SigLIP block on its normed input (`self_attn(hidden_states=,
+    attention_mask=)` returns (output, weights); `mask` additive, [C, 1, T, T] or broadcastable)."""
+    attended, _ = block.self_attn(hidden_states=normed, attention_mask=mask, **kwargs)
+    return attended
+
+
+def forward_hooks(module: nn.Module) -> dict:
+    """The forward hooks registered on `module`, by handle id (torch's `_forward_hooks`): removed by identity where
+    a handle would not follow a deep copy."""
+    return module._forward_hooks
+
+
+def encoder_embeddings(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
+    """(inputs_embeds, the other positional arguments, the other keyword arguments) of a call of a CLIP / SigLIP
+    `encoder` as a forward pre-hook sees it: the vision transformer calls `encoder(inputs_embeds=...)` (5.19-5.24),
+    a caller may pass it first."""
+    if "inputs_embeds" in kwargs:
+        kwargs = dict(kwargs)
+        return kwargs.pop("inputs_embeds"), args, kwargs
+    return args[0], args[1:], kwargs
+
+
+def encoder_call(args: tuple, kwargs: dict, embeds: torch.Tensor, mask: torch.Tensor | None) -> tuple[tuple, dict]:
+    """The (args, kwargs) of a CLIP / SigLIP encoder call on `embeds` [C, S, D], with the additive key mask `mask`
+    [C, 1, S, S] as its `attention_mask` (None: the call's own)."""
+    kwargs = {**kwargs, "inputs_embeds": embeds}
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    return args, kwargs
+
+
+QWEN_VISION_TABLES = ("position_ids", "cu_seqlens", "max_seqlen", "interp_indices", "interp_weights", "window_index",
+                      "cu_window_seqlens", "max_window_seqlen")  # fmt: skip
+"""The keyword arguments through which a Qwen-VL vision tower's forward takes the tables it would build from
+`grid_thw` (`vision_utils.get_vision_*` read them from its kwargs, 5.19-5.24): the 2-D rotary position ids, per-image
+cumulative sequence lengths, Qwen3-VL's interpolated position-embedding taps, Qwen2.5-VL's window order and windows."""
+
+
+def qwen_vision_forward(visual: nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor, **tables: Any) -> Any:
+    """A Qwen-VL tower's forward on `pixels` [S, D] with precomputed `tables` (names in `QWEN_VISION_TABLES`): its
+    output (`pooler_output`, `last_hidden_state`, Qwen3-VL's `deepstack_features`)."""
+    unknown = sorted(set(tables) - set(QWEN_VISION_TABLES))
+    if unknown:
+        raise TypeError(f"a Qwen-VL tower takes no precomputed {unknown}; it takes {QWEN_VISION_TABLES}")
+    return visual(pixels, grid_thw=grid_thw, **tables)
+
+
+def has_learned_position_embedding(visual: nn.Module) -> bool:
+    """A Qwen-VL tower with Qwen3-VL's learned, interpolated position embedding (`num_grid_per_side`)."""
+    return hasattr(visual, "num_grid_per_side")
+
+
+def has_window_attention(visual: nn.Module) -> bool:
+    """A Qwen-VL tower with Qwen2.5-VL's window attention (`fullatt_block_indexes`, `window_size`)."""
+    return hasattr(visual, "fullatt_block_indexes") and hasattr(visual, "window_size")
+
+
+def local_image_processor(source: str) -> Any:
+    """The image processor saved with checkpoint `source` (a directory or the local hub cache: never the network),
+    or None when there is none (`AutoImageProcessor.from_pretrained(source, local_files_only=True)`)."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(source, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no local preprocessor config
+        return None

@@ -50,6 +50,7 @@ class CallState:
     family: per-family extras (e.g. Qwen's resized grids). (The LLM stages keep their own per-call state:
     `llm.stages.LanguageModelCall`.)
     host: while `prepare` runs, the call's inputs read to the host once (image sizes, the prompt's ids), by name.
+    tower: while `prepare` runs, the tower stage's plan of each modality (`vtoken.adapters.tower.TowerPlan`).
     """
 
     def __init__(self) -> None:
@@ -66,6 +67,7 @@ class CallState:
         self.ids = None
         self.family: dict[str, Any] = {}
         self.host: dict[str, Any] = {}
+        self.tower: dict[Any, Any] = {}
 
 
 class PatchedGenerate:

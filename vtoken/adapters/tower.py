@@ -11,12 +11,14 @@ needs from a vision tower, and applying what it decides.
   states); `KeptPatches` runs a CLIP/SigLIP tower on [CLS] and the kept patches (rows dropped after the
   embeddings, each patch keeping its position embedding; crops padded to the longest with a key mask).
 
-Contact with transformers' internals beyond module attributes (which belongs in `hf.py`, the lead's; listed here
-until it moves): the keyword arguments through which a Qwen-VL tower's forward takes precomputed tables
-(`position_ids`, `cu_seqlens`, `max_seqlen`, `interp_indices`/`interp_weights`, `window_index`/
-`cu_window_seqlens`/`max_window_seqlen`; `vision_utils.get_vision_*`, 5.19-5.24), a block's submodules
-(`layer_norm1`, `self_attn.k_proj`, `layer_norm2`, `mlp`, CLIP/SigLIP 5.19-5.24), the encoder's `inputs_embeds`/
-`attention_mask` arguments, and `AutoImageProcessor.from_pretrained` for a checkpoint's normalisation.
+Contact with transformers' internals goes through `hf.py`: the keyword arguments through which a Qwen-VL tower's
+forward takes precomputed tables (`hf.qwen_vision_forward`), a CLIP / SigLIP block's submodules
+(`hf.vision_block_missing`, `hf.key_projection`, `hf.vision_block_attention`), the encoder's `inputs_embeds` /
+`attention_mask` arguments (`hf.encoder_embeddings`, `hf.encoder_call`), a checkpoint's image processor
+(`hf.local_image_processor`).
+
+`TowerSite` and `TowerPlan` are where the engine meets these: the adapter holds a `TowerSite` (what `patch`
+installs) and each call's `TowerPlan` (made before the prompt is shrunk and the tower runs).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from vtoken.methods.tome import MergeState, ToMe
 from vtoken.question import image_processor_of, processor_for
 from vtoken.records import LazyRecords, Record
 from vtoken.timing import Stopwatch
+
+from . import hf
 
 OPENAI_CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
 HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
@@ -76,12 +80,7 @@ def pixel_normalisation(model: nn.Module, family: str, channels: int = 3) -> tup
         return _per_channel(mean, channels), _per_channel(std, channels), "the remembered processor"
     source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
     if source:
-        try:
-            from transformers import AutoImageProcessor
-
-            loaded = image_processor_of(AutoImageProcessor.from_pretrained(source, local_files_only=True))
-        except Exception:  # noqa: BLE001 - no local preprocessor config: the family's defaults
-            loaded = None
+        loaded = image_processor_of(hf.local_image_processor(source))
         if loaded is not None:
             mean, std = loaded.image_mean, loaded.image_std
             return _per_channel(mean, channels), _per_channel(std, channels), f"{source}'s preprocessor config"
@@ -153,7 +152,7 @@ class _MergingBlock:
             owner.set_state(method.start(hidden_states, owner.tower))
         state = owner.state()
         residual = hidden_states
-        normed = layer.layer_norm1(hidden_states)
+        normed = hf.vision_block_norm(layer, hidden_states)
         mask = attention_mask
         bias = state.attention_bias(normed.dtype) if state is not None and method.prop_attn else None
         if bias is not None:
@@ -163,7 +162,7 @@ class _MergingBlock:
             _CALLS.keys = {**getattr(_CALLS, "keys", {}), id(owner): block}
             _CALLS.caught = None
         try:
-            attended, _ = layer.self_attn(hidden_states=normed, attention_mask=mask, **kwargs)
+            attended = hf.vision_block_attention(layer, normed, mask, **kwargs)
         finally:
             keys = getattr(_CALLS, "caught", None) if merging else None
             if merging:
@@ -171,9 +170,13 @@ class _MergingBlock:
                 _CALLS.caught = None
         hidden_states = residual + attended
         if state is not None:
+            clock = _clocks().get(id(owner))
+            watch = clock.start(hidden_states.device) if clock is not None else None
             hidden_states = method.merge_block(hidden_states, keys, owner.heads, block, state)
+            if watch is not None:
+                watch.stop()
         residual = hidden_states
-        hidden_states = layer.mlp(layer.layer_norm2(hidden_states))
+        hidden_states = hf.vision_block_mlp(layer, hidden_states)
         return residual + hidden_states
 
 
@@ -186,12 +189,11 @@ class ToMeTower:
 
     def __init__(self, method: ToMe, layers: nn.ModuleList, tower: TowerShape, attention: str) -> None:
         for index, layer in enumerate(layers):
-            missing = [n for n in ("layer_norm1", "self_attn", "layer_norm2", "mlp") if not hasattr(layer, n)]
-            if missing or not hasattr(layer.self_attn, "k_proj"):
+            missing = hf.vision_block_missing(layer)
+            if missing:
                 raise VTokenError(
-                    f"tome: block {index} of the tower ({type(layer).__name__}) lacks "
-                    f"{missing or ['self_attn.k_proj']}; "
-                    "it merges in CLIP and SigLIP blocks (layer_norm1, self_attn with k_proj, layer_norm2, mlp)"
+                    f"tome: block {index} of the tower ({type(layer).__name__}) lacks {missing}; it merges in CLIP "
+                    "and SigLIP blocks (layer_norm1, self_attn with k_proj, layer_norm2, mlp)"
                 )
         if method.prop_attn and attention not in BIASED_ATTENTION:
             raise VTokenError(
@@ -205,8 +207,7 @@ class ToMeTower:
                 "tower; it needs a block to merge in, at or before the feature layer"
             )
         self.method, self.layers, self.tower = method, layers, tower
-        attention_module = layers[0].self_attn
-        self.heads = getattr(attention_module, "num_heads", None) or attention_module.config.num_attention_heads
+        self.heads = hf.attention_heads(layers[0])
         self.installed = False
 
     def install(self) -> None:
@@ -217,7 +218,7 @@ class ToMeTower:
         for block, layer in enumerate(self.layers):
             layer.forward = _MergingBlock(self, block).forward
             if block < self.tower.merging_layers:
-                layer.self_attn.k_proj.register_forward_hook(_KeyCatcher(self, block))
+                hf.key_projection(layer).register_forward_hook(_KeyCatcher(self, block))
         self.installed = True
 
     def remove(self) -> None:
@@ -227,7 +228,7 @@ class ToMeTower:
             if forward is not None and getattr(forward, "__self__", None) is not None:
                 if getattr(forward.__self__, "owner", None) is self:
                     del layer.__dict__["forward"]
-            hooks = layer.self_attn.k_proj._forward_hooks  # by identity: handles would not follow a deep copy
+            hooks = hf.forward_hooks(hf.key_projection(layer))  # by identity: handles would not follow a deep copy
             for key in [k for k, hook in hooks.items() if isinstance(hook, _KeyCatcher) and hook.owner is self]:
                 del hooks[key]
         _calls().pop(id(self), None)
@@ -235,6 +236,13 @@ class ToMeTower:
 
     def set_state(self, state: MergeState) -> None:
         _calls()[id(self)] = state
+
+    def time_merges(self, clock: Intervals | None) -> None:
+        """Time this thread's merges (each block's, the attention and MLP left out) into `clock`; None: stop."""
+        if clock is None:
+            _clocks().pop(id(self), None)
+        else:
+            _clocks()[id(self)] = clock
 
     def state(self) -> MergeState | None:
         return _calls().get(id(self))
@@ -251,6 +259,29 @@ def _calls() -> dict[int, MergeState]:
     return _CALLS.states
 
 
+def _clocks() -> dict[int, Intervals]:
+    if not hasattr(_CALLS, "clocks"):
+        _CALLS.clocks = {}
+    return _CALLS.clocks
+
+
+class Intervals:
+    """Several timed intervals on one device read as their total, `seconds` (ToMe's merges, one per block): a
+    `Stopwatch` each, so nothing waits for the device until the total is read."""
+
+    def __init__(self) -> None:
+        self.watches: list[Stopwatch] = []
+
+    def start(self, device: torch.device) -> Stopwatch:
+        watch = Stopwatch(device).start()
+        self.watches.append(watch)
+        return watch
+
+    @property
+    def seconds(self) -> float:
+        return sum(watch.seconds for watch in self.watches)
+
+
 # ----------------------------------------------------------------- PixelPrune on Qwen-VL towers
 def qwen_tables(visual: nn.Module, grids: list[tuple[int, int, int]], selected: Selected,
                 device: torch.device | str) -> dict[str, Any]:  # fmt: skip
@@ -265,11 +296,11 @@ def qwen_tables(visual: nn.Module, grids: list[tuple[int, int, int]], selected: 
         "cu_seqlens": to_device(cumulative, device),
         "max_seqlen": longest,
     }
-    if hasattr(visual, "num_grid_per_side"):  # Qwen3-VL, Qwen3.5: a learned, interpolated position embedding
+    if hf.has_learned_position_embedding(visual):  # Qwen3-VL, Qwen3.5: a learned, interpolated position embedding
         indices, weights = tables.interpolation(kept, grids, merge, visual.num_grid_per_side)
         out["interp_indices"] = to_device(indices, device)
         out["interp_weights"] = to_device(weights, device)
-    if hasattr(visual, "fullatt_block_indexes") and hasattr(visual, "window_size"):  # Qwen2.5-VL's windows
+    if hf.has_window_attention(visual):  # Qwen2.5-VL's windows
         order, windows, widest = tables.windows(kept, grids, merge, visual.window_size, visual.patch_size)
         out.update(window_index=to_device(order, device), cu_window_seqlens=to_device(windows, device),
                    max_window_seqlen=widest)  # fmt: skip
@@ -290,7 +321,7 @@ def qwen_pruned_tower(
     rows = to_device(tables.kept_rows(selected.kept, visual.spatial_merge_size), device)
     pixels = pixel_values[rows].type(visual.dtype)
     grid_thw = to_device(np.asarray(grids, dtype=np.int64).reshape(-1, 3), device)
-    return visual(pixels, grid_thw=grid_thw, **qwen_tables(visual, grids, selected, device), **kwargs)
+    return hf.qwen_vision_forward(visual, pixels, grid_thw, **qwen_tables(visual, grids, selected, device), **kwargs)
 
 
 # ----------------------------------------------------------------- PixelPrune on CLIP / SigLIP towers
@@ -327,17 +358,15 @@ class KeptPatches:
     def _gather(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if threading.get_ident() != self._thread:
             return None
-        if "inputs_embeds" in kwargs:
-            embeds = kwargs.pop("inputs_embeds")
-        else:
-            embeds, args = args[0], args[1:]
+        embeds, args, kwargs = hf.encoder_embeddings(args, kwargs)
         rows = embeds.gather(1, self.index[:, :, None].expand(-1, -1, embeds.shape[-1]))
+        mask = None
         if self.ragged:
             keys = torch.cat([torch.ones_like(self.valid[:, : int(self.cls)]), self.valid], dim=1)
             blocked = torch.zeros(keys.shape, dtype=embeds.dtype, device=embeds.device)
             blocked = blocked.masked_fill(~keys, torch.finfo(embeds.dtype).min)[:, None, None, :]
-            kwargs["attention_mask"] = blocked.expand(-1, 1, keys.shape[1], -1)
-        return args, {**kwargs, "inputs_embeds": rows}
+            mask = blocked.expand(-1, 1, keys.shape[1], -1)
+        return hf.encoder_call(args, kwargs, rows, mask)
 
     def __enter__(self) -> KeptPatches:
         self._thread = threading.get_ident()
@@ -353,13 +382,16 @@ class KeptPatches:
 # ----------------------------------------------------------------- records
 def pixelprune_records(
     method: Any, selected: Selected, timer: Stopwatch, merge: int, images: list[int] | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", crops: list[int] | None = None,
 ) -> LazyRecords:  # fmt: skip
     """PixelPrune's records, one per image (or crop) of `selected`, built when read: stage "tower", tokens_in/out
     the LLM-level tokens (units), `kept` its ascending kept units (on `device`), grid the unit grid, extra
-    `patches_in`/`patches_out` (ViT rows: merge^2 per unit). images: each entry's image index in the call
-    (default 0, 1, ...); every entry takes an equal share of the selection's time."""
+    `patches_in`/`patches_out` (ViT rows: merge^2 per unit). images / crops: each entry's image index in the call
+    (default 0, 1, ...) and crop index within it (default: 0 per Qwen image, the entry's index per LLaVA crop);
+    every entry takes an equal share of the selection's time."""
     images = list(range(len(selected.counts))) if images is None else images
+    if crops is None:
+        crops = [0 if merge > 1 else entry for entry in range(len(selected.counts))]
 
     def build() -> list[Record]:
         share = 1.0 / max(len(selected.counts), 1)
@@ -368,7 +400,7 @@ def pixelprune_records(
             units = grid[0] * grid[1]
             extra = {"patches_in": units * merge * merge, "patches_out": count * merge * merge}
             kept = to_device(selected.kept_of(entry), device)
-            out.append(Record("tower", method.name, images[entry], 0 if merge > 1 else entry, units, count, kept,
+            out.append(Record("tower", method.name, images[entry], crops[entry], units, count, kept,
                               tuple(grid), timer, share, extra=extra))  # fmt: skip
         return out
 
@@ -406,3 +438,181 @@ def tome_records(
         ]
 
     return LazyRecords(build)
+
+
+# ----------------------------------------------------------------- the tower stage on one patched model
+def on_grid(values: torch.Tensor, kept: torch.Tensor, tokens: int) -> torch.Tensor:
+    """values [C, K, ...] of every crop's kept slots (`KeptPatches`' layout) at their places on the crop's grid:
+    [C, tokens, ...], zeros at the dropped ones (`kept` [C, K]: each slot's token, padded with `tokens`)."""
+    crops, slots = kept.shape
+    out = values.new_zeros(crops, tokens + 1, *values.shape[2:])
+    index = kept.view(crops, slots, *[1] * (values.dim() - 2)).expand(crops, slots, *values.shape[2:])
+    return out.scatter(1, index, values)[:, :tokens]
+
+
+class TowerPlan:
+    """One call's tower stage for one modality, decided before the tower runs (`TowerSite.plan_crops` /
+    `plan_groups`), then filled while it runs.
+
+    counts: tokens leaving the tower per entry (a crop on the LLaVA families, an image on Qwen), host ints.
+    images / crops: each entry's image (within the modality) and crop index. grid: the (H, W) token grid of every
+    crop (LLaVA families) or None (Qwen: `selected.grids`). selected: an input method's kept units (`Selected`;
+    None for a method acting in the layers). timer: the selection's time (input), the merges' inside the tower's
+    blocks (layers: `Intervals`).
+    patches: while a CLIP/SigLIP tower runs on kept patches, its `KeptPatches`; merges: ToMe's `MergeState` of
+    the call, once the tower ran. device: the pixels' device.
+    """
+
+    def __init__(self, site: TowerSite, counts: list[int], images: list[int], crops: list[int],
+                 grid: tuple[int, int] | None, selected: Selected | None, timer: Stopwatch | Intervals,
+                 device: torch.device) -> None:  # fmt: skip
+        self.site, self.counts, self.images, self.crops = site, list(counts), list(images), list(crops)
+        self.grid, self.selected, self.timer, self.device = grid, selected, timer, device
+        self.patches: KeptPatches | None = None
+        self.merges: MergeState | None = None
+        self._kept: torch.Tensor | None = None
+
+    @property
+    def keeps_grid(self) -> bool:
+        return self.site.stage.keeps_grid
+
+    def item_counts(self) -> list[int]:
+        """Tokens leaving the tower per image (its entries' counts summed), host ints."""
+        out = [0] * (max(self.images, default=-1) + 1)
+        for image, count in zip(self.images, self.counts, strict=True):
+            out[image] += count
+        return out
+
+    # ----------------------------------------------------------------- a CLIP / SigLIP tower (LLaVA families)
+    def running(self, encoder: nn.Module, attention: str) -> Any:
+        """The context the tower runs in: the kept patches' rows (input) or a timer whose end takes the merge
+        state of this thread's call (layers)."""
+        return _Running(self, encoder, attention)
+
+    def key_valid(self) -> torch.Tensor | None:
+        """[C, p + K] the real keys of the tower's padded crops (PixelPrune), for probes reading [CLS] rows."""
+        if self.patches is None or not self.patches.ragged:
+            return None
+        valid = self.patches.valid
+        return torch.cat([torch.ones_like(valid[:, : int(self.patches.cls)]), valid], dim=1)
+
+    def crop_tokens(self, features: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]:
+        """What the encoder stage gets of every crop from the tower's output features [C, K, D] (patch tokens,
+        [CLS] dropped): (features, grid, valid). Input methods: the crop's full grid [C, H * W, D], the dropped
+        patches zero and invalid. Layers: the N' merged tokens as a 1 x N' row, all valid."""
+        if self.patches is None:
+            return features, (1, features.shape[1]), None
+        tokens = self.grid[0] * self.grid[1]
+        return on_grid(features, self.patches.kept, tokens), self.grid, self.grid_valid()
+
+    def grid_valid(self) -> torch.Tensor:
+        """[C, H * W] bool: the patches the tower kept, per crop."""
+        kept = self.patches.kept
+        mask = torch.zeros(kept.shape[0], self.grid[0] * self.grid[1] + 1, dtype=torch.bool, device=kept.device)
+        return mask.scatter(1, kept, True)[:, :-1]
+
+    def signal_on_grid(self, value: Any) -> Any:
+        """A per-token signal [C, K, ...] of the kept slots (or a callable giving one) put on the crops' grid."""
+        if self.patches is None:
+            return value
+        tokens, kept = self.grid[0] * self.grid[1], self.patches.kept
+        if callable(value):
+            return lambda: on_grid(value(), kept, tokens)
+        return on_grid(value, kept, tokens)
+
+    # ----------------------------------------------------------------- a Qwen-VL tower
+    def kept_groups(self) -> torch.Tensor:
+        """[K] the kept units' indices over all units of the call, on the pixels' device (copied once)."""
+        if self._kept is None:
+            self._kept = to_device(self.selected.kept, self.device)
+        return self._kept
+
+    def groups_on_grid(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [K, D] of the kept groups, image after image -> [U, D] every group of the call, zeros at the
+        dropped ones (raster order per image, images one after another)."""
+        units = len(self.selected.keep)
+        return rows.new_zeros(units, rows.shape[-1]).index_copy(0, self.kept_groups().to(rows.device), rows)
+
+    def offsets(self, device: torch.device | str) -> list[torch.Tensor]:
+        """Per image, the ascending offsets of its kept groups within its placeholder run (copied without a sync)."""
+        return [to_device(self.selected.kept_of(i), device) for i in range(len(self.counts))]
+
+    # ----------------------------------------------------------------- records
+    def records(self) -> LazyRecords:
+        """The tower records of this plan (built when read; ToMe's once the tower ran)."""
+        stage = self.site.stage
+        if self.selected is not None:
+            return pixelprune_records(stage.method, self.selected, self.timer, stage.shape.merge, self.images,
+                                      self.device, self.crops)  # fmt: skip
+        return LazyRecords(
+            lambda: (
+                list(tome_records(stage.method, self.merges, self.timer, self.grid, self.images, self.crops))
+                if self.merges is not None
+                else []
+            )
+        )
+
+
+class _Running:
+    """`TowerPlan.running`: the context around one CLIP / SigLIP tower call."""
+
+    def __init__(self, plan: TowerPlan, encoder: nn.Module, attention: str) -> None:
+        self.plan, self.encoder, self.attention = plan, encoder, attention
+        self._inner = None
+
+    def __enter__(self) -> TowerPlan:
+        plan = self.plan
+        if plan.selected is not None:
+            stage = plan.site.stage
+            self._inner = KeptPatches(self.encoder, plan.selected, stage.shape.cls, self.attention, plan.device)
+            plan.patches = self._inner.__enter__()
+        else:
+            plan.timer = Intervals()
+            plan.site.merging.time_merges(plan.timer)
+        return plan
+
+    def __exit__(self, *exc: Any) -> None:
+        plan = self.plan
+        if self._inner is not None:
+            self._inner.__exit__(*exc)
+            return
+        plan.site.merging.time_merges(None)
+        plan.merges = plan.site.merging.last()
+
+
+class TowerSite:
+    """Where the tower stage meets one transformers model (the adapter holds it beside its `TowerStage`): what
+    `patch` installs for the method (ToMe's merging blocks, through the adapter's hook owner) and, per call, the
+    plan made before the tower runs (`plan_crops`, `plan_groups`)."""
+
+    def __init__(self, stage: Any, tower: nn.Module | None = None) -> None:
+        """stage: the `vtoken.stages.tower.TowerStage`; tower: the CLIP / SigLIP tower a method acting in the
+        layers merges in (checked here, installed by `install`)."""
+        self.stage = stage
+        self.tower = tower
+        self.attention = hf.attention_implementation(tower) if tower is not None else "sdpa"
+        self.merging: ToMeTower | None = None
+        if stage.acts == "layers":
+            self.merging = ToMeTower(stage.method, tower.encoder.layers, stage.shape, self.attention)
+
+    def install(self, hooks: Any) -> None:
+        """Install what the method needs on the model, each undo kept by `hooks` (the adapter's `HookOwner`)."""
+        if self.merging is not None:
+            self.merging.install()
+            hooks.on_remove(self.merging.remove)
+
+    def plan_crops(self, crops: torch.Tensor, grid: tuple[int, int], images: list[int],
+                   crop_index: list[int]) -> TowerPlan:  # fmt: skip
+        """The plan of a CLIP / SigLIP tower call on crops [C, 3, H, W] of (H, W)-patch `grid` each."""
+        device = crops.device
+        if self.stage.acts == "input":
+            selected, timer = self.stage.select(crops, [grid] * crops.shape[0])
+            return TowerPlan(self, selected.counts, images, crop_index, grid, selected, timer, device)
+        counts = self.stage.counts([grid] * crops.shape[0])
+        return TowerPlan(self, counts, images, crop_index, grid, None, Intervals(), device)
+
+    def plan_groups(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> TowerPlan:
+        """The plan of a Qwen-VL tower call on `pixel_values` [S, D] of images of (1, h, w) patches each."""
+        selected, timer = self.stage.select(pixel_values, grids)
+        images = list(range(len(grids)))
+        return TowerPlan(self, selected.counts, images, [0] * len(grids), None, selected, timer, pixel_values.device)

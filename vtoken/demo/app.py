@@ -109,7 +109,8 @@ def _first_clause(reason: str) -> str:
 
 
 def configurations(model, methods: list[str], compose: list[str], layout: str, params: dict) -> list[runs.Config]:
-    """One configuration per ticked method; encoder-only methods get the composed LLM-stage methods after them.
+    """One configuration per ticked method; encoder-only and tower-only methods get the composed LLM-stage methods
+    after them.
     The layout is the one asked for where every method of the configuration takes it, else one they all take
     (MustDrop on LLaVA-NeXT: "official"), named in the configuration's label. A parameter the controls leave unset
     takes the value that fits the model (`fitting_params`: PruneVid's layer=None while its cut is not wired), else
@@ -120,7 +121,8 @@ def configurations(model, methods: list[str], compose: list[str], layout: str, p
     params = {n: {**fitting_params(model, n), **params.get(n, {})} for n in {*methods, *compose}}
     for name in methods:
         stages = method_class(name).stages
-        names = [name] + ([c for c in compose if c != name] if tuple(stages) == ("encoder",) else [])
+        before_llm = tuple(stages) in (("encoder",), ("tower",))
+        names = [name] + ([c for c in compose if c != name] if before_llm else [])
         fitting = None
         for n in names:
             layouts = applicable_layouts(model, n, **params.get(n, {}))
@@ -484,7 +486,7 @@ def model_state(name: str) -> dict[str, Any]:
         "expected_state": (question, answer) if answer else None,
         "methods": names,
         "ticked": ticked,
-        "composable": [m for m in names if "encoder" not in method_class(m).stages],
+        "composable": [m for m in names if not {"tower", "encoder"} & set(method_class(m).stages)],
         "layouts": list(view.layouts),
         "defaults": {m: default_params(model, m) for m in available_methods()},
     }

@@ -60,8 +60,11 @@ def default_params(model, name: str) -> dict[str, Any]:
 
 def control_value(control: Control, value: Any) -> tuple[bool, Any]:
     """(set it?, parameter value) from a UI value; raises InputError naming the control on bad text. A budget is
-    read as the library reads it ('0.25' a fraction kept, '144' a token count), never clamped."""
+    read as the library reads it ('0.25' a fraction kept, '144' a token count), never clamped; an empty one (or
+    'None', a budget a method leaves unset by default) is not set."""
     if control.kind == "budget":
+        if value is None or str(value).strip().lower() in ("", "none"):  # left empty: the method's own (ToMe: its r)
+            return False, None
         try:
             return True, parse_budget(str(value).strip())
         except BudgetError as err:

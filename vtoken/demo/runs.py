@@ -186,7 +186,7 @@ def offered_methods(model, processor) -> dict[str, dict[str, str | None]]:
         inputs = prepare_inputs(model, processor, "what is in the image?", **given)
         out = {}
         for name, reason in verdicts.items():
-            if reason is None and "encoder" in method_class(name).stages:
+            if reason is None and {"tower", "encoder"} & set(method_class(name).stages):  # runs before the LLM
                 params = fitting_params(model, name)
                 layout = applicable_layouts(model, name, **params)[0]
                 try:

@@ -46,10 +46,16 @@ def probe_records(model, inputs, layout: str = "native") -> tuple[list[Record], 
 
 
 def _crops(records: list[Record], method, merges: list) -> list[Crop]:
-    """The first item's crops from encoder records (selection, merging, or MustDrop's tower merge)."""
-    first = [r for r in records if r.image == 0 and r.stage in ("encoder", "encoder.merge")]
+    """The first item's crops from encoder records (selection, merging, or MustDrop's tower merge), after the tower
+    stage's where a tower method acted (alone: its records)."""
+    towers = {r.crop: r for r in records if r.image == 0 and r.stage == "tower"}
+    first = [r for r in records if r.image == 0 and r.stage in ("encoder", "encoder.merge")] or list(towers.values())
     crops = []
     for r in first:
+        tower = towers.get(r.crop)
+        if tower is not None and tower.kept is None:  # merged inside the tower (ToMe): patches per output token
+            crops.append(_merged_in_tower(r, tower))
+            continue
         rows, cols = r.grid
         n = rows * cols
         keep = np.zeros(n, dtype=bool)
@@ -73,6 +79,19 @@ def _crops(records: list[Record], method, merges: list) -> list[Crop]:
             groups = _merge_groups(method, rows, cols, r.tokens_out)
             crops.append(Crop(r.crop, r.grid, r.modality, keep, [g.tolist() for g in groups], groups))
     return crops
+
+
+def _merged_in_tower(record: Record, tower: Record) -> Crop:
+    """A crop whose tokens were merged inside the tower (its record says every patch's output token, `sources`):
+    each token the LLM got (those `record` kept, or all of them) drawn as the patches it stands for."""
+    sources = tower.extra["sources"].cpu().numpy()
+    kept = range(tower.tokens_out) if record is tower or record.kept is None else record.kept.cpu().tolist()
+    tokens = [np.flatnonzero(sources == k) for k in kept]
+    keep = np.zeros(len(sources), dtype=bool)
+    for cells in tokens:
+        keep[cells] = True
+    groups = [cells for cells in tokens if len(cells) > 1]
+    return Crop(tower.crop, tower.grid, tower.modality, keep, [cells.tolist() for cells in tokens], groups)
 
 
 def _plan_row(first: list[Record], record: Record) -> int:

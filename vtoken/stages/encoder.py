@@ -83,6 +83,11 @@ class EncoderStage:
         included), after the family packed them (`acts_on="placed"`), rather than among each crop's tokens."""
         return self.method.acts_on == "placed"
 
+    @property
+    def recorded(self) -> bool:
+        """Whether the method's selections are recorded (not `KeepAll`'s, standing in after a tower method alone)."""
+        return getattr(self.method, "recorded", True)
+
     # ----------------------------------------------------------------- checks before anything runs
     def check_takes(self, takes: Iterable[str], owner: str, advice: str = "") -> None:
         check_takes(self.method, takes, owner, advice)
@@ -178,6 +183,8 @@ class EncoderStage:
 
     def placed_records(self, picks: PlacedPicks, modality: str) -> LazyRecords:
         """One record per item of a placed selection (grid (1, L_i): `kept` indexes its run), built when read."""
+        if not self.recorded:
+            return LazyRecords(list)
         name, lengths, counts, kept, timer = self.name, picks.lengths, picks.counts, picks.kept, picks.timer
 
         def build() -> list[Record]:
@@ -201,6 +208,8 @@ class EncoderStage:
         """One record per crop; `crop_index[c]` is crop c's index within its image (or frame within its video),
         `images` (where the caller knows them on the host) the image of every crop. Built when first read: the
         forward keeps only the small tensors they need (kept indices, which tokens were valid)."""
+        if not self.recorded:
+            return LazyRecords(list)
         name, grid, num_crops, num_tokens = self.name, tokens.grid, tokens.num_crops, tokens.num_tokens
         valid, given, image_index = tokens.valid, tokens.valid_counts, tokens.image_index
         counts = selection.counts_per_crop()

@@ -1,4 +1,11 @@
-"""LLaVA-1.5 (`LlavaForConditionalGeneration`): CLIP ViT with [CLS], MLP projector, one 24x24 crop per image."""
+"""LLaVA-1.5 (`LlavaForConditionalGeneration`): CLIP ViT with [CLS], MLP projector, one 24x24 crop per image.
+
+Tower stage (METHODS-4-tower.md): PixelPrune drops the patch rows its pixels predict after the embeddings, [CLS]
+kept, every patch keeping its position embedding (`KeptPatches`); the encoder method then sees the crop's full grid
+with the dropped patches invalid, and its [CLS] signals over the kept patches. ToMe merges inside the blocks up to
+the feature layer (`ToMeTower`); the encoder method sees the N' merged tokens as a 1 x N' row. Positions are
+renumbered either way.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +17,21 @@ from typing import Any, ClassVar
 
 import torch
 
-from vtoken.errors import InputError
+from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.geometry.tables import on_device
 from vtoken.records import LazyRecords, Record
+from vtoken.stages.tower import OUTPUT_SIGNALS
 from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
 from ..base import Adapter, EncodedImages, Modality
 from ..probes import RECEIVED, ClsAttentionProbe, ColumnAttentionProbe, tower_blocks, tower_signals
+from ..tower import BIASED_ATTENTION, TowerPlan
+
+# per-token signals of the kept patches that go on the crop's grid after PixelPrune (besides "cls_attention*")
+GRID_SIGNALS = ("keys", "clip_features")
 
 
 class LlavaAdapter(Adapter):
@@ -30,6 +42,7 @@ class LlavaAdapter(Adapter):
     clip_tower: ClassVar[bool] = True
     model_types = ("llava",)
     model_classes = ("LlavaForConditionalGeneration", "LlavaModel")
+    tower_acts = ("input", "layers")  # PixelPrune's kept patches, ToMe's merging blocks
     modalities = (
         Modality("image", "pixel_values", "image_token_id",
                  ("vision_feature_layer", "vision_feature_select_strategy", "image_sizes")),
@@ -53,6 +66,14 @@ class LlavaAdapter(Adapter):
 
     def validate(self) -> None:
         super().validate()
+        tower = self.tower_method
+        attention = hf.attention_implementation(self.tower)
+        if tower is not None and tower.acts == "input" and attention not in BIASED_ATTENTION:
+            raise VTokenError(
+                f"{tower.name} runs the tower on every crop's kept patches, padded to the longest crop with a key "
+                f"mask, which the {attention!r} attention of this tower cannot take; load the vision tower with "
+                "attn_implementation 'sdpa' or 'eager'"
+            )
         if "tower_merge" in getattr(self.encoder_method, "requires", ()):
             self.encoder_method.check_grid(self.grid)  # a merge by windows needs a grid they tile (MustDrop)
         if "clip_features" in getattr(self.encoder_method, "requires", ()):
@@ -79,6 +100,58 @@ class LlavaAdapter(Adapter):
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return self.inner.multi_modal_projector(features)
+
+    # ----------------------------------------------------------------- the tower stage
+    def tower_signals(self) -> set[str]:
+        """After PixelPrune the [CLS] rows and keys of the kept patches, put on the crop's grid (the dropped patches
+        invalid); after ToMe only what the merged tokens carry themselves (their CLIP features)."""
+        per_token = {"clip_features"}
+        if self.tower_stage.keeps_grid:
+            per_token |= {"keys"} | {n for n in self.available_signals() if n.startswith("cls_attention")}
+        return self.available_signals() & (set(OUTPUT_SIGNALS) | per_token)
+
+    def plan_tower(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> TowerPlan | None:
+        crops = self.image_crops(modality, pixel_values, **encoder_kwargs)
+        if crops is None:
+            return None
+        crops, images, crop_index = crops
+        self.check_tower_layer(encoder_kwargs.get("vision_feature_layer"))
+        return self.tower_site.plan_crops(crops, self.grid, images, crop_index)
+
+    def image_crops(
+        self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any
+    ) -> tuple[torch.Tensor, list[int], list[int]] | None:
+        """The crops [C, 3, H, W] the image tower runs on for `modality`'s inputs, each crop's image and its index
+        within it (None: no tower call of the tower stage's, e.g. videos)."""
+        if modality.name != "image":
+            return None
+        return pixel_values, list(range(pixel_values.shape[0])), [0] * pixel_values.shape[0]
+
+    def check_tower_layer(self, vision_feature_layer: Any) -> None:
+        """A method merging inside the tower merges up to the feature layer read at `patch`: a call reading another
+        one is refused."""
+        if self.tower_stage.acts != "layers" or vision_feature_layer is None:
+            return
+        layers = self._feature_layers(vision_feature_layer)
+        block = self._attention_layer(layers[0]) if len(layers) == 1 else None
+        if block != self.tower_stage.shape.feature_block:
+            raise InputError(
+                f"vision_feature_layer={vision_feature_layer!r}: {self.tower_stage.name} merges in the tower's blocks "
+                f"up to the feature layer the model was patched with (the output of block "
+                f"{self.tower_stage.shape.feature_block}); call without vision_feature_layer, or patch again"
+            )
+
+    def tower_tokens(
+        self, plan: TowerPlan | None, features: torch.Tensor, signals: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, Any], tuple[int, int], torch.Tensor | None, list[int] | None]:
+        """What the encoder stage gets after the tower stage of `plan`: (features, signals, grid, valid, host valid
+        counts). Without a plan, the tower's own crops."""
+        if plan is None:
+            return features, signals, self.grid, None, None
+        features, grid, valid = plan.crop_tokens(features)
+        signals = {name: plan.signal_on_grid(value) if name in GRID_SIGNALS or name.startswith("cls_attention")
+                   else value for name, value in signals.items()}  # fmt: skip
+        return features, signals, grid, valid, list(plan.counts) if valid is not None else None
 
     def kept_embeddings(self, tokens: VisualTokens, selection: Selection) -> list[torch.Tensor]:
         """Per crop, [k_c, D] projected kept tokens (views of `kept_flat`)."""
@@ -111,12 +184,17 @@ class LlavaAdapter(Adapter):
         tower: Any = None,
         with_cls: bool = False,
         key_valid: Any = None,
+        plan: TowerPlan | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the CLIP tower (default: `self.tower`) on crops [C, 3, H, W]: patch features [C, N, Dv] (with the
         [CLS] feature first, [C, 1 + N, Dv], if `with_cls`) and the signals methods need ("cls_token": the [CLS]
         feature, [C, Dv], for methods that send it to the LLM). key_valid: a callable giving [C, S] the tokens
-        that are real after a merge inside the tower, for the [CLS] rows' softmax (None: all)."""
+        that are real after a merge inside the tower, for the [CLS] rows' softmax (None: all). plan: the tower
+        stage's plan of this tower call: the tower runs on its kept patches (features [C, K, Dv] of the kept slots,
+        `plan.patches` says which) or merges in its blocks (features [C, N', Dv])."""
         tower = tower or self.tower
+        if plan is not None and plan.selected is not None:
+            key_valid = plan.key_valid
         self.check_select_strategy(vision_feature_select_strategy)
         layers = self._feature_layers(vision_feature_layer)
         method, depth = self.encoder_method, len(tower.encoder.layers)
@@ -137,6 +215,8 @@ class LlavaAdapter(Adapter):
             probes.setdefault((layer, "column"), ColumnAttentionProbe(tower.encoder.layers[layer].self_attn))
             wanted[name] = ((layer, "column"), "patch_scores")
         with ExitStack() as stack:
+            if plan is not None:
+                stack.enter_context(plan.running(tower.encoder, hf.attention_implementation(tower)))
             for probe in probes.values():
                 stack.enter_context(probe)
             states = hf.hidden_states(tower, layers, crops)
@@ -228,13 +308,16 @@ class LlavaAdapter(Adapter):
         if "tower_merge" in self.encoder_method.requires:
             groups = [1] * pixel_values.shape[0]
             return self.encode_merged(pixel_values, vision_feature_layer, vision_feature_select_strategy, groups)
-        features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
+        plan = self.tower_plan(modality)
+        features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy,
+                                               plan=plan)  # fmt: skip
+        features, signals, grid, valid, counts = self.tower_tokens(plan, features, signals)
         num_images, device = features.shape[0], features.device
-        valid = None
         if getattr(self.encoder_method, "excludes_pad_border", False):  # read from the pixels: the method counts
-            valid = outside_pad_border(pixel_values, self.tower.config.patch_size).to(device)
-        tokens = VisualTokens(features, self.grid, signals, torch.arange(num_images, device=device), valid,
-                              image_of_crop=list(range(num_images)))  # fmt: skip
+            border = outside_pad_border(pixel_values, self.tower.config.patch_size).to(device)
+            valid, counts = (border if valid is None else valid & border), None
+        tokens = VisualTokens(features, grid, signals, torch.arange(num_images, device=device), valid,
+                              image_of_crop=list(range(num_images)), valid_counts=counts)  # fmt: skip
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
         records = self.encoder.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))

@@ -18,12 +18,18 @@ in the padded border are dropped and a crop can end below its budget (records re
 `tokens_out` and the picks in `selected`). HiRED's official packing swaps rows and columns for non-square crop
 grids; tiles here sit at their true positions. The LLM then sees a sequence the checkpoint was not trained on,
 so use these layouts to reproduce published numbers, not for best accuracy.
+
+Tower stage: PixelPrune drops patches of every crop before the tower; in either layout the dropped patches are
+invalid cells of their crop (native: unpadded, newlines after rows that keep tokens). ToMe merges inside the tower,
+so its tokens have no grid: `layout="official"` only, every crop alike and flat (base crop, then the grid crops, no
+unpadding, no newline: MustDrop's packing); the native layout is refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from vtoken.errors import InputError, VTokenError
@@ -34,6 +40,7 @@ from vtoken.registry import available_methods, method_class
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality, output_places
+from ..tower import TowerPlan
 from .llava import LlavaAdapter
 
 # an image's crops (kept for the name tests and tools know; the geometry lives in `vtoken.geometry.anyres`)
@@ -67,6 +74,13 @@ class LlavaNextAdapter(LlavaAdapter):
             raise VTokenError(
                 f"layout='official' on {self.family} is implemented for {', '.join(official_layout_methods())}; "
                 f"{unsupported} have no official LLaVA-NeXT layout here; use layout='native'"
+            )
+        tower = self.tower_method
+        if tower is not None and tower.acts == "layers" and self.layout == "native":
+            raise VTokenError(
+                f"{tower.name} merges tokens inside the vision tower, so they no longer sit on the crop grid that "
+                f"{self.family}'s native layout unpads and ends with newlines; use layout='official' (every crop "
+                "merged alike, crops concatenated flat: base crop, then the grid crops, no unpadding, no newline)"
             )
         if self.layout == "native" and "tower_merge" in getattr(self.encoder_method, "requires", ()):
             raise VTokenError(
@@ -113,7 +127,56 @@ class LlavaNextAdapter(LlavaAdapter):
         return [layout.native_length() for layout in self._layouts(pixel_values, image_sizes)]
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
+        plan = self.tower_plan(modality)
+        if plan is not None and self.flat_after_tower(plan):  # every crop's count, crops concatenated
+            per_crop = [self.encoder_method.planned_count(n) for n in plan.counts]
+            if None not in per_crop:
+                out = [0] * len(run_lengths)
+                for image, n in zip(plan.images, per_crop, strict=True):
+                    out[image] += n
+                return out
         return [None] * len(run_lengths)  # newlines follow which rows keep tokens: known only after selection
+
+    def flat_after_tower(self, plan: TowerPlan) -> bool:
+        """The layout packs every crop's kept tokens flat after the tower stage (no unpadding, no newline): ToMe's
+        tokens always; PixelPrune's in the official layout of a method that unpads nowhere."""
+        packing = {"unpad after selection", "unpad before selection", "newline after base-only image"}
+        return plan.selected is None or (
+            self.layout == "official" and not packing & set(self.encoder_method.official_packing)
+        )
+
+    def image_crops(
+        self, modality: Modality, pixel_values: torch.Tensor, image_sizes: Any = None, **encoder_kwargs: Any
+    ) -> tuple[torch.Tensor, list[int], list[int]] | None:
+        if modality.name != "image":
+            return None
+        layouts = self._layouts(pixel_values, image_sizes)
+        if pixel_values.dim() == 5:
+            pixel_values = torch.cat([p[: lay.num_crops] for p, lay in zip(pixel_values, layouts, strict=True)])
+        images = [i for i, layout in enumerate(layouts) for _ in range(layout.num_crops)]
+        return pixel_values, images, [c for layout in layouts for c in range(layout.num_crops)]
+
+    def encode_flat(
+        self, plan: TowerPlan, pixel_values: torch.Tensor, vision_feature_layer: Any,
+        vision_feature_select_strategy: str | None,
+    ) -> EncodedImages:  # fmt: skip
+        """After ToMe: every crop's merged tokens to the encoder method, its kept ones concatenated flat per image
+        (base crop first, no newline)."""
+        features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy,
+                                               plan=plan)  # fmt: skip
+        features, signals, grid, _, _ = self.tower_tokens(plan, features, signals)
+        device = features.device
+        images = plan.images
+        tokens = VisualTokens(features, grid, signals, on_device(images, device), None, on_device(plan.crops, device),
+                              image_of_crop=images)  # fmt: skip
+        selection, timer = self.select(tokens)
+        embeds = self.kept_flat(tokens, selection)
+        per_crop = selection.counts_per_crop()
+        per_image = [0] * (max(images) + 1)
+        for image, n in zip(images, per_crop, strict=True):
+            per_image[image] += n
+        records = self.encoder.crop_records(tokens, selection, timer, plan.crops, images=images)
+        return EncodedImages(list(embeds.split(per_image)), None, records)
 
     def encode(
         self,
@@ -129,7 +192,12 @@ class LlavaNextAdapter(LlavaAdapter):
         if "tower_merge" in self.encoder_method.requires:  # MustDrop's official packing: crops flat
             groups = [layout.num_crops for layout in layouts]
             return self.encode_merged(pixel_values, vision_feature_layer, vision_feature_select_strategy, groups)
-        features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy)
+        plan = self.tower_plan(modality)
+        if plan is not None and plan.selected is None:  # merged inside the tower: flat
+            return self.encode_flat(plan, pixel_values, vision_feature_layer, vision_feature_select_strategy)
+        features, signals = self.vision_tokens(pixel_values, vision_feature_layer, vision_feature_select_strategy,
+                                               plan=plan)  # fmt: skip
+        features, signals, _, kept, kept_counts = self.tower_tokens(plan, features, signals)
         device = features.device
         official = self.layout == "official"
         method = self.encoder_method
@@ -142,13 +210,16 @@ class LlavaNextAdapter(LlavaAdapter):
         unpads = not official or "unpad before selection" in method.official_packing
         unpads_after = official and "unpad after selection" in method.official_packing
         unpadded = crop_valid(layouts, device) if unpads or unpads_after else None
+        valid, counts = (unpadded, valid_counts) if unpads else (None, None)
+        if kept is not None:  # PixelPrune's dropped patches: invalid cells of their crops
+            valid = kept if valid is None else valid & kept
+            counts = kept_counts if counts is None else _kept_valid_counts(layouts, plan)
         crop_grid = {i: (layout.rows, layout.cols) for i, layout in enumerate(layouts)}
         if "sequence_index" in method.uses:  # the image's tokens as packed: base view, then the stitched grid
             signals["sequence_index"] = sequence_index(layouts, device)
         tokens = VisualTokens(
             features, self.grid, signals, repeated(list(range(len(crops))), crops, device),
-            unpadded if unpads else None, on_device(crop_index, device), crop_grid,
-            image_of_crop=images, valid_counts=valid_counts if unpads else None,
+            valid, on_device(crop_index, device), crop_grid, image_of_crop=images, valid_counts=counts,
         )  # fmt: skip
         selection, timer = self.select(tokens)
         places = output_places(selection)
@@ -163,6 +234,15 @@ class LlavaNextAdapter(LlavaAdapter):
         if drop is not None:
             records = _after_unpadding(records, packed.reached, places, drop)
         return EncodedImages(packed.per_image(), None, records)
+
+
+def _kept_valid_counts(layouts: list[AnyresGrid], plan: TowerPlan) -> list[int]:
+    """Per crop, its patches that both survive unpadding and were kept by the tower stage, counted on the host
+    (the unpadding windows from the image sizes, the kept patches from the plan's host selection)."""
+    unpadded = crop_valid(layouts, "cpu").numpy()  # host work: no device read
+    kept = np.zeros(unpadded.size, dtype=bool)
+    kept[plan.selected.kept] = True
+    return (unpadded & kept.reshape(unpadded.shape)).sum(1).tolist()
 
 
 def _after_unpadding(records: Any, reached: list[int], places: torch.Tensor, drop: torch.Tensor) -> Any:

@@ -63,6 +63,12 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         Modality("video", "pixel_values_videos", "video_token_id", FEATURE_KWARGS),
     )  # fmt: skip
     stacked_features = frozenset({"video"})
+    tower_acts = ()  # not wired: see tower_note
+    tower_note = (
+        "Tower methods (tome, pixelprune) are not wired for LLaVA-OneVision yet: its images' crops are stitched, "
+        "unpadded and bilinearly downsampled after the tower, so a dropped or merged token has no cell in that grid, "
+        "and the flat layout the spec gives them (every crop alike, no unpadding, no newline) is not offered here"
+    )
     video_run_trailer = 1  # a video's placeholder run ends with one image_newline, not a frame token
 
     @property

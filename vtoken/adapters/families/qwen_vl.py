@@ -16,6 +16,11 @@ Per temporal patch of a video, from the hooked queries and keys of a ViT block (
 group's mean key, head mean) and "tower_attention" (HoliTom, an extension: the last full-attention block's
 attention each patch receives, mean over heads and queries, then over its merge group), per merged token.
 A merging method's tokens keep the positions of the tokens they stand at (sorted, as the prompt keeps them).
+
+Tower stage: PixelPrune decides before the tower which 2 x 2 merge groups of every image go through it (from the
+pixels: one read of the kept mask), the prompt keeps those groups' placeholders at their original M-RoPE positions
+(holes deleted; `image_grid_thw` unchanged), and the tower runs on their pixel rows only (`qwen_pruned_tower`). An
+encoder method then sees every image's full token grid with the dropped groups invalid.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from vtoken.tokens import Selection, VisualTokens
 from .. import hf
 from ..base import Adapter, EncodedImages, Modality, flat_kept, output_places
 from ..probes import RECEIVED, VisionQueryKeyProbe, tower_blocks, tower_signals
+from ..tower import TowerPlan, qwen_pruned_tower
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
@@ -49,6 +55,7 @@ class QwenVLAdapter(Adapter):
     )
     positions = "original"
     token_columns = {"mm_token_type_ids": 0}
+    tower_acts = ("input",)  # PixelPrune: the tower runs on the kept merge groups' rows
 
     @property
     def merge(self) -> int:
@@ -155,6 +162,22 @@ class QwenVLAdapter(Adapter):
         grids = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
         return [item_tokens(g, self.merge) for g in grids]
 
+    def plan_tower(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> TowerPlan | None:
+        if modality.name != "image":
+            return None
+        grids = self._grids(modality, pixel_values, encoder_kwargs.get(GRID_KEYS[modality.name]))
+        return self.tower_site.plan_groups(pixel_values, grids)
+
+    def planned_offsets(
+        self, modality: Modality, run_lengths: list[int], planned: list[int]
+    ) -> list[int | torch.Tensor] | None:
+        """After PixelPrune alone, the kept groups of every image (known before the tower, original positions);
+        else known only after selecting."""
+        plan = self.tower_plan(modality)
+        if plan is None or not self.tower_alone:  # an encoder method chooses among them after the tower
+            return None
+        return plan.offsets(plan.device)
+
     def _rope_positions(self, kwargs: dict[str, Any], grids: dict[str, Any]) -> torch.Tensor:
         """[4, B, L] positions of the prompt in `kwargs` as the stock model builds them: text row + t/h/w rows."""
         if kwargs.get("mm_token_type_ids") is None:
@@ -250,20 +273,26 @@ class QwenVLAdapter(Adapter):
         grids = self._grids(modality, pixel_values, given)
         grid_thw = torch.as_tensor(given)
         visual = self.inner.visual
-        probes = self.attention_probes()
+        plan = self.tower_plan(modality)
+        probes = self.attention_probes() if plan is None else {}  # (refused at patch after a tower method)
         with ExitStack() as stack:
             for probe in {id(p): p for p in probes.values()}.values():  # each block's probe once
                 stack.enter_context(probe)
-            out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
+            if plan is None:
+                out = visual(pixel_values.type(visual.dtype), grid_thw=grid_thw.to(pixel_values.device))
+            else:  # the tower on the kept groups only; their outputs put back on every image's grid
+                out = qwen_pruned_tower(visual, pixel_values, grids, plan.selected)
         attention = self.attention_signals(probes, grids) if probes else None
-        merged = out.pooler_output
+        merged = out.pooler_output if plan is None else plan.groups_on_grid(out.pooler_output)
         device = merged.device
         sizes = [item_tokens(g, self.merge) for g in grids]
-        wants_groups = bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
+        left = None if plan is None else plan.selected.keep.to(device).split(sizes)  # the tower's kept groups
+        wants_groups = plan is None and bool({"merge_features", "vision_features"} & set(self.encoder_method.requires))
         if wants_groups:  # last block output pooled per merge group, in raster order
             groups = out.last_hidden_state.view(merged.shape[0], self.merge**2, -1).mean(dim=1)
             groups = self.raster_order(groups, grids).split(sizes)
-        companions = [c.split(sizes) for c in self.companion_features(out)]
+        companions = self.companion_features(out)
+        companions = [(c if plan is None else plan.groups_on_grid(c)).split(sizes) for c in companions]
         features, offsets, parts, followers, checks = [], [], [], [], []
         for index, (tokens, thw) in enumerate(zip(merged.split(sizes), grids, strict=True)):
             frames, grid = thw[0], token_grid(thw, self.merge)
@@ -274,6 +303,9 @@ class QwenVLAdapter(Adapter):
                 signals.update({"merge_features": pooled, "vision_features": pooled})
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device),
                                  image_of_crop=[index] * frames)  # fmt: skip
+            valid = None if left is None else left[index].view(frames, -1)  # the tower's dropped groups: invalid
+            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device), valid,
+                                 valid_counts=None if left is None else [plan.counts[index]])  # fmt: skip
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
                 resized_grid_thw(frames, selection.grid or grid, self.merge)

@@ -24,6 +24,11 @@ OVERRIDE_KEY = "vtoken"
 KEYS = ("method", "layout")  # besides the methods' own parameters
 
 WHY_NOT_SERVED = {
+    "tower": "it acts before or inside the vision tower on some of its rows (PixelPrune's kept merge groups, with "
+    "their own rotary and position-embedding taps and per-image sequence lengths; ToMe's merges inside CLIP's "
+    "blocks, with log-size attention biases that vLLM's attention backends take no argument for), while vLLM's "
+    "Qwen-VL and CLIP towers build their tables from the whole grid inside their forward; the plugin does not run "
+    "a tower of its own yet",
     "prefill": "it drops tokens between LLM layers, inside vLLM's paged-attention forward, which a plugin cannot "
     "reach (vLLM schedules and caches every prompt token)",
     "decode": "it changes which KV-cache entries decoding attends to (evicting them, or masking them step by step), "
