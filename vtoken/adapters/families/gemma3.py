@@ -84,7 +84,9 @@ class Gemma3Adapter(FlatFeatures, Adapter):
     def encode(self, modality: Modality, pixel_values: torch.Tensor, **encoder_kwargs: Any) -> EncodedImages:
         features = self.pooled(pixel_values)
         crops = features.shape[0]
-        tokens = VisualTokens(features, self.grid, {}, torch.arange(crops, device=features.device))
+        tokens = VisualTokens(
+            features, self.grid, {}, torch.arange(crops, device=features.device), image_of_crop=list(range(crops))
+        )
         selection, timer = self.select(tokens)
         projected = tokens.signals.get("projected")
         if projected is not None and selection.kept is not None:  # a method already projected every token (MMTok)

@@ -292,8 +292,9 @@ class InternVLAdapter(FlatFeatures, Adapter):
                 base_first += [*range(1, tiles), 0]
                 crop_grid[item] = (1, tiles - 1)  # only the tile count is known (HiRED's "bands" need no more)
         device = features.device
-        tokens = VisualTokens(features, self.grid, signals, repeated(list(range(len(item_tiles))), item_tiles, device),
-                              None, on_device(base_first, device), crop_grid or None)  # fmt: skip
+        owners = repeated(list(range(len(item_tiles))), item_tiles, device)
+        tokens = VisualTokens(features, self.grid, signals, owners, None, on_device(base_first, device),
+                              crop_grid or None, image_of_crop=image_index)  # fmt: skip
         selection, timer = self.select(tokens)
         projected = tokens.signals.get("projected")
         if projected is not None and selection.kept is not None:  # a method already projected every token (MMTok)

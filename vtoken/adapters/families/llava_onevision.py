@@ -235,8 +235,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             drop_first = hidden.shape[1] < self.grid[0] * self.grid[1]  # the "default" strategy
             signals = self.video_signals(hidden, probe, drop_first)
             owners = [v for v in range(videos) for _ in range(frames)]
-            tokens = VisualTokens(pooled, (side, side), signals, repeated(list(range(videos)), [frames] * videos,
-                                                                          pooled.device))  # fmt: skip
+            index = repeated(list(range(videos)), [frames] * videos, pooled.device)
+            tokens = VisualTokens(pooled, (side, side), signals, index, image_of_crop=owners)
             selection, timer = self.select(tokens)
             per_frame = selection.counts_per_crop()
             kept = [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
@@ -256,7 +256,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         side = self.grid[0]
         base = torch.stack([p[: side * side] for p in packed])
         device = base.device
-        base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed), device=device))
+        base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed), device=device),
+                                   image_of_crop=list(range(len(packed))))  # fmt: skip
         selection, timer = self.select(base_tokens)
         parts = [self.crop_records(base_tokens, selection, timer, [0] * len(packed), images=list(range(len(packed))))]
         # every image as crops for `pack`: the base view, then its stitched grid as one sub-image of its own size
@@ -273,7 +274,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
                 continue
             height, width = self.stitched_grid(sizes[i], vision_aspect_ratio)
             stitched = features[side * side :][None]
-            tokens = VisualTokens(stitched, (height, width), {}, torch.full((1,), i, device=device))
+            tokens = VisualTokens(stitched, (height, width), {}, torch.full((1,), i, device=device), image_of_crop=[i])
             chosen, watch = self.select(tokens)
             parts.append(self.crop_records(tokens, chosen, watch, [1], images=[i]))
             grids.append(AnyresGrid(1, 1, (height, width), 0, height, 0, width))

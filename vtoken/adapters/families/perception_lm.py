@@ -124,8 +124,8 @@ class PerceptionLMAdapter(Adapter):
         items, tiles = pixel_values.shape[:2]
         features, signals = self.tile_tokens(pixel_values.flatten(0, 1))
         owners = [i for i in range(items) for _ in range(tiles)]
-        tokens = VisualTokens(features, self.grid, signals, repeated(list(range(items)), [tiles] * items,
-                                                                     features.device))  # fmt: skip
+        index = repeated(list(range(items)), [tiles] * items, features.device)
+        tokens = VisualTokens(features, self.grid, signals, index, image_of_crop=owners)
         selection, timer = self.select(tokens)
         per_tile = selection.counts_per_crop()
         kept = flat_kept(selection, features).split([sum(per_tile[i * tiles : (i + 1) * tiles]) for i in range(items)])

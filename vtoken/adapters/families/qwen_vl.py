@@ -24,11 +24,11 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from vtoken.kernels import attention_column_mean
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid, window_index
 from vtoken.geometry.tables import on_device
+from vtoken.kernels import attention_column_mean
 from vtoken.records import LazyRecords
 from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
@@ -260,7 +260,9 @@ class QwenVLAdapter(Adapter):
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals.update({"merge_features": pooled, "vision_features": pooled})
-            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device))
+            crops = VisualTokens(
+                per_frame, grid, signals, torch.full((frames,), index, device=device), image_of_crop=[index] * frames
+            )  # the image (video) on the host, for methods
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
                 resized_grid_thw(frames, selection.grid or grid, self.merge)
@@ -327,7 +329,17 @@ def follow_selection(
     if selection.mix is not None:  # a merge that says how to repeat itself (FastVID, HoliTom)
         mixed = Selection(features=selection.mix(per_crop), counts=selection.counts_per_crop())
         return flat_kept(mixed, per_crop), None
-    again = method.select(VisualTokens(per_crop, tokens.grid, {}, tokens.image_index, tokens.valid))
+    again = method.select(
+        VisualTokens(
+            per_crop,
+            tokens.grid,
+            {},
+            tokens.image_index,
+            tokens.valid,
+            valid_counts=tokens.valid_counts,
+            image_of_crop=tokens.image_of_crop,
+        )
+    )
     same = again.grid == selection.grid and again.counts == selection.counts
     agrees = None
     if selection.anchors is not None:
