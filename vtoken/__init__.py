@@ -42,6 +42,7 @@ _EXPORTS = {
     ),
     **dict.fromkeys(("ModelView", "model_view"), "modelview"),
     **dict.fromkeys(("LayerTokens", "Merged", "Selection", "TextQuery", "TextTokens", "VisualTokens"), "tokens"),
+    "warmup": "warmup",
 }
 
 
@@ -117,6 +118,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .records import Record
     from .registry import available_methods, make_method, register_method, supported_models, unregister_method
     from .tokens import LayerTokens, Merged, Selection, TextQuery, TextTokens, VisualTokens
+    from .warmup import warmup
 
 __all__ = [
     "patch",
@@ -125,6 +127,7 @@ __all__ = [
     "select",
     "patched",
     "handle_of",
+    "warmup",
     "PatchHandle",
     "available_methods",
     "applicable_methods",
