@@ -134,8 +134,11 @@ def _caller_site() -> str:
         path = os.path.abspath(frame.filename)
         name = os.path.basename(path)
         if path != here and not path.startswith(libraries) and name not in ("contextlib.py", "warnings.py"):
-            parts = path.split(os.sep)
-            short = os.sep.join(parts[-3:])
+            package = os.path.dirname(here)  # vtoken's own files by their path in the package, others' shortened
+            if path.startswith(package + os.sep):
+                short = os.path.relpath(path, os.path.dirname(package))
+            else:
+                short = os.sep.join(path.split(os.sep)[-3:])
             return f"{short}:{frame.lineno} ({frame.name})"
     return "?"
 
