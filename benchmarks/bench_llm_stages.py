@@ -48,9 +48,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 from bench_families import _build, first_k, qwen_7b_lm  # noqa: E402
-from vtoken.adapters import hf  # noqa: E402
 
 import vtoken  # noqa: E402
+from vtoken.adapters import hf  # noqa: E402
 from vtoken.images import example_clip, example_image  # noqa: E402
 from vtoken.timing import Timing, compare  # noqa: E402
 from vtoken.zoo import build_prompt, tiny_llava, tiny_onevision  # noqa: E402
