@@ -31,6 +31,8 @@ from vtoken.zoo import TINY_MODELS, build_prompt
 VIDEO = ("dycoke", "fastvid", "holitom", "vidcom2")
 IMAGE_LLM = ("dart", "fastv", "fourier", "mustdrop", "pyramiddrop", "sparse_prefill", "sparsevlm")
 PARAMS = {"cdpruner": dict(relevance="llm"), "sparse_prefill": dict(block_size=16, min_length=16)}
+# on CUDA sparse prefill runs vtoken's kernel (auto would time FlexAttention too, compiling it for every shape)
+CUDA_PARAMS = {"sparse_prefill": dict(backend="triton")}
 GENERATE = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
 
 # the adapter's reads around an encoder selection on LLaVA-NeXT: the prompt's layout (which row holds which image)
@@ -108,8 +110,9 @@ def _model(models: dict, name: str, device: str):
     return models[key]
 
 
-def _method(name: str, model):
-    return vtoken.make_method(name, **{**fitting_params(model, name), **PARAMS.get(name, {})})
+def _method(name: str, model, device: str = "cpu"):
+    extra = CUDA_PARAMS.get(name, {}) if device == "cuda" else {}
+    return vtoken.make_method(name, **{**fitting_params(model, name), **PARAMS.get(name, {}), **extra})
 
 
 def _question(name: str) -> bool:
@@ -151,8 +154,8 @@ def test_patched_generate_on_cuda_syncs_only_where_documented(models, name):
         torch.cuda.synchronize()
         with cuda_sync_sites() as plain:
             model.generate(**inputs, **GENERATE)
-        with vtoken.patched(model, _method(name, model)):
-            vtoken.warmup(model, inputs, lengths=[inputs["input_ids"].shape[1]], max_new_tokens=3)
+        with vtoken.patched(model, _method(name, model, "cuda")):
+            vtoken.warmup(model, inputs, lengths=[inputs["input_ids"].shape[1]], measure=False, max_new_tokens=3)
             torch.cuda.synchronize()
             with count_events() as events, cuda_sync_sites() as patched:
                 model.generate(**inputs, **GENERATE)

@@ -191,8 +191,11 @@ def test_without_triton_a_host_looping_reference_is_refused(without_triton):
 
 
 def test_with_triton_the_kernel_is_registered():
+    from torch._library.custom_ops import OPDEFS
+
     _test_op("kernel", host_loop=True)
     assert torch.equal(dispatch.CUDA_KERNELS["vtoken_test::kernel"](torch.ones(2)), torch.full((2,), 3.0))
+    assert OPDEFS["vtoken_test::kernel"]._backend_fns.get("cuda") is not None  # what the dispatcher runs for CUDA
 
 
 @pytest.mark.parametrize("module, name", [("diversity", "max_min_diversity"), ("duplicates", "duplicate_removal"),
