@@ -140,7 +140,7 @@ def measure(name, model, inputs, budgets, repeats, device, dtype, encoder, metho
 
             configs[key], contexts[key] = stock, patched
         with torch.inference_mode(), vtoken.patched(model, first_k(budget)) as handle:
-            prepared, _ = handle.adapter.prepare(dict(inputs))
+            prepared, _ = handle.adapter.calls.prepare(dict(inputs))
             tokens_kept[f"oracle@{budget:g}"] = sum(r.tokens_out for r in handle.records)
 
         @torch.inference_mode()

@@ -280,6 +280,7 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
         f"vidcom2 {retention:.3f}": lambda: vtoken.VidCom2(budget=retention),
         f"fastvid {retention:.3f}": lambda: vtoken.FastVID(budget=retention),
         f"holitom {retention:.3f}": lambda: vtoken.HoliTom(budget=retention),
+        "prunevid (encoder stage, official settings)": lambda: vtoken.PruneVid(layer=None),
         "oracle (first tokens of each frame)": lambda: first_k(retention),
     }
     runs, contexts, selection, tokens = {}, {}, {}, {}

@@ -8,11 +8,13 @@ on a video of `--frames` frames (196 pooled tokens each + 1 newline; default 32 
 the LLM and the towers are cut to `--cpu-layers` layers (towers to at least 2, so that [CLS] attention exists at
 the feature layer); the table says so. VisionZip's budget is D + C per crop (split 54:10); DivPrune's is of each
 image's placed tokens (newlines included); VidCom2's, FastVID's and HoliTom's are the video's rate, frame budgets
-(segments, static windows) follow the data. The oracle keeps the first k tokens of every crop with zero selection
-cost (bench_families.py); methods whose budgets are per image (HiRED, DivPrune), per grid side (Fourier-VLM) or per
-video (VidCom2, FastVID, HoliTom) keep slightly different counts, so the visual-token column is shown next to
-every speedup. (FastVID reads SigLIP's attention-pooling head: the benchmark's tower has one, random like the rest;
-Hugging Face OneVision checkpoints need `head=`.)
+(segments, static windows) follow the data; PruneVid's (its encoder stage) sets the share of density-peak centres
+in each static or dynamic group (`cluster_ratio`), windows and groups following the data. The oracle keeps the
+first k tokens of every crop with zero selection cost (bench_families.py); methods whose budgets are per image
+(HiRED, DivPrune), per grid side (Fourier-VLM) or per video (VidCom2, FastVID, HoliTom, PruneVid) keep slightly
+different counts, so the visual-token column is shown next to every speedup. (FastVID reads SigLIP's
+attention-pooling head: the benchmark's tower has one, random like the rest; Hugging Face OneVision checkpoints
+need `head=`.)
 
     python benchmarks/bench_methods.py                  # CPU, cut depth
     python benchmarks/bench_methods.py --device cuda    # GPU, full depth, bf16
@@ -53,6 +55,9 @@ METHODS = {
     "cdpruner-llm": lambda b: vtoken.CDPruner(budget=b, relevance="llm"),  # vtoken's variant (no CLIP text tower)
     "fastvid": lambda b: vtoken.FastVID(budget=b),
     "holitom": lambda b: vtoken.HoliTom(budget=b),
+    # PruneVid has no budget (its counts follow the video): the budget sets its groups' share of density-peak
+    # centres; its cut inside the LLM is not wired yet (the encoder stage alone, LightCompress's form)
+    "prunevid": lambda b: vtoken.PruneVid(layer=None, cluster_ratio=b),
 }
 APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the others are n/a)
     "llava-1.5-7b": (
@@ -81,7 +86,7 @@ APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the
         "pool",
     ),  # fmt: skip
     "qwen2.5-vl-7b": ("mmtok", "fourier", "divprune", "cdpruner-llm", "holov-received", "random", "pool"),
-    "llava-onevision-7b video": ("vidcom2", "fastvid", "holitom", "divprune", "mmtok", "random", "pool"),
+    "llava-onevision-7b video": ("vidcom2", "fastvid", "holitom", "prunevid", "divprune", "mmtok", "random", "pool"),
 }
 # CLIP ViT-L/14's text tower (random weights like the rest), for CDPruner's official relevance on the LLaVAs
 CLIP_L_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,

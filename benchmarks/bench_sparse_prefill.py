@@ -369,7 +369,7 @@ def llm_facts(model, inputs, methods, probe_layer) -> dict:
                     model(**inputs, logits_to_keep=1)  # not 64k x 152k logits
                 return {"llm_tokens": seen["llm_tokens"], "density": None, "recall": None, "ran": "model's own"}
             with vtoken.patched(model, methods) as handle:
-                stage = handle.adapter._sparse
+                stage = handle.adapter.sparse
                 stock = stage._sparse
 
                 def capture(index, scale, q, k, v, rows, call, verdict):

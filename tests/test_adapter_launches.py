@@ -43,6 +43,8 @@ def _params(name: str, budget: float) -> dict:
         return {"p": budget, "layer": 1}  # a 2-layer LLM
     if name == "cdpruner":  # its CLIP relevance needs a CLIP checkpoint fitting the tower (test_cdpruner counts it)
         return {"budget": budget, "relevance": "llm"}
+    if name == "prunevid":  # no budget; its encoder stage alone (the cut inside the LLM is not wired)
+        return {"layer": None, "cluster_ratio": budget}
     return {"budget": budget}
 
 
@@ -55,7 +57,7 @@ def adapter_counts(model, inputs, name, **params):
     try:
         method = next(m for m in handle.methods if "encoder" in m.stages)
         adapter, selects, prepares = handle.adapter, [], []
-        select, prepare = method.select, adapter.prepare
+        select, prepare = method.select, adapter.calls.prepare
 
         def counted_select(tokens):
             with count_launches() as inner:
@@ -70,7 +72,7 @@ def adapter_counts(model, inputs, name, **params):
             return out
 
         object.__setattr__(method, "select", counted_select)
-        adapter.prepare = counted_prepare
+        adapter.calls.prepare = counted_prepare
         with torch.no_grad(), count_launches() as patched:
             model(**inputs)
         assert handle.records, "records are built when read"

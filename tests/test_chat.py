@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import make_image
 from transformers import DynamicCache, TextIteratorStreamer
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.zoo import TINY_MODELS, build_prompt
 
 FAMILIES = sorted(TINY_MODELS)

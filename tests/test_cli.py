@@ -413,3 +413,21 @@ def test_the_video_mergers_run_on_a_video_and_images_are_refused(tmp_path, capsy
         assert int(found[2]) < 785 // 2
     assert main(["run", "--model", "tiny-onevision", "--method", method, "--max-new-tokens", "1"]) == 2
     assert f"{method} acts on video inputs only" in capsys.readouterr().err
+
+
+def test_prunevid_runs_its_encoder_stage_and_names_the_cut_it_cannot_run_yet(tmp_path, capsys):
+    """`vtoken run --method prunevid --param prunevid.layer=none` merges a clip on LLaVA-OneVision; the default cut
+    inside the LLM (layer=10) is refused naming why (here: a 2-layer LLM has no layer 10 to cut after)."""
+    import re
+
+    from vtoken.images import example_clip
+
+    clip = example_clip(6)
+    path = tmp_path / "clip.gif"
+    clip[0].save(path, save_all=True, append_images=clip[1:], duration=100, loop=0)
+    args = ("--model", "tiny-onevision", "--video", str(path), "--frames", "4", "--method", "prunevid")
+    assert quick_run(*args, "--param", "prunevid.layer=none") == 0
+    found = re.search(r"visual tokens \(the LLM's input\): (\d+) -> (\d+) \(", capsys.readouterr().out)
+    assert found and int(found[1]) == 785 and int(found[2]) < 785
+    assert quick_run(*args) == 2
+    assert "layer=10 leaves no later layer" in capsys.readouterr().err

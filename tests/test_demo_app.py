@@ -169,7 +169,7 @@ def test_llm_order_matches_the_adapters_packing(name):
     records, adapter = views.probe_records(model, inputs)
     order = views.llm_order(views._crops(records, None, []), adapter, inputs)
     with vtoken.patched(model, vtoken.Random(budget=1.0)) as handle:
-        kwargs = handle.adapter.prepare(dict(inputs))[0]
+        kwargs = handle.adapter.calls.prepare(dict(inputs))[0]
     modality = "video" if video else "image"
     packed = kwargs["mm_encoder_outputs"][modality].pooler_output[0]
     assert len(order) == len(packed)

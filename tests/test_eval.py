@@ -426,10 +426,11 @@ def test_sweep_plot_keeps_equal_lines_apart():
     assert list(a.get_ydata()) == list(b.get_ydata()) == [0.5, 0.5]
 
 
-@pytest.mark.parametrize("method", ["fastvid", "holitom"])
+@pytest.mark.parametrize("method", ["fastvid", "holitom", "prunevid"])
 def test_the_video_mergers_through_the_vtoken_model(method, cache):
-    """FastVID and HoliTom through lmms-eval's `vtoken` model (`method=...,budget=...`): two MP4 samples batched
-    answer and count as each alone; every frame has its record; the count follows the data (no planned count)."""
+    """FastVID, HoliTom and PruneVid's encoder stage through lmms-eval's `vtoken` model (`method=...,budget=...`;
+    PruneVid: `layer=None`, no budget): two MP4 samples batched answer and count as each alone; every frame has its
+    record; the count follows the data (no planned count)."""
     from vtoken.eval.lmms_model import VTokenLMM
 
     videos = [str(data.video_path(row)) for row in data.questions("video")[:2]]
@@ -439,7 +440,8 @@ def test_the_video_mergers_through_the_vtoken_model(method, cache):
         return [{"role": "user", "content": [item, {"type": "text", "text": "what happens?"}]}]
 
     docs = [{"i": 0}, {"i": 1}]
-    lm = VTokenLMM(pretrained="tiny-onevision", method=method, budget=0.3, batch_size=2, max_frames=4)
+    params = {"layer": None, "min_tokens": 6} if method == "prunevid" else {"budget": 0.3}
+    lm = VTokenLMM(pretrained="tiny-onevision", method=method, batch_size=2, max_frames=4, **params)
     batched = lm.generate_until(requests_for(lm, docs, messages))
     lm.batch_size_per_gpu = 1
     alone = lm.generate_until(requests_for(lm, docs, messages))

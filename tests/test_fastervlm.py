@@ -3,9 +3,9 @@
 import pytest
 import torch
 from conftest import eager_cls_attention, inputs_for
-from vtoken.adapters.probes import ClsAttentionProbe
 
 import vtoken
+from vtoken.adapters.probes import ClsAttentionProbe
 from vtoken.tokens import VisualTokens
 
 

@@ -23,6 +23,7 @@ from test_vidcom2 import _clip, _placed
 from video_references import fastvid_onevision, fastvid_qwen
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.launches import count_launches
 from vtoken.tokens import VisualTokens
 from vtoken.zoo import TINY_MODELS, build_prompt
@@ -244,10 +245,40 @@ def onevision_signals(model, pixel_values):
     return pooled.flatten(1), out.pooler_output
 
 
+def feed_at_original_positions(model, input_ids, token_id, offsets, visual, steps):
+    """The bare LLaVA-style language model on `input_ids[0]` keeping only the placeholders at `offsets` (within its
+    one run) filled with `visual` [n, D], every kept column at its ORIGINAL position (gaps where tokens were
+    dropped), then greedy decoding from the unpruned length on: (prefill logits, ids [1, steps], per-step logits
+    [steps, 1, V])."""
+    ids = input_ids[0]
+    placeholders = (ids == token_id).nonzero().squeeze(1)
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[placeholders] = False
+    keep[placeholders[offsets]] = True
+    columns = keep.nonzero().squeeze(1)
+    lm = model.model.language_model
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids[columns][None])
+        embeds[0, ids[columns] == token_id] = visual
+        out = lm(inputs_embeds=embeds, position_ids=columns[None], use_cache=True)
+        logits = model.lm_head(out.last_hidden_state)
+        cache, tokens, step_logits = hf.cache_out(out), [], [logits[:, -1]]
+        for step in range(steps):
+            tokens.append(step_logits[-1].argmax(-1, keepdim=True))
+            if step == steps - 1:
+                break
+            out = lm(inputs_embeds=model.get_input_embeddings()(tokens[-1]), **hf.cache_kwargs(cache), use_cache=True,
+                     position_ids=torch.full((1, 1), len(ids) + step))  # fmt: skip
+            step_logits.append(model.lm_head(out.last_hidden_state)[:, -1])
+    return logits, torch.cat(tokens, 1), torch.stack(step_logits)
+
+
 @pytest.mark.parametrize("frames, settings", [(6, {}), (8, dict(budget=0.3, c=2, tau=0.5)), (3, dict(p=1))])
 def test_onevision_equals_the_reference_and_the_llm_fed_by_hand(onevision, frames, settings):
     """The tiny OneVision's SigLIP tower keeps its head (vision_use_head defaults to True in a config): the
-    method reads it. The LLM gets the merged frames, then the video's one newline."""
+    method reads it. The LLM gets the merged frames, then the video's one newline, each kept token at its
+    ORIGINAL position (the official `position_ids = keep_indexs`: gaps), and decoding continues at the unpruned
+    length."""
     model, processor = onevision
     inputs = video_inputs(processor, frames)
     placed = _placed(model, inputs, model.config.video_token_id)
@@ -256,6 +287,7 @@ def test_onevision_equals_the_reference_and_the_llm_fed_by_hand(onevision, frame
     expected = fastvid_onevision(tokens, attention, pooled, **settings)
     with torch.no_grad(), vtoken.patched(model, vtoken.FastVID(**settings)) as handle:
         logits = model(**inputs).logits
+        generated = greedy(model, inputs, 3)
     records = handle.records
     assert [(r.modality, r.image, r.crop, r.tokens_in) for r in records] == [
         ("video", 0, f, 196) for f in range(frames)
@@ -263,8 +295,38 @@ def test_onevision_equals_the_reference_and_the_llm_fed_by_hand(onevision, frame
     assert [r.kept.tolist() for r in records] == [[j for j, _ in rows] for rows in expected]
     assert [r.tokens_out for r in records] == [len(rows) for rows in expected]
     visual = torch.cat([torch.stack([v for _, v in rows]).float() for rows in expected] + [placed[-1:]])
-    ref = feed_language_model(model, inputs["input_ids"], model.config.video_token_id, visual)
-    assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-4
+    offsets = torch.tensor([f * 196 + j for f, rows in enumerate(expected) for j, _ in rows] + [frames * 196])
+    ref_logits, *ref_greedy = feed_at_original_positions(model, inputs["input_ids"], model.config.video_token_id,
+                                                         offsets, visual, 3)  # fmt: skip
+    assert logits.shape == ref_logits.shape and (logits - ref_logits).abs().max() <= 1e-4
+    assert_greedy_matches(generated, ref_greedy)
+    contiguous = feed_language_model(model, inputs["input_ids"], model.config.video_token_id, visual)
+    assert (contiguous - ref_logits).abs().max() > 1e-3  # the positions matter: renumbering would differ
+
+
+def test_onevision_text_turn_continues_at_the_unpruned_positions(onevision):
+    """A chat turn on the cache of a FastVID turn (original positions): the new tokens continue where the unpruned
+    conversation would (turn 1's prompt length + its generated tokens), as the bare LLM fed the whole conversation
+    by hand at those positions gives."""
+    model, processor = onevision
+    inputs = video_inputs(processor, 4)
+    settings = dict(budget=0.3, c=2)
+    new = processor.tokenizer(" and then?", add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad(), vtoken.patched(model, vtoken.FastVID(**settings)) as handle:
+        first = model.generate(**inputs, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        kept = [r.kept + 196 * r.crop for r in handle.records]
+        ids = torch.cat([first.sequences, new], 1)
+        second = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                                do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                **hf.cache_kwargs(hf.cache_out(first)))  # fmt: skip
+    placed = _placed(model, inputs, model.config.video_token_id)
+    tokens = placed[:-1].view(4, -1, placed.shape[-1])
+    attention, pooled = onevision_signals(model, inputs["pixel_values_videos"])
+    expected = fastvid_onevision(tokens, attention, pooled, **settings)
+    visual = torch.cat([torch.stack([v for _, v in rows]).float() for rows in expected] + [placed[-1:]])
+    offsets = torch.cat([*kept, torch.tensor([4 * 196])])
+    logits, *_ = feed_at_original_positions(model, ids, model.config.video_token_id, offsets, visual, 1)
+    torch.testing.assert_close(second.logits[0], logits[:, -1], atol=1e-4, rtol=0)
 
 
 def qwen_block_query_keys(model, inputs, attn):

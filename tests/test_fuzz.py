@@ -80,6 +80,8 @@ REFUSED = {
     # videos only, where the tower gives their signals: SigLIP's MAP head / ViT attention (OneVision, Qwen-VL)
     "fastvid": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
     "holitom": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
+    # videos only, where a merge of the LLM-input tokens reaches the LLM as it is (no projector after selection)
+    "prunevid": set(TINY_MODELS) - {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl"} - QWEN3,
     "holov": NO_CLS,  # score="cls"; score="received": the Qwen towers only (MROPE below)
 }
 # CDPruner's official relevance: a CLIP vision tower whose checkpoint has a text tower (a tiny CLIP is built to fit)
@@ -118,8 +120,8 @@ budgets = st.one_of(fractions, st.integers(min_value=1, max_value=800), st.just(
 
 
 ENCODER_METHODS = ("fastervlm", "random", "pool", "mmtok", "hired", "fourier", "mustdrop", "visionzip", "vispruner",
-                   "divprune", "vidcom2", "dycoke", "fastvid", "holitom", "cdpruner", "holov")  # fmt: skip
-VIDEO_MERGERS = ("fastvid", "holitom")  # counts follow segments / windows
+                   "divprune", "vidcom2", "dycoke", "fastvid", "holitom", "prunevid", "cdpruner", "holov")  # fmt: skip
+VIDEO_MERGERS = ("fastvid", "holitom", "prunevid")  # counts follow segments / windows
 PREFILL_METHODS = ("fastv", "dart", "pyramiddrop", "sparsevlm")  # LLM stages that compose with encoder methods
 METHODS = (*ENCODER_METHODS, *PREFILL_METHODS)
 
@@ -188,6 +190,15 @@ def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-lla
             max_window=draw(st.integers(1, 6)),
         )
         return vtoken.HoliTom(budget=budget, **knobs)
+    if name == "prunevid":  # tau = 1: nothing static; groups never clustered: every token kept (keep-all)
+        if full:
+            return vtoken.PruneVid(layer=None, tau=1.0, min_tokens=10**6)
+        knobs = dict(tau=draw(st.floats(-1, 1)), segment_ratio=draw(st.floats(0.01, 1)),
+                     cluster_ratio=draw(st.floats(0.01, 1)), k=draw(st.integers(1, 9)),
+                     min_tokens=draw(st.integers(0, 20)), seed=draw(st.integers(0, 99)))  # fmt: skip
+        # the cut inside the LLM (layer=K) is refused until the engine runs it: drawn now and then
+        layer = draw(st.sampled_from([None, None, None, 0]))
+        return vtoken.PruneVid(layer=layer, **knobs)
     if name == "hired":
         rate = 1.0 if full else draw(fractions)
         return vtoken.HiRED(rate=rate, alpha=draw(st.floats(0, 1)), partition=draw(st.sampled_from(["bands", "tiles"])))
@@ -348,6 +359,8 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
             return True
         if name in PREFILL_METHODS and not prefill_fits(method, family):
             return True
+        if name == "prunevid" and method.layer is not None:
+            return True  # the cut inside the LLM: not wired in the engine yet
         if name == "holitom" and method.inner_layer is not None and method.inner_layer - 1 not in drop_points(family):
             return True  # the inner merge reads layer inner_layer - 1, a softmax-attention layer before the last
         if name == "dycoke" and (family in REFUSED[name] or method.layer - 1 not in drop_points(family)):
@@ -699,6 +712,17 @@ def test_keeping_every_token_is_the_unpatched_model(name, data):
         with vtoken.patched(model, stack):
             logits = model(**inputs).logits
     assert logits.shape == reference.shape and (logits - reference).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_framefusion_is_refused_at_patch_naming_why(family):
+    """FrameFusion merges at call points inside the LLM's layers, which the engine does not offer yet: refused on
+    every family (image-only ones first for taking videos only), the model untouched."""
+    model, _ = tiny(family)
+    state = snapshot(model)
+    with pytest.raises(vtoken.VTokenError, match="video inputs only" if family not in VIDEO else "before its MLP"):
+        vtoken.patch(model, vtoken.FrameFusion())
+    assert_restored(model, state)
 
 
 def _last_real_logits(logits: torch.Tensor, row: int, side: str, target: torch.Tensor) -> float:

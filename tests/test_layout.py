@@ -71,3 +71,90 @@ def test_the_parse_sees_relative_imports():
     # the reader above must resolve `from ..x import y` inside a package, else the checks could pass vacuously
     assert "vtoken.parts" in _imports(ROOT / "zoo" / "llava.py")
     assert "vtoken.zoo.common" in _imports(ROOT / "zoo" / "llava.py")
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the vtoken modules it imports, anywhere in its file (lazy imports inside functions too; not what
+    only type checkers read, under `if TYPE_CHECKING:`). `from package import name` depends on the module `name`
+    when it is one, else on the package itself; a package's own implicit import by its submodules is not an edge."""
+    modules = {_module_name(path): path for path in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        pending = [ast.parse(path.read_text())]
+        while pending:
+            node = pending.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                    continue
+                pending.append(child)
+                if isinstance(child, ast.Import):
+                    found |= {a.name for a in child.names if a.name.startswith("vtoken")}
+                elif isinstance(child, ast.ImportFrom):
+                    if child.level:
+                        base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                        target = ".".join(base + ([child.module] if child.module else []))
+                    else:
+                        target = child.module or ""
+                    if target.startswith("vtoken"):
+                        found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target
+                                  for a in child.names}  # fmt: skip
+        resolved = set()
+        for target in found:
+            while target and target not in modules:  # `import vtoken.x.y` names a module; a class's owner module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                resolved.add(target)
+        graph[name] = resolved
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, circles, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_no_import_circle_anywhere():
+    """The package's import graph, lazy imports included, has no circle: every module can be read knowing only what
+    it imports (the registry finds methods and families; none of them imports the registry back)."""
+    graph = _import_graph()
+    assert "vtoken.adapters.hf" in graph["vtoken.adapters.base"]  # the walk sees `from . import hf`
+    assert "vtoken.adapters.families" in graph["vtoken.registry"]  # and lazy imports
+    assert _circles(graph) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the search finds one

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_greedy, greedy, inputs_for, make_image
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.zoo import build_prompt
 
 METHODS = ["fastervlm", "random", "pool"]

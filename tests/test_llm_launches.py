@@ -8,10 +8,10 @@ import contextlib
 import pytest
 import torch
 from conftest import video_inputs
-from vtoken.adapters import hf
-from vtoken.adapters.llm import prefill
 
 import vtoken
+from vtoken.adapters import hf
+from vtoken.adapters.llm import prefill
 from vtoken.launches import count_launches, no_host_syncs
 from vtoken.zoo import build_prompt, tiny_llava
 
@@ -43,17 +43,18 @@ def llava(request):
 
 @contextlib.contextmanager
 def counted_drops(monkeypatch, check=None):
-    """Count every drop's launches (`prefill.drop` wrapped); `check`: a context around each drop (no_host_syncs)."""
+    """Count every drop's launches (`PrefillRun.drop` wrapped); `check`: a context around each drop
+    (no_host_syncs)."""
     seen = []
-    drop = prefill.drop
+    drop = prefill.PrefillRun.drop
 
-    def counting(stages, layer, hidden):
+    def counting(run, layer, hidden):
         with count_launches() as counted, check() if check else contextlib.nullcontext():
-            out = drop(stages, layer, hidden)
+            out = drop(run, layer, hidden)
         seen.append(counted)
         return out
 
-    monkeypatch.setattr(prefill, "drop", counting)
+    monkeypatch.setattr(prefill.PrefillRun, "drop", counting)
     yield seen
 
 

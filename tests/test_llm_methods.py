@@ -25,9 +25,9 @@ from conftest import (
 )
 from near_ties import greedy_steps_agreeing
 from transformers import DynamicCache
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.methods.dart import dart_pick
 from vtoken.methods.sparsevlm import dpc_knn_merge, rater_mask
 from vtoken.zoo import TINY_MODELS, build_prompt

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import DEEP_LAYERS, OTHER_TINY_MODELS, captured_llm_input, inputs_for
 from transformers import DynamicCache
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.methods.mustdrop import dual_attention_filter
 from vtoken.zoo import TINY_MODELS
 
@@ -97,7 +97,7 @@ def patched_generate(model, inputs, method, steps):
     with vtoken.patched(model, method) as handle, torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=steps, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)  # fmt: skip
-        return torch.cat(out.logits), handle.records, handle.adapter._protected
+        return torch.cat(out.logits), handle.records, handle.adapter.calls.state.protected
 
 
 CASES = {
@@ -345,7 +345,7 @@ def test_tower_merge_and_key_set_match_an_eager_reference(deep_llava, single):
     method = vtoken.MustDrop(layers=(1,))
     with vtoken.patched(model, method) as handle:
         embeds = captured_llm_input(model, single)
-        protected = handle.adapter._protected[0]
+        protected = handle.adapter.calls.state.protected[0]
         records = handle.records
     tower = model.model.vision_tower
     config = tower.config.__class__.from_dict(tower.config.to_dict())
@@ -424,9 +424,10 @@ def test_mustdrop_on_llava_next_official_layout(photos):
             assert sum(r.tokens_out for r in keyset if r.image == image) == sum(
                 math.ceil(0.08 * r.tokens_out) for r in merged if r.image == image
             )
-            placeholders = int((handle.adapter._visual[image]).sum())  # the LLM's visual run
+            placeholders = int((handle.adapter.calls.state.visual[image]).sum())  # the LLM's visual run
             assert placeholders == total
-            assert int(handle.adapter._protected[image].sum()) == sum(r.tokens_out for r in keyset if r.image == image)
+            protected = handle.adapter.calls.state.protected[image]
+            assert int(protected.sum()) == sum(r.tokens_out for r in keyset if r.image == image)
         assert all(r.tokens_in == 576 for r in merged)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from vtoken.adapters.prompt import compress_prompt
 
+from vtoken.adapters.prompt import compress_prompt
 from vtoken.errors import InputError
 
 PH, PAD = 9, 0

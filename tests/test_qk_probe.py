@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers as T
 from conftest import assert_identity, make_image
-from vtoken.adapters.llm import QueryKeyProbe
 
 import vtoken
+from vtoken.adapters.llm import QueryKeyProbe
 from vtoken.zoo import build_prompt, llava_config, llava_processor, tiny_tokenizer
 
 TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -5,9 +5,9 @@ later layers (recurrent ones included) run on the shorter sequence."""
 import pytest
 import torch
 from conftest import assert_batch_beams_and_restore, assert_identity, make_image
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.images import example_clip
 from vtoken.zoo import build_prompt, tiny_qwen3_5, tiny_qwen3_5_moe
 

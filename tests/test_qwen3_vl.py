@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_batch_beams_and_restore, assert_greedy_matches, assert_identity, greedy, make_image
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.images import example_clip
 from vtoken.zoo import build_prompt, tiny_qwen3_vl, tiny_qwen3_vl_moe
 

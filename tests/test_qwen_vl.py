@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_batch_equals_one_by_one, assert_greedy_matches, assert_identity, greedy, make_image
 from PIL import Image
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.zoo import tiny_qwen2_5_vl, tiny_qwen2_vl
 
 FAMILIES = {"qwen2-vl": tiny_qwen2_vl, "qwen2.5-vl": tiny_qwen2_5_vl}

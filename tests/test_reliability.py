@@ -15,9 +15,9 @@ import torch
 from conftest import assert_same_greedy, greedy, inputs_for
 from PIL import Image
 from transformers import StaticCache
-from vtoken.adapters import hf
 
 import vtoken
+from vtoken.adapters import hf
 from vtoken.zoo import TINY_MODELS, build_prompt, tiny_llava
 
 METHODS = {

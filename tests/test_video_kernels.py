@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 import torch
-from vtoken.kernels import attention_column_mean, attention_column_mean_reference, static_windows
 
+from vtoken.kernels import attention_column_mean, attention_column_mean_reference, fill_gaps, static_windows
 from vtoken.launches import count_launches
 
 COLUMNS = textwrap.dedent(
@@ -50,7 +50,24 @@ WINDOWS = textwrap.dedent(
     """
 )
 
-CHECKS = {"attention_column_mean": COLUMNS, "static_windows": WINDOWS}
+GAPS = textwrap.dedent(
+    """
+    import torch
+    from vtoken.kernels import fill_gaps_reference, fill_gaps_triton
+    device = "{device}"
+    g = torch.Generator().manual_seed(0)
+    for batch, frames in [(4, 1), (5, 7), (3, 33)]:
+        labels = torch.randint(0, max(1, frames // 3), (batch, frames), generator=g)
+        kept = torch.rand(batch, frames, generator=g) < 0.5
+        length = torch.randint(0, 4, (batch, frames), generator=g)
+        after = torch.randint(0, 5, (batch, frames), generator=g)
+        args = [t.to(device) for t in (labels, kept, length, after)]
+        assert torch.equal(fill_gaps_triton(*args).cpu(), fill_gaps_reference(*args).cpu())
+    print("kernel ok")
+    """
+)
+
+CHECKS = {"attention_column_mean": COLUMNS, "static_windows": WINDOWS, "fill_gaps": GAPS}
 
 
 @pytest.mark.parametrize("kernel", CHECKS)
@@ -71,17 +88,22 @@ def test_kernel_matches_reference_on_cuda(kernel):
 
 
 def test_they_are_custom_ops_of_one_launch_with_meta_shapes():
-    q, gain = torch.randn(2, 9, 2, 4), torch.zeros(3, 5, 5)
+    q, gain, labels = torch.randn(2, 9, 2, 4), torch.zeros(3, 5, 5), torch.zeros(2, 6, dtype=torch.long)
+    kept = labels > 0
     with count_launches() as counted:
         columns = attention_column_mean(q, q, 0.5)
         start, removed = static_windows(gain, 1024)
-    assert counted.kernels == 2 and counted.syncs == 0, counted.describe()
-    assert set(counted.ops) == {"vtoken::attention_column_mean", "vtoken::static_windows"}
+        filled = fill_gaps(labels, kept, labels, labels)
+    assert counted.kernels == 3 and counted.syncs == 0, counted.describe()
+    assert set(counted.ops) == {"vtoken::attention_column_mean", "vtoken::static_windows", "vtoken::fill_gaps"}
+    assert torch.equal(filled, labels)
     assert torch.equal(columns, attention_column_mean_reference(q, q, 0.5))
     assert start.tolist() == [[0, 1, 2, 3, 4]] * 3 and removed.tolist() == [0.0] * 3  # no gain: one-frame windows
     meta = torch.empty(2, 9, 2, 4, device="meta")
     assert attention_column_mean(meta, meta, 0.5).shape == (2, 9)
     start, removed = static_windows(torch.empty(3, 5, 5, device="meta"), 8)
+    on_meta = torch.empty(2, 6, dtype=torch.long, device="meta")
+    assert fill_gaps(on_meta, on_meta > 0, on_meta, on_meta).shape == (2, 6)
     assert start.shape == (3, 5) and start.dtype == torch.long and removed.shape == (3,)
 
 

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 import torch
-from vtoken.kernels import visual_attention, visual_attention_reference
 
+from vtoken.kernels import visual_attention, visual_attention_reference
 from vtoken.launches import count_launches
 
 

@@ -102,6 +102,11 @@ REFUSALS = [  # (family, override, words the start-time error must contain)
     ("qwen2.5-vl", {"method": "fastvid"}, ["vtoken", "fastvid", "vit_query_attention", "attention"]),
     ("qwen2.5-vl", {"method": "holitom"}, ["vtoken", "holitom", "tower_attention", "attention"]),
     ("llava", {"method": "holitom"}, ["vtoken", "holitom", "video"]),
+    # PruneVid: its cut inside the LLM (the default layer=10), or its encoder stage's data-driven count; FrameFusion
+    # merges inside the LLM's layers
+    ("qwen2.5-vl", {"method": "prunevid"}, ["vtoken", "prunevid", "prefill"]),
+    ("qwen2.5-vl", {"method": "prunevid", "layer": None}, ["vtoken", "prunevid", "projected_merge"]),
+    ("qwen2.5-vl", {"method": "framefusion"}, ["vtoken", "framefusion", "prefill"]),
     # LLaVA-NeXT: native packing's count is known only after selection; HiRED's anyres shares follow the data
     ("llava-next", {"method": "random", "budget": 0.25}, ["vtoken", "random", "newline", "layout='official'"]),
     ("llava-next", {"method": "hired", "rate": 0.2, "layout": "official"}, ["vtoken", "hired", "from the data"]),

@@ -243,3 +243,168 @@ def holitom(x, attention, budget=0.1, tau=0.8, beta=0.6, k=7, d=0.0, seed=0, max
                 rows += merged(centres, members, {j: v[f, j] for j in rest})
             out.append((first if f == s else []) + rows)
     return out, found
+
+
+def prunevid_noise_table(seed, frames, tokens):
+    """The noise vtoken's PruneVid draws: ([F] for the frames, [F][T] for the tokens), in that order."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(frames, generator=g).double(), torch.rand(frames, tokens, generator=g).double()
+
+
+def prunevid_labels(labels):
+    """PruneVid's refinement of frame labels, from the spec: a label keeps its longest runs (at least 2 long, all
+    tied ones), every other frame is free; the gaps of free frames, left to right, take the label of the longer
+    neighbour block (the left block as already relabelled; ties and a lone left: left; none: 0)."""
+    frames = len(labels)
+    runs, f = [], 0
+    while f < frames:
+        g = f
+        while g + 1 < frames and labels[g + 1] == labels[f]:
+            g += 1
+        runs.append((f, g, labels[f]))
+        f = g + 1
+    longest = {}
+    for s, e, label in runs:
+        longest[label] = max(longest.get(label, 0), e - s + 1)
+    out = [None] * frames
+    for s, e, label in runs:
+        if e - s + 1 == longest[label] and longest[label] >= 2:
+            for f in range(s, e + 1):
+                out[f] = label
+    f = 0
+    while f < frames:
+        if out[f] is not None:
+            f += 1
+            continue
+        a = f
+        while f < frames and out[f] is None:
+            f += 1
+        b = f - 1
+        left = right = 0
+        if a > 0:
+            i = a - 1
+            while i >= 0 and out[i] == out[a - 1]:
+                i -= 1
+            left = a - 1 - i
+        if b < frames - 1:
+            i = b + 1
+            while i < frames and out[i] == out[b + 1]:
+                i += 1
+            right = i - b - 1
+        if left == 0 and right == 0:
+            label = 0
+        elif left >= right:
+            label = out[a - 1]
+        else:
+            label = out[b + 1]
+        for g in range(a, b + 1):
+            out[g] = label
+    return out
+
+
+def prunevid(x, tau=0.8, segment_ratio=0.25, cluster_ratio=0.5, k=7, min_tokens=14, seed=0, values=None):
+    """PruneVid's encoder stage from the spec on one video x [F, T, D]: (per frame [(position, feature, group)] in
+    output order, group "static" or "dynamic", the windows [(first, last)]). `values` [F, T, D'] (default x): what
+    the output is made of, decisions taken on x (DeepStack)."""
+    frames, tokens, _ = x.shape
+    x = x.double()
+    v = x if values is None else values.double()
+    frame_noise, token_noise = prunevid_noise_table(seed, frames, tokens)
+    means = x.mean(1)
+    centres = max(1, int(frames * segment_ratio))
+    score, dist = dpc_scores(means, list(range(frames)), min(k, frames), frame_noise)
+    ranked = top(range(frames), score, centres)
+    labels = [ranked.index(f) if f in ranked else min(range(centres), key=lambda r: (dist[f, ranked[r]], r))
+              for f in range(frames)]  # fmt: skip
+    refined = prunevid_labels(labels)
+    found, f = [], 0
+    while f < frames:
+        g = f
+        while g + 1 < frames and refined[g + 1] == refined[f]:
+            g += 1
+        found.append((f, g))
+        f = g + 1
+
+    def clustered(features, members, value, row_noise):
+        """[(position, feature)]: the members as they are (few), or their clusters' means in centre-rank order."""
+        if len(members) <= min_tokens:
+            return [(j, value[j]) for j in members]
+        count = max(1, int(len(members) * cluster_ratio))
+        score, dist = dpc_scores(features, members, min(k, len(members)), row_noise)
+        centres = top(members, score, count)
+        groups = {c: [c] for c in centres}
+        for j in members:
+            if j not in groups:
+                groups[min(centres, key=lambda c: (dist[j, c], centres.index(c)))].append(j)
+        return [(c, sum(value[m] for m in groups[c]) / len(groups[c])) for c in centres]
+
+    out = []
+    for s, e in found:
+        length = e - s + 1
+        static = []
+        if length >= 2:
+            for j in range(tokens):
+                u = [unit(x[f, j]) for f in range(s, e + 1)]
+                total = sum(float(u[a] @ u[b]) for a in range(length) for b in range(length) if a != b)
+                if total / (length * (length - 1)) > tau:
+                    static.append(j)
+        window_means = torch.zeros(tokens, x.shape[2], dtype=torch.float64)
+        window_values = {}
+        for j in static:
+            window_means[j] = x[s : e + 1, j].mean(0)
+            window_values[j] = v[s : e + 1, j].mean(0)
+        first = [(j, feature, "static") for j, feature in clustered(window_means, static, window_values,
+                                                                     token_noise[s])]  # fmt: skip
+        dynamic = [j for j in range(tokens) if j not in static]
+        for f in range(s, e + 1):
+            rows = clustered(x[f], dynamic, {j: v[f, j] for j in dynamic}, token_noise[f])
+            out.append((first if f == s else []) + [(j, feature, "dynamic") for j, feature in rows])
+    return out, found
+
+
+def framefusion_ratio(sparsities, layers, cost):
+    """FrameFusion's P(list), from the spec's formula."""
+    n = len(sparsities)
+    f = [1.0]
+    for s in sparsities:
+        f.append(f[-1] * (1 - s))
+    left = layers * cost - sum(f[1:])
+    need = left / ((layers - n) * f[n])
+    return 0.0 if need > 1 else 1 - need
+
+
+def framefusion_merge(tokens, states, threshold, u, ratio_floor):
+    """One merge call on one row, from the spec: tokens [(sequence index, video, slot)] (the candidates alive),
+    states {sequence index: fp64 vector}. Returns (survivors {sequence index: new state}, r, branch, ends merging,
+    prune due)."""
+    order = sorted(tokens, key=lambda t: (t[1], t[2], t[0]))
+    sims = []
+    for i, (seq, video, slot) in enumerate(order):
+        if i and order[i - 1][1:] == (video, slot):
+            sims.append(float(unit(states[order[i - 1][0]]) @ unit(states[seq])))
+        else:
+            sims.append(-2.0)
+    flags = [s >= threshold for s in sims]
+    n = len(order)
+    r = sum(flags) / n if n else 0.0
+    if r < u:
+        branch, prune_due = "threshold", r < ratio_floor
+    else:
+        count = int(u * n)
+        eligible = sorted((i for i in range(n) if sims[i] > -2), key=lambda i: (-sims[i], i))[:count]
+        flags = [i in eligible for i in range(n)]
+        branch, prune_due = "top-k", False
+    heads = {}
+    for i, (seq, _, _) in enumerate(order):
+        if not flags[i]:
+            heads[seq] = [seq]
+            last = seq
+        else:
+            heads[last].append(seq)
+    merged = {h: sum(states[m] for m in members) / len(members) for h, members in heads.items()}
+    return merged, r, branch, prune_due
+
+
+def framefusion_prune(scores, count):
+    """The `count` best of {sequence index: score} (ties: the lower index)."""
+    return sorted(sorted(scores, key=lambda j: (-scores[j], j))[:count])

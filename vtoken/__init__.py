@@ -48,7 +48,11 @@ _EXPORTS = {
 
 def __getattr__(name: str) -> Any:
     """Import a public name on first use: the table above, then every method class `vtoken.methods` exports, then
-    a submodule (`vtoken.adapters`, `vtoken.zoo`, ...)."""
+    a submodule (`vtoken.adapters`, `vtoken.zoo`, ...); `__all__` is the table's names and every method class."""
+    if name == "__all__":
+        value = [*_CORE, *importlib.import_module(".methods", __name__).__all__]
+        globals()[name] = value
+        return value
     if name.startswith("__"):
         raise AttributeError(name)
     if name in _EXPORTS:
@@ -69,7 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__getattr__("__all__")))
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
@@ -86,33 +90,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         VTokenError,
     )
     from .functional import encode, select
-    from .methods import (
-        DART,
-        CDPruner,
-        DivPrune,
-        DyCoke,
-        EncoderMethod,
-        FasterVLM,
-        FastV,
-        FastVID,
-        FourierDCT,
-        HiRED,
-        HoliTom,
-        HoloV,
-        Method,
-        MMTok,
-        MustDrop,
-        Pool,
-        PrefillMethod,
-        PyramidDrop,
-        Random,
-        ScoreMethod,
-        SparsePrefill,
-        SparseVLM,
-        VidCom2,
-        VisionZip,
-        VisPruner,
-    )
+    from .methods import *  # noqa: F403 - every method class (found in vtoken/methods/, `vtoken.methods.__all__`)
+    from .methods import EncoderMethod, Method, PrefillMethod, ScoreMethod, TowerMethod, TowerShape
     from .modelview import ModelView, model_view
     from .question import remember_tokenizer
     from .records import Record
@@ -120,7 +99,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .tokens import LayerTokens, Merged, Selection, TextQuery, TextTokens, VisualTokens
     from .warmup import warmup
 
-__all__ = [
+# the public names besides the method classes, which `vtoken.methods` finds (see `__getattr__`)
+_CORE = [
     "patch",
     "unpatch",
     "encode",
@@ -139,31 +119,6 @@ __all__ = [
     "ModelView",
     "tokens_to_keep",
     "remember_tokenizer",
-    "DART",
-    "DyCoke",
-    "FasterVLM",
-    "FastV",
-    "FourierDCT",
-    "HiRED",
-    "MMTok",
-    "MustDrop",
-    "Random",
-    "Pool",
-    "SparsePrefill",
-    "SparseVLM",
-    "PyramidDrop",
-    "VisionZip",
-    "VisPruner",
-    "DivPrune",
-    "VidCom2",
-    "FastVID",
-    "HoliTom",
-    "CDPruner",
-    "HoloV",
-    "Method",
-    "EncoderMethod",
-    "PrefillMethod",
-    "ScoreMethod",
     "Selection",
     "VisualTokens",
     "LayerTokens",

@@ -18,14 +18,16 @@ import torch
 from .errors import InputError, MissingSignalError, VTokenError
 from .methods.base import EncoderMethod, Method
 from .registry import available_methods, method_class
+from .stages.encoder import COMMON_SIGNALS, EncoderStage, SignalSources
 from .tokens import TextQuery, VisualTokens
 from .towers import tower_of
 
 ACCEPTED_SIGNALS = (
     '"cls_attention" (at `layer`), "cls_attention@L" (at block L, Python-style index) and "keys" (at `layer`)'
 )
-# signals `select` fills itself (from the arguments) rather than reading them from `signals`
-_BUILT_IN = frozenset({"grid", "resized_grid", "question", "projected", "vision_features"})
+# what `select` knows without `signals`: the common signals (the encoder stage fills them from the arguments) and
+# the grid the features lie on (any size: positions are the caller's)
+_GIVEN = frozenset({*COMMON_SIGNALS, "grid", "resized_grid"})
 
 
 def _on_features_alone(method: Method | type[Method]) -> bool:
@@ -150,7 +152,8 @@ def select(
     if len(grid) != 2 or grid[0] * grid[1] != n:
         raise InputError(f"grid={tuple(grid)} does not hold the {n} tokens of `features`; expected H * W = {n}")
     signals = dict(signals or {})
-    needed = [name for name in method.single_crop_requires() if name not in _BUILT_IN]  # one crop per image
+    stage = EncoderStage(method)
+    needed = [name for name in method.single_crop_requires() if name not in _GIVEN]  # one crop per image
     missing = [name for name in needed if name not in signals]
     if missing:
         raise MissingSignalError(
@@ -163,18 +166,9 @@ def select(
         if shape[:2] != (batch, n) or len(shape) != 2 + per_token:
             expected = f"[B, N, d] = {[batch, n, 'd']}" if per_token else f"[B, N] = {[batch, n]}"
             raise InputError(f"signals[{name!r}] has shape {shape}; expected {expected}")
-    if "projected" in method.requires and "projected" not in signals:
-        signals["projected"] = project(features) if project is not None else features
-    if "vision_features" in method.requires:
-        signals.setdefault("vision_features", features)
-    question = None
-    if "question" in method.requires:
-        question = _text_query(text, batch)
-        if "projected" not in signals:
-            signals["projected"] = project(features) if project is not None else features
-        signals.setdefault("vision_features", features)
-    tokens = VisualTokens(features, tuple(grid), signals, torch.arange(batch), question=question)
-    selection = method.select(tokens)
+    question = _text_query(text, batch) if method.wants("question") else None
+    tokens = VisualTokens(features, tuple(grid), signals, torch.arange(batch))
+    selection, _ = stage.select(tokens, SignalSources(project, question))
     counts = selection.counts_per_crop()
     if len(set(counts)) > 1:
         raise RuntimeError(f"{method.name} kept different numbers of tokens per image: {counts}")

@@ -55,8 +55,8 @@ class ModelView:
 
 def model_view(model: nn.Module) -> ModelView:
     """The `ModelView` of `model` (an `UnsupportedModelError` names the supported families)."""
-    from .adapters.base import COMMON_SIGNALS
     from .api import _find_adapter
+    from .stages.encoder import COMMON_SIGNALS
 
     cls = _find_adapter(model)
     adapter = cls(model, [], "native")  # no method: validates nothing, installs nothing
@@ -69,7 +69,7 @@ def model_view(model: nn.Module) -> ModelView:
         model_class=type(model).__name__,
         modalities=tuple(m.name for m in cls.modalities),
         placeholder_ids=MappingProxyType({k: v for k, v in ids.items() if isinstance(v, int)}),
-        signals=frozenset(adapter.available_signals() | COMMON_SIGNALS),
+        signals=frozenset(adapter.available_signals() | set(COMMON_SIGNALS)),
         stages=tuple(cls.stages),
         layouts=tuple(cls.layouts),
         llm_layers=depth,

@@ -146,6 +146,54 @@ class Choice(Param):
 
 
 @dataclass(frozen=True)
+class Flag(Choice):
+    """True or False (not 0 or 1)."""
+
+    options: tuple = (True, False)
+
+    def check(self, method: Any, name: str, value: Any) -> Any:
+        return bool(super().check(method, name, value))  # not Choice's int(): a bool is an Integral
+
+    def text(self) -> str:
+        return "True or False" + (f" ({self.hint})" if self.hint else "")
+
+
+@dataclass(frozen=True)
+class MergeSchedule(Param):
+    """Tokens merged per layer (ToMe's `r`): an int >= 0 (every merging layer), a list of ints >= 0 (layer 0, 1, ...;
+    missing layers merge none) or a tuple (r, inflection) with an int r >= 0 and a real inflection (ToMe's
+    `parse_r`: a schedule from r * (1 - inflection) to r * (1 + inflection)). Returned as an int, a list of ints
+    or a (int, float) tuple."""
+
+    control: ClassVar[str] = ""  # set it in code or with `--param` (an int, a list or a tuple)
+
+    def check(self, method: Any, name: str, value: Any) -> Any:
+        expected = (
+            "an int >= 0 (every merging layer), a list of ints >= 0 (one per layer from 0) or a tuple "
+            "(r, inflection) as ToMe's parse_r (e.g. (16, -1.0): 32 merged in layer 0 down to 0)"
+        )
+
+        def count(item: Any) -> bool:
+            return isinstance(item, numbers.Integral) and not isinstance(item, bool) and item >= 0
+
+        if isinstance(value, list) and all(count(v) for v in value):
+            return [int(v) for v in value]
+        if isinstance(value, tuple) and len(value) == 2 and count(value[0]):
+            return int(value[0]), real(method.name, f"{name}[1]", value[1], hint="the (r, inflection) schedule's")
+        if count(value):
+            return int(value)
+        raise VTokenError(f"{method.name}: {name}={value!r}; expected {expected}")
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    def text(self) -> str:
+        return "an int >= 0, a list of ints >= 0 (per layer) or (r, inflection)" + (
+            f" ({self.hint})" if self.hint else ""
+        )
+
+
+@dataclass(frozen=True)
 class Scope(Choice):
     """What an encoder method's budget counts over: one of the method class's `scopes` ("crop": every crop or
     video frame keeps its budget; "image": an image or video keeps its budget over all its crops or frames)."""
@@ -247,6 +295,8 @@ __all__ = [
     "Real",
     "Choice",
     "Scope",
+    "Flag",
+    "MergeSchedule",
     "Layers",
     "Fractions",
     "Counts",

@@ -81,11 +81,30 @@ def prompt_questions(input_ids: Any, attention_mask: Any, tokenizer: Any) -> lis
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROCESSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def remember_tokenizer(model: torch.nn.Module, tokenizer: Any) -> None:
-    """Tell vtoken which tokenizer reads `model`'s prompts (`vtoken.zoo.load` does this for you)."""
+    """Tell vtoken which tokenizer reads `model`'s prompts (`vtoken.zoo.load` does this for you). Given the model's
+    processor, vtoken keeps it too: methods that read pixel values (PixelPrune) take the image normalisation
+    (`image_mean`, `image_std`) the pixels were made with from its image processor."""
     _TOKENIZERS[model] = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer, or the tokenizer
+    if image_processor_of(tokenizer) is not None:
+        _PROCESSORS[model] = tokenizer
+
+
+def image_processor_of(processor: Any) -> Any | None:
+    """The image processor of a processor (its `image_processor`), the object itself if it is one (it has
+    `image_mean` and `image_std`), else None (a tokenizer)."""
+    for candidate in (getattr(processor, "image_processor", None), processor):
+        if candidate is not None and hasattr(candidate, "image_mean") and hasattr(candidate, "image_std"):
+            return candidate
+    return None
+
+
+def processor_for(model: torch.nn.Module) -> Any | None:
+    """The processor `remember_tokenizer` kept for `model` (None: it was given a tokenizer only, or never called)."""
+    return _PROCESSORS.get(model)
 
 
 def tokenizer_for(model: torch.nn.Module, method: str) -> Any:

@@ -8,7 +8,8 @@ Methods come from three places, all found on the first lookup (`import vtoken` a
 - `register_method(cls)` at run time (also a class decorator).
 A name (compared without case, '-' and '_') belongs to one method: a clash is an error naming both.
 
-Adapters register with the `register_adapter` decorator when `vtoken.adapters` is imported (`load_adapters`).
+Adapters are the family modules of `vtoken.adapters.families`, found on first use (`load_adapters`); no family
+module imports this one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from .methods.base import Method
 
 ENTRY_POINT_GROUP = "vtoken.methods"
-ADAPTERS: list[type[Adapter]] = []
+_adapters: list[type[Adapter]] = []
 
 # name -> class (built-ins, run-time registrations, entry points once imported); name -> entry point not imported
 _methods: dict[str, type[Method]] = {}
@@ -37,7 +38,7 @@ _loaded = False
 _lock = threading.RLock()  # lookups from several threads (the demo's, a served model's) load once
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-STAGES = ("encoder", "prefill", "decode", "sparse")
+STAGES = ("tower", "encoder", "prefill", "decode", "sparse")
 LAYOUTS = ("native", "official")
 OFFICIAL_PACKING = ("unpad after selection", "unpad before selection", "newline after base-only image")
 
@@ -227,15 +228,14 @@ def check_declaration(cls: type[Method]) -> None:
             raise VTokenError(f"{where}: {attribute} names {unknown}, which are not among its parameters")
 
 
-def register_adapter(cls: type[Adapter]) -> type[Adapter]:
-    """Class decorator: let `vtoken.patch` use `cls` for the models it matches."""
-    ADAPTERS.append(cls)
-    return cls
+def load_adapters() -> list[type[Adapter]]:
+    """Every family's adapter class (found once, `vtoken.adapters.families.family_adapters`; imports transformers)."""
+    with _lock:
+        if not _adapters:
+            from vtoken.adapters.families import family_adapters
 
-
-def load_adapters() -> None:
-    """Import the adapter package, whose decorators fill `ADAPTERS` (once; cheap after; imports transformers)."""
-    import vtoken.adapters  # noqa: F401
+            _adapters.extend(family_adapters())
+    return _adapters
 
 
 def available_methods() -> list[str]:
@@ -246,14 +246,12 @@ def available_methods() -> list[str]:
 
 def supported_models() -> dict[str, list[str]]:
     """Adapter family -> the transformers model classes it patches."""
-    load_adapters()
-    return {a.family: list(a.model_classes) for a in ADAPTERS}
+    return {a.family: list(a.model_classes) for a in load_adapters()}
 
 
 def adapters() -> list[type[Adapter]]:
     """Every registered adapter class, in registration order."""
-    load_adapters()
-    return list(ADAPTERS)
+    return list(load_adapters())
 
 
 def method_class(name: str) -> type[Method] | None:

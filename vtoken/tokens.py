@@ -121,6 +121,10 @@ class Selection:
     mix: for merging methods whose rows combine the crops' tokens linearly, the same combination applied to other
         per-token features aligned with the tokens ([C, N, D'] -> [C, k, D'], padded like `features`): Qwen3-VL's
         DeepStack levels follow the merge through it. None: the merge cannot be repeated on other features.
+    groups: [C, k] aligned with the output rows, each row's group, a unit a later stage of the same method keeps a
+        share of (PruneVid: 2c for the static tokens of the window that starts at crop c, 2c + 1 for crop c's
+        dynamic tokens; -1 for padding rows), or None. group_sizes: host, the rows of every group (2C entries for
+        PruneVid), or None.
     """
 
     kept: torch.Tensor | None = None
@@ -132,6 +136,8 @@ class Selection:
     origin: torch.Tensor | None = None
     at_anchors: bool = False
     mix: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    groups: torch.Tensor | None = None
+    group_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if (self.kept is None) == (self.features is None):
@@ -229,6 +235,9 @@ class LayerTokens:
     text: the text tokens after the first visual token (`TextTokens`), for methods that read "keys" or "normed".
     known: visual tokens of every row, counted on the host (`counts`), so a method sizes what it keeps without
         reading the device.
+    groups: [B, V] each visual token's group, numbered 0.. per row from an encoder stage's `Selection.groups`
+        (-1: none, e.g. OneVision's newline), for a method that keeps a share of every group (PruneVid); None
+        otherwise. group_sizes: host, per row the size of each of its groups.
     """
 
     layer: int
@@ -243,6 +252,8 @@ class LayerTokens:
     hidden: torch.Tensor | None = None
     text: TextTokens | None = None
     known: list[int] | None = None
+    groups: torch.Tensor | None = None
+    group_sizes: list[list[int]] | None = None
 
     @property
     def counts(self) -> list[int]:

@@ -1,18 +1,21 @@
-"""The adapter base class: everything about patching a model instance that is not family-specific.
+"""The adapter base class: one model family's knowledge, and the stage objects one patch is made of.
 
-An adapter installs two things on ONE model instance (never on a class):
-- a wrapper around `model.generate` that encodes the images and selects tokens *before* calling the stock
-  `generate` with the shorter prompt and the pre-encoded features (`mm_encoder_outputs`), so that generate's own
-  beam/`num_return_sequences` expansion, attention-mask and position bookkeeping all see a consistent prompt; the
-  original prompt is put back into the returned sequences, so callers that slice off the prompt keep working;
-- a forward pre-hook doing the same for a plain `model(**inputs)` call.
-`remove()` takes both away again; parameters, buffers and modules are never touched. What runs inside those calls
-is in `calls.py` (`CallPath`, mixed in here); this file holds validation, install/remove and the family hooks.
+An adapter (one subclass per family, in `families/`) is the only code that knows a model's internals: its
+geometry (placeholder counts, crop grids, positions), its towers and signals, and how its encoder output reaches the
+LLM. It holds, as collaborators with one job each:
+- `encoder`: the encoder stage (`vtoken.stages.encoder.EncoderStage`, the same object the vLLM plugin and
+  `vtoken.select` run);
+- `calls`: the call path (`calls.py`), whose forward pre-hook and generate wrapper encode the images and select
+  tokens *before* the stock `generate` runs on the shorter prompt with the pre-encoded features
+  (`mm_encoder_outputs`), so that generate's own beam/`num_return_sequences` expansion, masks and positions see a
+  consistent prompt, and the caller's prompt is put back into the returned sequences;
+- `llm` and `sparse`: the LLM stages (`llm/`) and sparse prefill (`sparse_prefill.py`), when a method acts there;
+- `hooks`: the one owner of everything installed on ONE model instance (never a class), which `remove()` takes
+  away again; parameters, buffers and modules are never touched.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -20,48 +23,23 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from vtoken.errors import InputError, MissingSignalError, VTokenError
+from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.kept import flat_kept, output_places  # noqa: F401 - used by the family adapters
-from vtoken.geometry.tables import on_device, padded_rows, stack_padded
-from vtoken.methods.base import Method, unmet
+from vtoken.geometry.tables import stack_padded
+from vtoken.methods.base import Method
 from vtoken.question import prompt_questions, tokenizer_for
-from vtoken.records import LazyRecords, Record
+from vtoken.records import Record
+from vtoken.stages.encoder import EncoderStage, SignalSources, check_signals, check_takes, keep_all
 from vtoken.timing import Stopwatch
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
-from . import hf
+from . import frames, hf
 from .calls import CallPath
-from .frames import FrameLayout
+from .hooks import HookOwner
 from .llm import LanguageModelStages, QueryKeyProbe
 from .prompt import PromptRuns, offset_tensors
 from .sparse_prefill import SparseAttention
-from .state import CallState, PatchedGenerate, PerThread
-
-
-def keep_all(tokens: VisualTokens) -> Selection:
-    """Every valid token of every crop, ascending (rows padded with N past each crop's count)."""
-    if tokens.valid is None:
-        index = torch.arange(tokens.num_tokens, device=tokens.features.device)
-        return Selection(kept=index.expand(tokens.num_crops, -1))
-    valid = tokens.valid.to(tokens.features.device)
-    counts = valid_counts(tokens)
-    index = torch.arange(tokens.num_tokens, device=valid.device)
-    kept = index.masked_fill(~valid, tokens.num_tokens).sort(dim=-1).values[:, : max(max(counts), 1)]
-    return Selection(kept=kept, counts=counts)
-
-
-def valid_counts(tokens: VisualTokens) -> list[int]:
-    """Valid tokens of every crop: the host counts the adapter gave (`VisualTokens.valid_counts`), else read."""
-    if tokens.valid_counts is not None:
-        return list(tokens.valid_counts)
-    if tokens.valid is None:
-        return [tokens.num_tokens] * tokens.num_crops
-    return tokens.valid.sum(1).tolist()
-
-
-# signals every adapter serves: the prompt's question, the tokens in the LLM's space (`project`), and vision
-# features for token-to-token similarity (default: the features methods select from)
-COMMON_SIGNALS = frozenset({"question", "projected", "vision_features"})
+from .state import CallState, PatchedGenerate
 
 
 @dataclass(frozen=True)
@@ -101,7 +79,7 @@ class EncodedImages:
     companions: list[list[torch.Tensor]] | None = None
 
 
-class Adapter(CallPath, FrameLayout):
+class Adapter:
     """Base class; one subclass per model family (one file each in `adapters/families/`)."""
 
     family: ClassVar[str] = ""
@@ -129,62 +107,41 @@ class Adapter(CallPath, FrameLayout):
     # the prompt's ids are needed on the host to tell its visual items apart (InternVL's "FrameN:" labels): read
     # once per call with the rest of its layout
     reads_prompt: ClassVar[bool] = False
+    # every frame (temporal unit) of a video is its own placeholder run, with text between runs (Qwen3-VL)
+    frame_runs: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
         self.methods = methods
         self.layout = layout
-        self._hook = None
-        self._post_hook = None
-        self._ragged_hook = None
-        self._llm_stages: LanguageModelStages | None = None
-        self._calls = PerThread(CallState)  # per-call state, one per thread (hooks run in the calling thread)
-        self._latest: list[Record] = []  # records of the most recent call of any thread
-        self.installed = False
-        self._own_generate = None  # an instance-level generate the model had before patch (restored by remove)
+        encoder = self.encoder_method
+        self.encoder = None if encoder is None else EncoderStage(encoder)  # the encoder stage every caller runs
+        self.calls = CallPath(self)
+        self.hooks = HookOwner(model)
+        self.llm: LanguageModelStages | None = None  # made when installed
+        self.sparse: SparseAttention | None = None  # made by `validate` (it checks the model), installed with the rest
         self.validate()
 
-    # ----------------------------------------------------------------- per-call state
+    # ----------------------------------------------------------------- what the call path keeps
     @property
     def _state(self) -> CallState:
-        """The calling thread's call state."""
-        return self._calls.get()
+        """The calling thread's call state (kept by the call path)."""
+        return self.calls.state
 
     @property
     def records(self) -> list[Record]:
-        """The records of the calling thread's most recent call (a thread that made none: the most recent call of
-        any thread). A call leaves them unbuilt (`LazyRecords`): they are built on the first read."""
-        state = self._state
-        return list(state.records if state.called else self._latest)  # built now, if they were not yet
-
-    @records.setter
-    def records(self, value: Sequence[Record]) -> None:
-        state = self._state
-        state.records, state.called = value, True
-        self._latest = value  # one reference swap: readers see either list, whole
+        """The records of the calling thread's most recent call (`CallPath.records`)."""
+        return self.calls.records
 
     def add_records(self, more: Sequence[Record]) -> None:
-        """Append `more` to the calling thread's records, both left unbuilt (a stage adding its records during the
-        forward must not build the encoder's: building them may read the device)."""
-        state = self._state
-        self.records = LazyRecords.chain([state.records if state.called else self._latest, more])
+        """Append a stage's records to the calling thread's, unbuilt (`CallPath.add_records`)."""
+        self.calls.add_records(more)
 
-    @property
-    def _visual(self) -> torch.Tensor | None:
-        """[B, L] visual tokens of this thread's current LLM input."""
-        return self._state.visual
+    def visual_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        return self.calls.visual_mask_for(shape)
 
-    @property
-    def _protected(self) -> torch.Tensor | None:
-        """[B, L] tokens of this thread's shrunk prompt that no LLM stage may drop."""
-        return self._state.protected
-
-    def __getstate__(self) -> dict[str, Any]:
-        """For copy.deepcopy and pickling: a copy keeps the patch, not the calls made (records hold timers)."""
-        state = dict(self.__dict__)
-        state["_latest"] = []
-        state.pop("_generate_signature", None)
-        return state
+    def protected_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        return self.calls.protected_mask_for(shape)
 
     # ----------------------------------------------------------------- family-specific
     @classmethod
@@ -248,101 +205,33 @@ class Adapter(CallPath, FrameLayout):
         raise NotImplementedError
 
     def select(self, tokens: VisualTokens) -> tuple[Selection, Stopwatch]:
-        """Score and select with the encoder method. Callable signals are resolved here, so the stopwatch covers
-        computing the scores as well as selecting. A method that acts on the placed tokens (DivPrune) selects
-        later (`select_placed`): here every valid token is kept."""
-        if self.encoder_method.acts_on == "placed":
+        """The encoder stage on every crop of `tokens`, with this model's projector and the call's questions. A
+        method acting on the placed tokens (DivPrune) selects later (`select_placed`): here every valid token is
+        kept."""
+        if self.encoder.placed:
             return keep_all(tokens), Stopwatch(tokens.features.device).start().stop()
-        timer = Stopwatch(tokens.features.device).start()
-        requires = self.encoder_method.requires
-        if "projected" in requires and "projected" not in tokens.signals:
-            tokens.signals["projected"] = lambda features=tokens.features: self.project(features)
-        if "vision_features" in requires and "vision_features" not in tokens.signals:
-            tokens.signals["vision_features"] = tokens.features
-        if "question" in requires:
-            tokens.question = TextQuery(self._state.questions, self.family, self.embed_text)
-        tokens.signals = {k: v() if callable(v) else v for k, v in tokens.signals.items()}
-        selection = self.encoder_method.select(tokens)
-        timer.stop()
-        return selection, timer
-
-    def crop_records(
-        self,
-        tokens: VisualTokens,
-        selection: Selection,
-        timer: Stopwatch,
-        crop_index: list[int],
-        modality: str = "image",
-        images: list[int] | None = None,
-    ) -> LazyRecords:
-        """One record per crop; `crop_index[c]` is crop c's index within its image (or frame within its video),
-        `images` (if the caller knows them on the host) the image of every crop. Built when first read: the
-        forward keeps only the small tensors they need (kept indices, which tokens were valid)."""
-        name, grid, num_crops, num_tokens = self.encoder_method.name, tokens.grid, tokens.num_crops, tokens.num_tokens
-        valid, given, image_index = tokens.valid, tokens.valid_counts, tokens.image_index
-        counts = selection.counts_per_crop()
-        picks = copy.copy(selection)  # the selection's indices only: its merged features need not live on
-        picks.features = picks.mix = None
-        crop_index = list(crop_index)
-
-        def build() -> list[Record]:
-            if given is not None:
-                tokens_in = list(given)
-            elif valid is not None:
-                tokens_in = valid.sum(1).tolist()
-            else:
-                tokens_in = [num_tokens] * num_crops
-            owners = images if images is not None else image_index.tolist()
-            return [
-                Record("encoder", name, image=owners[c], crop=crop_index[c], tokens_in=tokens_in[c],
-                       tokens_out=counts[c], kept=picks.unchanged_of(c), grid=grid, timer=timer, share=1 / num_crops,
-                       modality=modality)
-                for c in range(num_crops)
-            ]  # fmt: skip
-
-        return LazyRecords(build)
+        sources = SignalSources(self.project, lambda: TextQuery(self._state.questions, self.family, self.embed_text))
+        return self.encoder.select(tokens, sources)
 
     def select_placed(self, modality: Modality, encoded: EncodedImages) -> EncodedImages:
         """The encoder method on every image's (video's) tokens as placed: `encoded` holds them all (see `select`);
         returns the kept ones, their placeholder offsets and companions, one record per image."""
-        method, placed = self.encoder_method, encoded.features
-        lengths = [len(p) for p in placed]
-        if not placed or not max(lengths):
+        picks = self.encoder.select_placed(encoded.features)
+        if picks is None:
             return encoded
-        width = max(lengths)
-        features = stack_padded(placed, width)
-        device = features.device
-        valid = torch.arange(width, device=device)[None] < on_device(lengths, device)[:, None]
-        tokens = VisualTokens(features, (1, width), {}, torch.arange(len(placed), device=device), valid,
-                              valid_counts=lengths)  # fmt: skip
-        timer = Stopwatch(device).start()
-        selection = method.select(tokens)
-        timer.stop()
-        counts = selection.counts_per_crop()
-        picked = padded_rows(counts, max(selection.num_kept, 1), device)  # real entries of [items, k]
-        kept = selection.kept.flatten()[picked]  # each item's kept indices, item after item
-        flat = picked // max(selection.num_kept, 1) * width + kept  # into the items padded to `width`
+        device, width = picks.flat.device, picks.width
 
         def take(items: list[torch.Tensor | int]) -> list[torch.Tensor]:  # an int n: an item's first n offsets
-            return list(stack_padded(offset_tensors(items, device), width).flatten(0, 1)[flat].split(counts))
+            return picks.take(stack_padded(offset_tensors(items, device), width))
 
         offsets = None if encoded.keep_offsets is None else take(encoded.keep_offsets)  # None: still the first ones
         protected = None if encoded.protected is None else take(encoded.protected)
         companions = None
         if encoded.companions is not None:
             levels = [take(list(level)) for level in zip(*encoded.companions, strict=True)]
-            companions = [list(item) for item in zip(*levels, strict=True)] if levels else [[] for _ in placed]
-        name, kept_rows = method.name, list(kept.split(counts))
-
-        def build() -> list[Record]:
-            return [
-                Record("encoder", name, image=i, crop=0, tokens_in=lengths[i], tokens_out=counts[i], kept=k,
-                       grid=(1, lengths[i]), timer=timer, share=1 / len(placed), modality=modality.name)
-                for i, k in enumerate(kept_rows)
-            ]  # fmt: skip
-
-        features = list(features.flatten(0, 1)[flat].split(counts))
-        return EncodedImages(features, offsets, LazyRecords(build), protected, companions)
+            companions = [list(item) for item in zip(*levels, strict=True)] if levels else [[] for _ in picks.lengths]
+        records = self.encoder.placed_records(picks, modality.name)
+        return EncodedImages(picks.take(picks.padded), offsets, records, protected, companions)
 
     def encoder_output(self, encoded: EncodedImages, features: Any) -> Any:
         """Hook: what the stock forward receives in `mm_encoder_outputs` for one modality."""
@@ -355,6 +244,19 @@ class Adapter(CallPath, FrameLayout):
     def after_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Hook: model kwargs of the shrunk prompt before the stock forward/generate sees them."""
         return kwargs
+
+    def continued_positions(
+        self, mask: torch.Tensor, past: int, tail_positions: torch.Tensor | None, offset: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[B, past + n] positions decoding gives a conversation whose cache holds `past` tokens, then n new ones:
+        one per real token of `mask` (1-D RoPE). Families with multi-axis positions override this (the new tokens'
+        own visual positions, `tail_positions`, start where decoding would continue)."""
+        return (mask.long().cumsum(-1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
+
+    def position_offset(self, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """[B] what decoding adds to a new token's position counted over real tokens, after the prompt in `kwargs`
+        (None: nothing, 1-D RoPE)."""
+        return None
 
     @property
     def inner(self) -> nn.Module:
@@ -417,12 +319,9 @@ class Adapter(CallPath, FrameLayout):
                 "of them, with an encoder-stage method if you like"
             )
         takes = {m.name for m in self.modalities} | ({"video"} if self.videos_as_image_runs else set())
+        owner = f"{type(self.model).__name__} ({self.family})"
         for method in self.methods:
-            if not takes & set(method.modalities):
-                raise VTokenError(
-                    f"method {method.name!r} acts on {' and '.join(method.modalities)} inputs only, which the "
-                    f"{self.family} adapter does not take; it takes {', '.join(sorted(takes))}"
-                )
+            check_takes(method, takes, f"the {self.family} adapter")
             unsupported = [s for s in method.stages if s not in self.stages]
             if unsupported:
                 raise VTokenError(
@@ -430,24 +329,7 @@ class Adapter(CallPath, FrameLayout):
                     f"not support; supported stages: {', '.join(self.stages)}"
                     + (f". {self.stages_note}" if self.stages_note else "")
                 )
-            missing = unmet(tuple(method.requires), self.available_signals() | COMMON_SIGNALS)
-            if missing:
-                provided = self.available_signals()
-                layers = sorted(int(n.split("@")[1]) for n in provided if n.startswith("cls_attention@") and
-                                n.split("@")[1].isdigit())  # fmt: skip
-                out_of_range = [n for n in missing if n.startswith("cls_attention@")] if layers else []
-                why = (
-                    f"{', '.join(out_of_range)}: no such layer in its vision tower, whose [CLS] attention is "
-                    f"available at layers {layers[0]}..{layers[-1]} (cls_attention@L; -1 = the last)"
-                    if out_of_range
-                    else f"it provides {sorted(provided | COMMON_SIGNALS)}"
-                )
-                note = f" ({method.signals_note})" if method.signals_note else ""
-                hint = method.missing_signal_hint(missing) if hasattr(method, "missing_signal_hint") else ""
-                raise MissingSignalError(
-                    f"method {method.name!r} needs the signal(s) {missing}, which {type(self.model).__name__} "
-                    f"({self.family}) cannot provide{note}; {why}" + (f". {hint}" if hint else "")
-                )
+            check_signals(method, self.available_signals(), owner)
             if "question" in method.requires:
                 self._tokenizer = tokenizer_for(self.model, method.name)  # fails at patch time, not at generate
         prefill = self.prefill_method
@@ -478,7 +360,7 @@ class Adapter(CallPath, FrameLayout):
                     )
                 QueryKeyProbe.check(read.self_attn, f"{llm.name}: {type(read).__name__} {select - 1}")
         sparse = [m for m in self.methods if "sparse" in m.stages]
-        self._sparse = SparseAttention(self, sparse[0]) if sparse else None  # checks the model, installs nothing
+        self.sparse = SparseAttention(self, sparse[0]) if sparse else None  # checks the model, installs nothing
 
     # ----------------------------------------------------------------- the prompt's text
     _tokenizer = None
@@ -510,55 +392,50 @@ class Adapter(CallPath, FrameLayout):
     # ----------------------------------------------------------------- install / remove
     # Every hook is a bound method of a picklable object: a patched model deep-copies (the copy's hooks are bound
     # to the copy's adapter) and pickles.
-    def _join_ragged(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-        """A modality whose forward wants one [items, tokens, D] tensor, when its items kept different numbers of
-        tokens (VidCom2's videos): `prepare` hands generate a list (its beam expansion splits lists by placeholder
-        counts), and the forward gets all items as one [1, total, D] item, which fills the placeholders alike."""
-        outputs = kwargs.get("mm_encoder_outputs") or {}
-        joined = {}
-        for name in self.stacked_features:
-            out = outputs.get(name)
-            if out is not None and isinstance(out.pooler_output, list):
-                joined[name] = type(out)(**{**out, "pooler_output": torch.cat(out.pooler_output)[None]})
-        return (args, dict(kwargs, mm_encoder_outputs={**outputs, **joined})) if joined else None
-
     def install(self) -> None:
-        model = self.model
-        self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        hooks, model = self.hooks, self.model
+        hooks.before_forward(model, self.calls.pre_forward)
         if self.stacked_features:
-            self._ragged_hook = self.inner.register_forward_pre_hook(self._join_ragged, with_kwargs=True)
+            hooks.before_forward(self.inner, self.calls.join_ragged)
         if self.llm_method is not None:
-            self._llm_stages = LanguageModelStages(self, self.llm_method)
-            self._llm_stages.install()
-        self._post_hook = model.register_forward_hook(self._post_forward)
-        self.installed = True
-        if hasattr(model, "generate"):
-            self._own_generate = model.__dict__.get("generate")
-            model.generate = PatchedGenerate(self)
-        if self._sparse is not None:
-            self._sparse.install()
+            self.llm = LanguageModelStages(self, self.llm_method)
+            self.llm.install(hooks)
+        hooks.after_forward(model, self.calls.post_forward)
+        hooks.wrap_generate(PatchedGenerate(self))
+        if self.sparse is not None:
+            self.sparse.install(hooks)
+        hooks.installed = True
 
     def remove(self) -> None:
-        if getattr(self, "_sparse", None) is not None:
-            self._sparse.remove()
-        self.installed = False
-        for name in ("_hook", "_post_hook", "_ragged_hook"):
-            if getattr(self, name) is not None:
-                getattr(self, name).remove()
-                setattr(self, name, None)
-        if self._llm_stages is not None:
-            self._llm_stages.remove()
-            self._llm_stages = None
-        generate = self.model.__dict__.get("generate")
-        if isinstance(generate, PatchedGenerate) and generate.adapter is self:  # not one the user set since
-            if self._own_generate is None:
-                del self.model.__dict__["generate"]
-            else:
-                self.model.__dict__["generate"] = self._own_generate
+        self.hooks.remove()
+        self.llm = None
+
+    @property
+    def installed(self) -> bool:
+        return self.hooks.installed
 
     @property
     def stock_generate(self) -> Any:
         """The generate the model had before patch: the user's own instance-level one, else the class's."""
-        if self._own_generate is not None:
-            return self._own_generate
-        return type(self.model).generate.__get__(self.model)
+        return self.hooks.stock_generate
+
+    # ----------------------------------------------------------------- where a prompt's video frames sit
+    @property
+    def takes_video(self) -> bool:
+        """A video modality of its own, or videos as labelled image runs (`videos_as_image_runs`: InternVL)."""
+        return any(m.name == "video" for m in self.modalities) or self.videos_as_image_runs
+
+    def check_frame_layout(self) -> None:
+        """Raise a VTokenError when this model's frames cannot be found in its prompts (see InternVL)."""
+
+    def video_frames(self, kwargs: dict[str, Any]) -> list[int] | None:
+        """Frames (temporal units) of every video of a call's inputs, in order; None: no video."""
+        return frames.video_frames(kwargs)
+
+    def frame_spans(self, input_ids: torch.Tensor, counts: list[int] | None) -> list[list[torch.Tensor]] | None:
+        """Per row of `input_ids` [B, L], per video, [F, 2] (start, end) columns of its frames; None when the
+        prompt's video runs do not match `counts` (the call's videos' frames, in order)."""
+        video = next((m for m in self.modalities if m.name == "video"), None)
+        if not counts or video is None:
+            return None
+        return frames.frame_spans(input_ids == self.placeholder_id(video), counts, self.frame_runs)

@@ -1,17 +1,19 @@
-"""How a patched model's calls run, shared by every adapter (mixed into `Adapter`).
+"""How a patched model's calls run: the `CallPath` every adapter holds (one per patched model).
 
 - `prepare`: encode every visual input with the encoder-stage method and shrink the prompt to the kept tokens;
 - the forward pre-hook (`_pre_forward`) for a plain `model(**inputs)` call, including manual decoding steps after
   a pruned prefill (`_continue_decoding`), and the post-forward hook that applies labels to the kept columns;
-- the generate wrapper's body (`_patched_generate`): encode and select first, then the stock `generate` on the
+- the generate wrapper's body (`generate`): encode and select first, then the stock `generate` on the
   shorter prompt with the pre-encoded features, the caller's prompt put back in front of the result.
-Per-call state lives in the calling thread's `CallState` (see `state.py`).
+Per-call state lives in the calling thread's `CallState` (see `state.py`), which the call path owns; the family
+(the adapter) is asked what only it knows: its plan, its encoder, its positions.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,12 +21,13 @@ from torch import nn
 from transformers import DynamicCache
 
 from vtoken.errors import InputError
-from vtoken.records import LazyRecords
+from vtoken.records import LazyRecords, Record
 
 from . import hf
 from .compiled import eager
-from .conversation import ConversationPath, cached_length, forget, remember_prompt
+from .conversation import Conversation, cached_length, forget, remember_prompt
 from .prompt import HostLayout, gather_columns, read_layout, shrink_prompt
+from .state import CallState, PerThread
 
 # names of the prompt's ids and mask among the values a call reads to the host (methods that read the question)
 PROMPT_IDS, PROMPT_MASK = "prompt.input_ids", "prompt.attention_mask"
@@ -42,8 +45,47 @@ def scatter_into_placeholders(is_placeholder: torch.Tensor, values: torch.Tensor
     return (flat & placed).view_as(is_placeholder)
 
 
-class CallPath(ConversationPath):
-    """The call-time half of `Adapter`: everything that runs inside `model(...)` / `model.generate(...)`."""
+class CallPath:
+    """Everything that runs inside a patched `model(...)` / `model.generate(...)`, for one adapter: the forward
+    hooks and the generate wrapper's body, the per-thread call state and the records of the calls."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.conversation = Conversation(self)
+        self._calls = PerThread(CallState)  # per-call state, one per thread (hooks run in the calling thread)
+        self._latest: list[Record] = []  # records of the most recent call of any thread
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For copy.deepcopy and pickling: a copy keeps the patch, not the calls made (records hold timers)."""
+        state = dict(self.__dict__)
+        state["_latest"] = []
+        state.pop("_generate_signature", None)
+        return state
+
+    # ----------------------------------------------------------------- per-call state
+    @property
+    def state(self) -> CallState:
+        """The calling thread's call state."""
+        return self._calls.get()
+
+    @property
+    def records(self) -> list[Record]:
+        """The records of the calling thread's most recent call (a thread that made none: the most recent call of
+        any thread). A call leaves them unbuilt (`LazyRecords`): they are built on the first read."""
+        state = self.state
+        return list(state.records if state.called else self._latest)  # built now, if they were not yet
+
+    @records.setter
+    def records(self, value: Sequence[Record]) -> None:
+        state = self.state
+        state.records, state.called = value, True
+        self._latest = value  # one reference swap: readers see either list, whole
+
+    def add_records(self, more: Sequence[Record]) -> None:
+        """Append `more` to the calling thread's records, both left unbuilt (a stage adding its records during the
+        forward must not build the encoder's: building them may read the device)."""
+        state = self.state
+        self.records = LazyRecords.chain([state.records if state.called else self._latest, more])
 
     # ----------------------------------------------------------------- the shared encode + shrink step
     def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -61,67 +103,68 @@ class CallPath(ConversationPath):
                 "visual tokens go; inputs_embeds alone are not supported"
             )
         parts, changed, protected_parts = [], False, {}
-        method = self.encoder_method
-        present = self.present(kwargs)
+        method = self.adapter.encoder_method
+        present = self.adapter.present(kwargs)
         for modality in present:
-            frames = self.videos_as_image_runs and "video" in method.modalities  # the adapter tells them apart
-            if modality.name not in method.modalities and not frames:  # e.g. images given to a video method
-                raise InputError(
-                    f"{method.name} acts on {' and '.join(method.modalities)} inputs only; this call passes "
-                    f"{modality.name}s (`{modality.pixel_key}`): call the model without them, or use another method"
-                )
+            frames = self.adapter.videos_as_image_runs and "video" in method.modalities  # the adapter tells them apart
+            if not frames:  # e.g. images given to a video method
+                self.adapter.encoder.check_call_modality(modality.name, modality.pixel_key)
         layout = self.read_call_layout(kwargs, present)
-        state = self._state
+        state = self.state
         state.host = layout.values
         try:
-            kwargs = self.before_shrinking(kwargs)
+            kwargs = self.adapter.before_shrinking(kwargs)
             mm = hf.encoder_outputs(kwargs)
             for modality in present:
                 pixel_values = kwargs.pop(modality.pixel_key)
                 encoder_kwargs = {k: kwargs.pop(k) for k in modality.encoder_kwargs if k in kwargs}
-                run_lengths = self.plan(modality, pixel_values, **encoder_kwargs)
-                runs = layout.runs(self.placeholder_id(modality), run_lengths, modality.name)
+                run_lengths = self.adapter.plan(modality, pixel_values, **encoder_kwargs)
+                runs = layout.runs(self.adapter.placeholder_id(modality), run_lengths, modality.name)
                 if "question" in method.requires:
                     prompt = layout.values.get(PROMPT_IDS), layout.values.get(PROMPT_MASK)
-                    state.questions = self.item_questions(kwargs, runs, prompt if prompt[0] is not None else None)
+                    state.questions = self.adapter.item_questions(
+                        kwargs, runs, prompt if prompt[0] is not None else None
+                    )
                 shrink = functools.partial(
                     shrink_prompt,
                     kwargs["input_ids"],
-                    self.placeholder_id(modality),
+                    self.adapter.placeholder_id(modality),
                     runs,
                     attention_mask=kwargs.get("attention_mask"),
                     position_ids=kwargs.get("position_ids"),
                     labels=kwargs.get("labels"),
-                    pad_token_id=self.pad_token_id,
-                    positions=self.positions,
+                    pad_token_id=self.adapter.pad_token_id,
+                    positions=self.adapter.positions,
                 )
                 # "How many" before the encoder, "which" after: with contiguous positions only the count matters to
                 # the prompt, so for fixed-count methods it is shrunk while the accelerator is still idle.
-                placed = method.acts_on == "placed"  # selects among the packed tokens (DivPrune), after `encode`
+                placed = self.adapter.encoder.placed  # selects among the packed tokens (DivPrune), after `encode`
                 planned = [method.planned_count(n) for n in run_lengths] if placed else \
-                    self.planned_counts(modality, run_lengths)  # fmt: skip
-                early = self.positions == "renumber" and None not in planned
-                offsets = self.planned_offsets(modality, run_lengths, planned) if early else None
+                    self.adapter.planned_counts(modality, run_lengths)  # fmt: skip
+                early = self.adapter.positions == "renumber" and None not in planned
+                offsets = self.adapter.planned_offsets(modality, run_lengths, planned) if early else None
                 early = offsets is not None  # (None: where they stay is known only after selecting)
                 if early:
                     compressed = shrink(offsets)
-                encoded = self.encode(modality, pixel_values, **encoder_kwargs)
+                encoded = self.adapter.encode(modality, pixel_values, **encoder_kwargs)
                 if placed:
-                    encoded = self.select_placed(modality, encoded)
+                    encoded = self.adapter.select_placed(modality, encoded)
                 if early:
                     produced = [len(f) for f in encoded.features]
                     if produced != planned:
-                        raise RuntimeError(f"{self.encoder_method.name} kept {produced} tokens, planned {planned}")
+                        raise RuntimeError(
+                            f"{self.adapter.encoder_method.name} kept {produced} tokens, planned {planned}"
+                        )
                 else:
                     kept = encoded.keep_offsets
                     compressed = shrink([len(f) for f in encoded.features] if kept is None else kept)
                 parts.append(encoded.records)
                 if encoded.protected is not None:
                     protected_parts[modality] = torch.cat(encoded.protected)
-                # a list where items differ in length: `_join_ragged` joins them for the forward
-                stack = modality.name in self.stacked_features and len({len(f) for f in encoded.features}) == 1
+                # a list where items differ in length: `join_ragged` joins them for the forward
+                stack = modality.name in self.adapter.stacked_features and len({len(f) for f in encoded.features}) == 1
                 features = torch.stack(encoded.features) if stack else encoded.features
-                mm[modality.name] = self.encoder_output(encoded, features)
+                mm[modality.name] = self.adapter.encoder_output(encoded, features)
                 if compressed.changed:
                     changed = True
                     layout.padded = compressed.padded
@@ -130,7 +173,7 @@ class CallPath(ConversationPath):
                         value = getattr(compressed, key)
                         if value is not None or key in kwargs:
                             kwargs[key] = value
-                    for key, fill in self.token_columns.items():
+                    for key, fill in self.adapter.token_columns.items():
                         if kwargs.get(key) is not None:
                             kwargs[key] = gather_columns(kwargs[key], compressed.index, fill)
         finally:
@@ -141,9 +184,9 @@ class CallPath(ConversationPath):
             ids = kwargs["input_ids"]
             state.protected = torch.zeros_like(ids, dtype=torch.bool)
             for modality, flags in protected_parts.items():
-                state.protected |= scatter_into_placeholders(ids == self.placeholder_id(modality), flags)
+                state.protected |= scatter_into_placeholders(ids == self.adapter.placeholder_id(modality), flags)
         kwargs[hf.ENCODER_OUTPUTS] = mm
-        return self.after_shrinking(kwargs), changed
+        return self.adapter.after_shrinking(kwargs), changed
 
     def read_call_layout(self, kwargs: dict[str, Any], present: list) -> HostLayout:
         """What the host must know of this call's device inputs, read in one read before the encoder runs (when
@@ -151,62 +194,70 @@ class CallPath(ConversationPath):
         the inputs the family's geometry needs as integers (`Modality.host`, e.g. image sizes); the prompt's ids
         for a method that reads its question. A one-row call of a fixed-size family reads nothing."""
         values = {k: kwargs[k] for m in present for k in m.host if kwargs.get(k) is not None}
-        method = self.encoder_method
-        if self.reads_prompt or "question" in method.requires and getattr(method, "question", None) is None:
+        method = self.adapter.encoder_method
+        if self.adapter.reads_prompt or "question" in method.requires and getattr(method, "question", None) is None:
             values[PROMPT_IDS] = kwargs["input_ids"]
             if kwargs.get("attention_mask") is not None:
                 values[PROMPT_MASK] = kwargs["attention_mask"]
-        ids = sorted({self.placeholder_id(m) for m in present})
+        ids = sorted({self.adapter.placeholder_id(m) for m in present})
         return read_layout(kwargs["input_ids"], kwargs.get("attention_mask"), ids, values)
 
     # ----------------------------------------------------------------- what the LLM stages read
     def _note_visual(self, kwargs: dict[str, Any]) -> None:
-        """Remember which tokens of this forward's `input_ids` are visual, for the LLM stages."""
+        """Remember this forward's `input_ids` and which of them are visual, for the LLM and sparse stages."""
         ids = kwargs.get("input_ids")
-        if self._llm_stages is None or ids is None:
-            self._state.visual = None
+        state = self.state
+        state.ids = ids
+        if self.adapter.llm is None or ids is None:
+            state.visual = None
             return
         visual = torch.zeros_like(ids, dtype=torch.bool)
-        for modality in self.modalities:
-            visual |= ids == self.placeholder_id(modality)
-        self._state.visual = visual
+        for modality in self.adapter.modalities:
+            visual |= ids == self.adapter.placeholder_id(modality)
+        state.visual = visual
+
+    def _note_frames(self, kwargs: dict[str, Any]) -> None:
+        """The call's videos' frames, from the caller's inputs, for a stage that follows frames (sparse "grid")."""
+        sparse = self.adapter.sparse
+        self.state.frames = self.adapter.video_frames(kwargs) if sparse is not None and sparse.follows_frames else None
 
     def visual_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
         """[B, L] visual tokens of the LLM input of this shape (None if the forward's input_ids were not seen)."""
-        return self._visual if self._visual is not None and tuple(self._visual.shape) == shape else None
+        return self.state.visual if self.state.visual is not None and tuple(self.state.visual.shape) == shape else None
 
     def protected_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
         """[B, L] tokens an encoder stage protected (rows repeated for beams / return sequences), or None."""
-        protected = self._state.protected
+        protected = self.state.protected
         if protected is None or protected.shape[1] != shape[1] or shape[0] % protected.shape[0]:
             return None
         return protected.repeat_interleave(shape[0] // protected.shape[0], dim=0)
 
     @eager
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if args:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
             kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
-        state = self._state
+        state = self.state
         if state.in_generate:  # generate already works on the shrunk prompt
             self._note_visual(kwargs)
             return None
-        state.labels, state.final_columns = None, None
-        if self._llm_stages is not None:
+        state.labels = None
+        self._note_frames(kwargs)
+        if self.adapter.llm is not None:
             self._refuse_static_cache(None, hf.cache_in(kwargs))
         kwargs = self._forward_kwargs(kwargs)
-        if self._llm_stages is not None and kwargs.get("labels") is not None:
-            # applied to the kept columns in `_post_forward` (with the Trainer's token count, if given)
+        if self.adapter.llm is not None and kwargs.get("labels") is not None:
+            # applied to the kept columns in `post_forward` (with the Trainer's token count, if given)
             state.labels = kwargs.pop("labels"), kwargs.get("num_items_in_batch")
         self._note_visual(kwargs)
         return (), kwargs
 
     @eager
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """Leave the map of a pruned prompt on the cache the forward returns; with an LLM stage, the loss of a
         forward given labels: the model's own loss function over the sequence the last decoder layers ran on (the
         kept columns; a dropped column takes its label with it)."""
-        state = self._state
+        state = self.state
         filled, state.filled = state.filled, None
         if filled is not None and not state.in_generate:
             cache = hf.cache_out(output)
@@ -215,17 +266,29 @@ class CallPath(ConversationPath):
         if given is None or state.in_generate:
             return None
         labels, num_items = given
-        columns = state.final_columns
+        columns = self.adapter.llm.final_columns()
         if columns is not None:
             labels = gather_columns(labels, columns, -100)
         logits = output["logits"] if isinstance(output, dict) else output[0]
         extra = {} if num_items is None else {"num_items_in_batch": num_items}
-        loss = self.model.loss_function(
+        loss = self.adapter.model.loss_function(
             logits=logits, labels=labels.to(logits.device), vocab_size=logits.shape[-1], **extra
         )
         if isinstance(output, dict):
             return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
         return (loss, *output)
+
+    def join_ragged(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        """A modality whose forward wants one [items, tokens, D] tensor, when its items kept different numbers of
+        tokens (VidCom2's videos): `prepare` hands generate a list (its beam expansion splits lists by placeholder
+        counts), and the forward gets all items as one [1, total, D] item, which fills the placeholders alike."""
+        outputs = kwargs.get(hf.ENCODER_OUTPUTS) or {}
+        joined = {}
+        for name in self.adapter.stacked_features:
+            out = outputs.get(name)
+            if out is not None and isinstance(out.pooler_output, list):
+                joined[name] = type(out)(**{**out, "pooler_output": torch.cat(out.pooler_output)[None]})
+        return (args, dict(kwargs, **{hf.ENCODER_OUTPUTS: {**outputs, **joined}})) if joined else None
 
     def _refuse_static_cache(self, implementation: str | None, cache: Any) -> None:
         """LLM stages give each layer's cache its own length: only a DynamicCache can hold that."""
@@ -234,7 +297,7 @@ class CallPath(ConversationPath):
         ):
             got = f"cache_implementation={implementation!r}" if cache is None else type(cache).__name__
             raise InputError(
-                f"{self.llm_method.name} acts inside the LLM on per-layer caches (of different lengths after a "
+                f"{self.adapter.llm_method.name} acts inside the LLM on per-layer caches (of different lengths after a "
                 f"drop; read whole at every step by a decode-time selection), which needs a DynamicCache (the "
                 f"default); got {got}. A static cache works with encoder-stage methods only"
             )
@@ -242,40 +305,43 @@ class CallPath(ConversationPath):
     def _forward_kwargs(self, kwargs: dict) -> dict:
         """What the stock forward of a plain `model(...)` call gets: the shrunk prompt and pre-encoded features,
         new tokens on a cache mapped onto what the cache holds, or the call unchanged."""
-        state = self._state
+        state = self.state
         state.filled = None
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if past:  # decoding steps and later turns keep the records of the call that filled the cache
-            return self._continue_forward(kwargs, cache, past)
+            return self.conversation.continue_forward(kwargs, cache, past)
         forget(cache)
-        if not self.present(kwargs) or self.encoder_method is None:  # no images, or LLM stages only
+        if not self.adapter.present(kwargs) or self.adapter.encoder_method is None:  # no images, or LLM stages only
             self.records, state.protected = [], None
             return kwargs
         caller_ids, caller_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         kwargs, _ = self.prepare(kwargs)
-        state.filled = self._cached_prompt(caller_ids, caller_mask, kwargs)  # left on the cache after the forward
+        state.filled = self.conversation.cached_prompt(
+            caller_ids, caller_mask, kwargs
+        )  # left on the cache after the forward
         return kwargs
 
     @torch.no_grad()
-    def _patched_generate(self, *args: Any, **kwargs: Any) -> Any:
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
         if "_generate_signature" not in self.__dict__:
-            self._generate_signature = inspect.signature(self.stock_generate)
+            self._generate_signature = inspect.signature(self.adapter.stock_generate)
         bound = self._generate_signature.bind_partial(*args, **kwargs).arguments
         kwargs = {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
         if isinstance(kwargs.get("inputs"), torch.Tensor) and kwargs.get("input_ids") is None:
             kwargs["input_ids"] = kwargs.pop("inputs")
         self._refuse_assisted(kwargs)
-        if self._llm_stages is not None:
+        self._note_frames(kwargs)
+        if self.adapter.llm is not None:
             kwargs = self._llm_generate_kwargs(kwargs)
-        state = self._state
+        state = self.state
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if not past:
             forget(cache)
         caller_ids, caller_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         continuing = past and caller_ids is not None
-        prunes = continuing or (self.present(kwargs) and self.encoder_method is not None)
+        prunes = continuing or (self.adapter.present(kwargs) and self.adapter.encoder_method is not None)
         max_length = self._max_length(kwargs) if prunes else None
         if max_length is not None and caller_ids.shape[1] >= max_length:
             raise InputError(  # the stock check, with the caller's lengths (not the shrunk prompt's)
@@ -285,9 +351,9 @@ class CallPath(ConversationPath):
             )
         changed = False
         if continuing:
-            kwargs, changed = self._continue_generate(kwargs, cache, past)
-            if self._llm_stages is not None:  # a decode-time selection starts afresh at every generate call
-                self.add_records(self._llm_stages.new_call(cache))
+            kwargs, changed = self.conversation.continue_generate(kwargs, cache, past)
+            if self.adapter.llm is not None:  # a decode-time selection starts afresh at every generate call
+                self.add_records(self.adapter.llm.new_call(cache))
         elif prunes:
             kwargs, changed = self.prepare(kwargs)
         else:
@@ -299,24 +365,24 @@ class CallPath(ConversationPath):
                 kwargs["streamer"] = CallersPrompt(kwargs["streamer"], caller_ids)
         state.in_generate = True
         try:
-            out = self.stock_generate(**kwargs)
+            out = self.adapter.stock_generate(**kwargs)
         finally:
             state.in_generate = state.beams = False
         filled = cache if cache is not None else hf.cache_out(out)
         if filled is not None and caller_ids is not None and kwargs.get("input_ids") is not None:
-            remember_prompt(filled, self._cached_prompt(caller_ids, caller_mask, kwargs))
+            remember_prompt(filled, self.conversation.cached_prompt(caller_ids, caller_mask, kwargs))
         return _restore_prompt(out, caller_ids, kwargs["input_ids"].shape[1]) if changed else out
 
     def _refuse_assisted(self, kwargs: dict[str, Any]) -> None:
         """Assisted decoding (an assistant model, prompt lookup) verifies several tokens per forward, its first
         forward runs the prompt and the first candidates together, and it crops the cache where candidates are
         rejected; refused at the start of the call where that cannot give plain decoding's tokens."""
-        config = kwargs.get("generation_config") or self.model.generation_config
+        config = kwargs.get("generation_config") or self.adapter.model.generation_config
         used = [name for name in ASSISTED if kwargs.get(name, getattr(config, name, None)) is not None]
         if not used:
             return
         named = ", ".join(f"{name}=" for name in used)
-        inside = [m.name for m in self.methods if set(m.stages) & {"prefill", "decode", "sparse"}]
+        inside = [m.name for m in self.adapter.methods if set(m.stages) & {"prefill", "decode", "sparse"}]
         if inside:
             raise InputError(
                 f"assisted decoding ({named}) is not supported with {', '.join(inside)}, which acts inside the LLM: "
@@ -333,7 +399,7 @@ class CallPath(ConversationPath):
                 f"the whole conversation without {hf.CACHE_KWARG}"
             )
         if kwargs.get("prompt_lookup_num_tokens", getattr(config, "prompt_lookup_num_tokens", None)) is not None:
-            present = self.present(kwargs)
+            present = self.adapter.present(kwargs)
             if present:
                 raise InputError(
                     f"assisted decoding by prompt lookup (prompt_lookup_num_tokens=) proposes tokens copied from the "
@@ -345,22 +411,22 @@ class CallPath(ConversationPath):
     def _max_length(self, kwargs: dict[str, Any]) -> int | None:
         """The `max_length` set for this call (by it, its generation config or the model's), which stock generate
         counts the caller's prompt in; None when `max_new_tokens` is set or none is (20 new tokens by default)."""
-        config = kwargs.get("generation_config") or self.model.generation_config
+        config = kwargs.get("generation_config") or self.adapter.model.generation_config
         if kwargs.get("max_new_tokens", config.max_new_tokens) is not None:
             return None
         length = kwargs.get("max_length", config.max_length)
-        return length if length is not None else self.model.generation_config.max_length
+        return length if length is not None else self.adapter.model.generation_config.max_length
 
     def _llm_generate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """generate kwargs with an LLM stage: static caches refused at the start; `use_cache=False` runs with the
         cache. The LLM stages decide once, from the prompt, and the decode stage is defined on the per-layer cache,
         so the cached run is what the call means (re-running the pruned prompt at every step would re-decide)."""
-        config = kwargs.get("generation_config") or self.model.generation_config
+        config = kwargs.get("generation_config") or self.adapter.model.generation_config
         implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
         self._refuse_static_cache(implementation, hf.cache_in(kwargs))
         if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
             kwargs = dict(kwargs, use_cache=True)
-        self._state.beams = (kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1) > 1
+        self.state.beams = (kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1) > 1
         return kwargs
 
 

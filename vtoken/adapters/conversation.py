@@ -121,16 +121,20 @@ def forget(cache: Any) -> None:
                 delattr(cache, name)
 
 
-class ConversationPath:
-    """The continuation half of the call path (mixed into `CallPath`): a call whose cache already holds tokens.
+class Conversation:
+    """The continuation half of a model's calls (`CallPath` holds one): a call whose cache already holds tokens.
 
     `generate` gets the whole conversation's ids; `model(...)` only the tokens the cache lacks, with a mask over the
     caller's columns. Either way the cached part is mapped onto what the cache holds (`CachedPrompt`), visual
     inputs of the new tokens alone are encoded and pruned (their placeholders are counted in the new tokens only),
-    and the new tokens get the positions decoding would have given them (`continued_positions`).
+    and the new tokens get the positions decoding would have given them (the family's `continued_positions`).
     """
 
-    def _notes(self, cache: Any, batch: int) -> CachedPrompt | None:
+    def __init__(self, calls):
+        self.calls = calls
+        self.adapter = calls.adapter
+
+    def notes(self, cache: Any, batch: int) -> CachedPrompt | None:
         notes = prompt_of(cache)
         if notes is None:
             return None
@@ -139,25 +143,25 @@ class ConversationPath:
         except ValueError as error:
             raise InputError(f"{hf.CACHE_KWARG}: {error}; continue each conversation with its own cache") from None
 
-    def _refuse_visual_on_cache(self, kwargs: dict[str, Any], past: int) -> None:
+    def refuse_visual_on_cache(self, kwargs: dict[str, Any], past: int) -> None:
         """LLM stages prune during a prefill from an empty cache; new visual inputs on a cache are refused."""
-        present = self.present(kwargs)
-        if self._llm_stages is None or not present:
+        present = self.adapter.present(kwargs)
+        if self.adapter.llm is None or not present:
             return
         raise InputError(
-            f"{self.llm_method.name} prunes visual tokens inside the LLM during a prefill from an empty cache; "
+            f"{self.adapter.llm_method.name} prunes visual tokens inside the LLM during a prefill from an empty cache; "
             f"this call brings new {present[0].name}s on top of a cache holding {past} tokens, which it cannot "
             f"prune there. Pass the whole conversation without {hf.CACHE_KWARG} (it is pruned afresh), continue with "
             "text only, or use an encoder-stage method, which prunes a later turn's images too"
         )
 
-    def _continue_generate(self, kwargs: dict[str, Any], cache: Any, past: int) -> tuple[dict[str, Any], bool]:
+    def continue_generate(self, kwargs: dict[str, Any], cache: Any, past: int) -> tuple[dict[str, Any], bool]:
         """generate kwargs for a call continuing from `cache` (holding `past` tokens): the caller's ids [B, T] of the
         whole conversation become what the cache holds plus the new tokens (their images pruned), with a mask
         and positions over those. Returns (kwargs, whether the ids changed)."""
         ids = kwargs["input_ids"]
         batch, width = ids.shape
-        notes = self._notes(cache, batch)
+        notes = self.notes(cache, batch)
         held, stands_for = (0, 0) if notes is None else (notes.ids.shape[1], notes.caller_ids.shape[1])
         if notes is not None and past < held:
             raise InputError(
@@ -176,7 +180,7 @@ class ConversationPath:
                 f"input_ids[:, :{stands_for}] differ from the prompt the cache ({hf.CACHE_KWARG}) was filled with; "
                 f"pass that conversation followed by the new tokens, or no {hf.CACHE_KWARG}"
             )
-        self._refuse_visual_on_cache(kwargs, past)
+        self.refuse_visual_on_cache(kwargs, past)
         mask = kwargs.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
         tail = dict(kwargs, input_ids=ids[:, cut:], attention_mask=mask[:, cut:])
@@ -184,7 +188,7 @@ class ConversationPath:
         if given is not None:
             tail["position_ids"] = given[..., cut:]
         prefix = {"input_ids": ids[:, :cut], "attention_mask": mask[:, :cut]}
-        for key in self.token_columns:
+        for key in self.adapter.token_columns:
             if kwargs.get(key) is not None:
                 tail[key] = kwargs[key][:, cut:]
                 prefix[key] = kwargs[key][:, :cut]
@@ -195,35 +199,37 @@ class ConversationPath:
             for key in list(prefix):
                 start = held_prompt.get(key)
                 if start is None:
-                    start = torch.full_like(notes.ids, self.token_columns.get(key, 0))
+                    start = torch.full_like(notes.ids, self.adapter.token_columns.get(key, 0))
                 prefix[key] = torch.cat([start.to(prefix[key]), prefix[key][:, stands_for:]], dim=1)
         changed = notes is not None and notes.changed
-        if self.present(tail) and self.encoder_method is not None:
-            tail, shrunk = self.prepare(tail)
+        if self.adapter.present(tail) and self.adapter.encoder_method is not None:
+            tail, shrunk = self.calls.prepare(tail)
             changed = changed or shrunk
         else:
-            self.records, self._state.protected = [], None
+            self.calls.records, self.calls.state.protected = [], None
         glued = dict(tail)
         for key, start in prefix.items():
             end = tail.get(key)
             if end is None:
-                end = torch.full_like(tail["input_ids"], 1 if key == "attention_mask" else self.token_columns[key])
+                end = torch.full_like(
+                    tail["input_ids"], 1 if key == "attention_mask" else self.adapter.token_columns[key]
+                )
             glued[key] = torch.cat([start, end.to(start)], dim=1)
-        glued["position_ids"] = self._placed(glued["attention_mask"], past, tail, given, notes)
+        glued["position_ids"] = self.placed(glued["attention_mask"], past, tail, given, notes)
         return glued, changed
 
-    def _continue_forward(self, kwargs: dict[str, Any], cache: Any, past: int) -> dict[str, Any]:
+    def continue_forward(self, kwargs: dict[str, Any], cache: Any, past: int) -> dict[str, Any]:
         """model(...) kwargs for new tokens on `cache`: the caller's mask [B, T] (T = the conversation as the caller
         counts it plus the new tokens) mapped onto the cache's columns, new images pruned, positions placed."""
         new = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if new is None:
             return kwargs
         batch, steps = new.shape[:2]
-        notes = self._notes(cache, batch)
-        pixels = bool(self.present(kwargs))
+        notes = self.notes(cache, batch)
+        pixels = bool(self.adapter.present(kwargs))
         if not pixels and (notes is None or not notes.changed):  # the cache holds the caller's columns: as stock
             return kwargs
-        self._refuse_visual_on_cache(kwargs, past)
+        self.refuse_visual_on_cache(kwargs, past)
         held, stands_for = (0, 0) if notes is None else (notes.ids.shape[1], notes.caller_ids.shape[1])
         callers_past = stands_for + past - held
         mask = kwargs.get("attention_mask")
@@ -252,50 +258,39 @@ class ConversationPath:
                 prefix_mask = torch.cat([start.to(mask), prefix_mask[:, stands_for:]], dim=1)
         tail = dict(kwargs, attention_mask=tail_mask)
         given = kwargs.get("position_ids")
-        if pixels and self.encoder_method is not None:
-            tail, _ = self.prepare(tail)
+        if pixels and self.adapter.encoder_method is not None:
+            tail, _ = self.calls.prepare(tail)
         tail_mask = tail.get("attention_mask")
         if tail_mask is None:
             tail_mask = torch.ones(batch, tail["input_ids"].shape[1], dtype=prefix_mask.dtype, device=new.device)
         full = torch.cat([prefix_mask.to(tail_mask), tail_mask], dim=1)
-        positions = self._placed(full, past, tail, given, notes)
+        positions = self.placed(full, past, tail, given, notes)
         out = dict(tail, position_ids=positions[..., past:])
         if mask is not None or bool((full == 0).any()):
             out["attention_mask"] = full
         return out
 
-    def _placed(self, mask: torch.Tensor, past: int, tail: dict[str, Any], given: Any, notes: CachedPrompt | None):
+    def placed(self, mask: torch.Tensor, past: int, tail: dict[str, Any], given: Any, notes: CachedPrompt | None):
         """Positions [..., B, past + n] of a continuation (mask [B, past + n] over what the cache holds and the new
         tokens): the caller's own for the new tokens where given (renumbered ones moved back by the tokens the
         cache lost), else those decoding gives (`continued_positions`)."""
         offset = notes.offset if notes is not None else None
-        positions = self.continued_positions(mask, past, tail.get("position_ids") if given is None else None, offset)
+        positions = self.adapter.continued_positions(
+            mask, past, tail.get("position_ids") if given is None else None, offset
+        )
         if given is None:
             return positions
         mine = tail["position_ids"]  # the caller's, of the new tokens (gathered if their images were pruned)
-        if self.positions == "renumber" and notes is not None:
+        if self.adapter.positions == "renumber" and notes is not None:
             mine = mine - notes.lost().to(mine.device).view(*[1] * (mine.dim() - 2), -1, 1)
         return torch.cat([positions[..., :past].to(mine), mine], dim=-1)
 
-    def continued_positions(
-        self, mask: torch.Tensor, past: int, tail_positions: torch.Tensor | None, offset: torch.Tensor | None
-    ) -> torch.Tensor:
-        """[B, past + n] positions decoding gives a conversation whose cache holds `past` tokens, then n new ones:
-        one per real token of `mask` (1-D RoPE). Families with multi-axis positions override this (the new tokens'
-        own visual positions, `tail_positions`, start where decoding would continue)."""
-        return (mask.long().cumsum(-1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
-
-    def _cached_prompt(self, caller_ids, caller_mask, kwargs: dict[str, Any]) -> CachedPrompt:
+    def cached_prompt(self, caller_ids, caller_mask, kwargs: dict[str, Any]) -> CachedPrompt:
         """The map a call leaves on its cache: the caller's prompt and what the LLM received for it."""
         ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
         # the same tensors when nothing was shrunk (compared by identity first: no read of the device)
         changed = ids is not caller_ids and (ids.shape != caller_ids.shape or not torch.equal(ids, caller_ids))
         changed = changed or ((mask is None) != (caller_mask is None)) or (
             mask is not None and mask is not caller_mask and not torch.equal(mask, caller_mask))  # fmt: skip
-        columns = {key: kwargs[key] for key in self.token_columns if kwargs.get(key) is not None}
-        return CachedPrompt(caller_ids, caller_mask, ids, mask, columns, self.position_offset(kwargs), changed)
-
-    def position_offset(self, kwargs: dict[str, Any]) -> torch.Tensor | None:
-        """[B] what decoding adds to a new token's position counted over real tokens, after the prompt in `kwargs`
-        (None: nothing, 1-D RoPE)."""
-        return None
+        columns = {key: kwargs[key] for key in self.adapter.token_columns if kwargs.get(key) is not None}
+        return CachedPrompt(caller_ids, caller_mask, ids, mask, columns, self.adapter.position_offset(kwargs), changed)

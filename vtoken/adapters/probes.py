@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
 from vtoken.kernels import attention_column_mean, attention_row_probs
 
 from . import hf

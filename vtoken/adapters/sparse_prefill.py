@@ -150,13 +150,10 @@ class _Verdict:
 
 
 class _Local:
-    """One thread's state: its current prefill, and the frame layout of its current call ("grid")."""
+    """One thread's state: its current prefill."""
 
     def __init__(self) -> None:
         self.call: _Call | None = None
-        self.generate_frames = None
-        self.frames = None
-        self.ids = None
 
 
 @dataclass
@@ -217,32 +214,24 @@ class SparseAttention:
             adapter.check_frame_layout()  # what the family needs to find frames in a prompt (raises if missing)
         self._local = PerThread(_Local)  # per thread; a copy starts empty
         self._failed: str | None = None  # auto: why the sparse backends failed (the model's own attention since)
-        self._hooks: list = []
         self._saved: list[tuple[Any, Any]] = []
-        self._stock_generate = None
 
     # ----------------------------------------------------------------- install / remove
-    def install(self) -> None:
+    @property
+    def follows_frames(self) -> bool:
+        """The pattern follows video frames ("grid"): the call path notes every call's frames for it."""
+        return self.method.pattern == "grid"
+
+    def install(self, hooks) -> None:
+        """Install through the model's `HookOwner`: the attention function the LLM's layers call (restored exactly
+        on removal) and the hooks around the LLM that open and close a prefill."""
         self._saved = hf.stored_attention(self.model)
         for module in self.attention_modules:
             _STAGES[module] = weakref.ref(self)
+        hooks.on_remove(self.remove)
         hf.set_text_attention(self.model, _register(self.original))
-        self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
-        self._hooks.append(self.lm.register_forward_hook(self._after_lm))
-        if self.method.pattern == "grid":
-            self._hooks.append(self.model.register_forward_pre_hook(self._frames_hook, with_kwargs=True, prepend=True))
-            self._hooks.append(self.model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
-            self._stock_generate = self.model.generate
-            self.model.generate = self._generate  # a bound method: a patched model deep-copies and pickles
-
-    def _generate(self, *args: Any, **kwargs: Any) -> Any:
-        """`model.generate` under pattern="grid": notes the call's frames (generate encodes before any forward)."""
-        local = self._local.get()
-        local.generate_frames = self.adapter.video_frames(kwargs)
-        try:
-            return self._stock_generate(*args, **kwargs)
-        finally:
-            local.generate_frames = None
+        hooks.before_forward(self.lm, self._before_lm)
+        hooks.after_forward(self.lm, self._after_lm)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A deep copy or an unpickled copy of a patched model: its attention modules run its own stage."""
@@ -252,12 +241,7 @@ class SparseAttention:
                 _STAGES[module] = weakref.ref(self)
 
     def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        if self._stock_generate is not None:
-            self.model.generate = self._stock_generate
-            self._stock_generate = None
+        """Undo `install`'s attention registration (the hook owner removes the hooks)."""
         for module in self.attention_modules:
             _STAGES.pop(module, None)
         if self._saved:
@@ -617,19 +601,11 @@ class SparseAttention:
         )  # fmt: skip
 
     # ----------------------------------------------------------------- grid: the call's frame layout
-    @eager
-    def _frames_hook(self, module, args, kwargs) -> None:
-        local = self._local.get()
-        local.frames = self.adapter.video_frames(kwargs) if local.generate_frames is None else local.generate_frames
-
-    @eager
-    def _ids_hook(self, module, args, kwargs) -> None:
-        self._local.get().ids = kwargs.get("input_ids")
-
     def _video_layout(self, shape: tuple[int, int]) -> list[list[torch.Tensor]] | None:
         """Per row, per video, [F, 2] frame columns in this LLM call (None: no frame layout), from its input_ids and
-        the call's videos, as the adapter finds them."""
-        ids, frames = self._local.get().ids, self._local.get().frames
+        the call's videos (noted by the call path), as the adapter finds them."""
+        state = self.adapter.calls.state
+        ids, frames = state.ids, state.frames
         if ids is None or tuple(ids.shape) != shape:
             return None
         return self.adapter.frame_spans(ids, frames)

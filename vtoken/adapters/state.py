@@ -44,9 +44,11 @@ class CallState:
     filled: the map of a pruned model(...) prompt, left on the cache the forward returns (`conversation.py`).
     questions: the prompt question of every image of the call (methods that read the question).
     labels: labels of a plain forward with an LLM stage, applied to the kept columns after the forward.
-    prefill / decode / step / prompt_length / final_columns: the LLM stages' state (see `adapters/llm/stages.py`):
-    a prefill's `PrefillState`, a decoding step's `DecodeStep`, a decode-time selection's pending step.
-    family: per-family extras (e.g. Qwen's resized grids).
+    beams: inside a beam-search generate (a decode-time selection follows the reordered rows).
+    frames / ids: the call's videos' frames (for a stage that follows frames: sparse prefill's "grid") and the
+    input_ids of the current forward.
+    family: per-family extras (e.g. Qwen's resized grids). (The LLM stages keep their own per-call state:
+    `llm.stages.LanguageModelCall`.)
     host: while `prepare` runs, the call's inputs read to the host once (image sizes, the prompt's ids), by name.
     """
 
@@ -59,12 +61,9 @@ class CallState:
         self.filled = None
         self.questions: list[str] = []
         self.labels = None
-        self.prefill = None
-        self.decode = None
-        self.step = None  # a decode-time selection's step between the LLM's input and layer L - 1
-        self.beams = False  # inside a beam-search generate (a decode-time selection follows the reordered rows)
-        self.prompt_length = 0
-        self.final_columns = None
+        self.beams = False
+        self.frames: list[int] | None = None
+        self.ids = None
         self.family: dict[str, Any] = {}
         self.host: dict[str, Any] = {}
 
@@ -84,7 +83,7 @@ class PatchedGenerate:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.adapter.installed:
             return self.adapter.stock_generate(*args, **kwargs)
-        return self.adapter._patched_generate(*args, **kwargs)
+        return self.adapter.calls.generate(*args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:

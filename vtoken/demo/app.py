@@ -16,7 +16,7 @@ from typing import Any
 from PIL import Image
 
 from .. import timing
-from ..applicability import applicable_layouts
+from ..applicability import applicable_layouts, fitting_params
 from ..errors import InputError, VTokenError
 from ..images import example_clip, example_image, load_video
 from ..modelview import model_view
@@ -111,10 +111,13 @@ def _first_clause(reason: str) -> str:
 def configurations(model, methods: list[str], compose: list[str], layout: str, params: dict) -> list[runs.Config]:
     """One configuration per ticked method; encoder-only methods get the composed LLM-stage methods after them.
     The layout is the one asked for where every method of the configuration takes it, else one they all take
-    (MustDrop on LLaVA-NeXT: "official"), named in the configuration's label."""
+    (MustDrop on LLaVA-NeXT: "official"), named in the configuration's label. A parameter the controls leave unset
+    takes the value that fits the model (`fitting_params`: PruneVid's layer=None while its cut is not wired), else
+    its default."""
     if not methods:
         raise InputError("no method ticked; tick at least one under 'methods'")
     configs = []
+    params = {n: {**fitting_params(model, n), **params.get(n, {})} for n in {*methods, *compose}}
     for name in methods:
         stages = method_class(name).stages
         names = [name] + ([c for c in compose if c != name] if tuple(stages) == ("encoder",) else [])
@@ -492,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
 
-    from . import demo_arguments
+    from .arguments import demo_arguments
 
     parser = argparse.ArgumentParser(prog="python -m vtoken.demo", description="the vtoken Gradio demo")
     demo_arguments(parser)

@@ -94,7 +94,7 @@ def check_configs(model, configs: list[Config], inputs) -> None:
         try:
             with torch.no_grad(), api.patched(model, config.build(), layout=config.layout) as handle:
                 if handle.adapter.encoder_method is not None and handle.adapter.present(inputs):
-                    handle.adapter.prepare(dict(inputs))
+                    handle.adapter.calls.prepare(dict(inputs))
         except VTokenError as err:
             raise type(err)(f"{config.label}: {err}") from err
 

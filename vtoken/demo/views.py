@@ -41,7 +41,7 @@ def probe_records(model, inputs, layout: str = "native") -> tuple[list[Record], 
     """Encoder records of the unpruned input (every valid token of every crop kept), and the adapter: the crop
     structure the LLM-only methods and the unpatched column are drawn on. Runs the encoder only."""
     with api.patched(model, Random(budget=1.0), layout=layout) as handle:
-        handle.adapter.prepare(dict(inputs))
+        handle.adapter.calls.prepare(dict(inputs))
         return list(handle.adapter.records), handle.adapter
 
 

@@ -1,7 +1,8 @@
 """Kernels, each beside a PyTorch reference with the same signature; dispatch picks Triton on CUDA.
 
-The greedy selections (DivPrune, MMTok, VisPruner) are PyTorch custom ops in the `vtoken` namespace
-(`torch.ops.vtoken.*`): the reference is their CPU implementation, the Triton kernels their CUDA one.
+The greedy selections (DivPrune, MMTok, VisPruner) and PixelPrune's anchored predictor are PyTorch custom ops in the
+`vtoken` namespace (`torch.ops.vtoken.*`): the reference is their CPU implementation, the Triton kernels their CUDA
+one.
 """
 
 from .attention_columns import (
@@ -29,6 +30,8 @@ from .dpp import dpp_greedy, dpp_greedy_reference, dpp_greedy_triton
 from .duplicates import duplicate_removal, duplicate_removal_reference, duplicate_removal_triton
 from .gram import gram_reference, gram_triton
 from .greedy_picks import greedy_least_similar, greedy_least_similar_reference, greedy_least_similar_triton
+from .pixel_prediction import anchored_prediction, anchored_prediction_reference, anchored_prediction_triton
+from .segment_gaps import fill_gaps, fill_gaps_reference, fill_gaps_triton
 from .static_windows import static_windows, static_windows_reference, static_windows_triton
 from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
 
@@ -37,6 +40,9 @@ __all__ = [
     "attention_column_mean_reference",
     "attention_column_mean_triton",
     "static_windows",
+    "fill_gaps",
+    "fill_gaps_reference",
+    "fill_gaps_triton",
     "static_windows_reference",
     "static_windows_triton",
     "block_mask_from_plan",
@@ -66,6 +72,9 @@ __all__ = [
     "greedy_least_similar",
     "greedy_least_similar_reference",
     "greedy_least_similar_triton",
+    "anchored_prediction",
+    "anchored_prediction_reference",
+    "anchored_prediction_triton",
     "visual_attention",
     "visual_attention_reference",
     "visual_attention_triton",

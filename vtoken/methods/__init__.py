@@ -1,52 +1,35 @@
-"""Methods, one file each; importing this package registers them."""
+"""Methods, one file each: every module of this package that defines a `Method` subclass with a `name` brings a
+built-in method, exported here under its class name (found by `builtin_methods`, so adding a method touches no
+list: the registry, `vtoken.<Class>`, the CLI, the demo and the docs' API page read them from here)."""
 
-from .base import EncoderMethod, Method, PrefillMethod, ScoreMethod
-from .cdpruner import CDPruner
-from .dart import DART
-from .divprune import DivPrune
-from .dycoke import DyCoke
-from .fastervlm import FasterVLM
-from .fastv import FastV
-from .fastvid import FastVID
-from .fourier import FourierDCT
-from .hired import HiRED
-from .holitom import HoliTom
-from .holov import HoloV
-from .mmtok import MMTok
-from .mustdrop import MustDrop
-from .pool import Pool
-from .pyramiddrop import PyramidDrop
-from .random import Random
-from .sparse_prefill import SparsePrefill
-from .sparsevlm import SparseVLM
-from .vidcom2 import VidCom2
-from .visionzip import VisionZip
-from .vispruner import VisPruner
+from __future__ import annotations
 
-__all__ = [
-    "Method",
-    "EncoderMethod",
-    "PrefillMethod",
-    "ScoreMethod",
-    "DART",
-    "DyCoke",
-    "FasterVLM",
-    "FastV",
-    "FourierDCT",
-    "HiRED",
-    "MMTok",
-    "MustDrop",
-    "Pool",
-    "PyramidDrop",
-    "Random",
-    "SparsePrefill",
-    "SparseVLM",
-    "VisionZip",
-    "VisPruner",
-    "DivPrune",
-    "VidCom2",
-    "FastVID",
-    "HoliTom",
-    "CDPruner",
-    "HoloV",
-]
+import importlib
+import pkgutil
+
+from .base import EncoderMethod as EncoderMethod
+from .base import Method
+from .base import PrefillMethod as PrefillMethod
+from .base import ScoreMethod as ScoreMethod
+from .base import TowerMethod as TowerMethod
+from .base import TowerShape as TowerShape
+
+BASES = ["Method", "EncoderMethod", "PrefillMethod", "ScoreMethod", "TowerMethod", "TowerShape"]
+
+
+def builtin_methods() -> dict[str, type[Method]]:
+    """Class name -> class of every built-in method: the modules of this package in alphabetical order, in each
+    the `Method` subclasses it defines with a registered `name`, in the order they are defined."""
+    found: dict[str, type[Method]] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for cls in vars(module).values():  # a module's namespace keeps the order its classes were defined in
+            if isinstance(cls, type) and issubclass(cls, Method) and cls.__module__ == module.__name__ and cls.name:
+                found[cls.__name__] = cls
+    return found
+
+
+_BUILTINS = builtin_methods()
+globals().update(_BUILTINS)
+__all__ = [*BASES, *_BUILTINS]
+del _BUILTINS

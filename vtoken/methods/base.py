@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..budget import Budget, tokens_to_keep, tokens_to_keep_tensor
+from ..errors import VTokenError
 from ..geometry.tables import on_device
 from ..params import Kept, Layer, Param, Scope
 from ..tokens import LayerTokens, Merged, Selection, VisualTokens
@@ -159,6 +160,11 @@ class EncoderMethod(Method):
     params = {"budget": Kept(), "scope": Scope()}
     budget_param = "budget"
     scopes: ClassVar[tuple[str, ...]] = ("crop", "image")
+    # the positions its kept tokens get on a family with 1-D positions that can give either (LLaVA-OneVision's
+    # videos): "renumber" (contiguous, the shorter prompt the model sees) or "original" (each keeps its place,
+    # with gaps, as FastVID's official code passes `position_ids = keep_indexs`). M-RoPE families keep the
+    # original (t, h, w) positions whatever this says
+    encoder_positions: ClassVar[str] = "renumber"
 
     def single_crop_requires(self) -> tuple[str, ...]:
         """The signals it needs when every image is one crop (`vtoken.select`): `requires` unless some serve only
@@ -272,7 +278,10 @@ class ScoreMethod(EncoderMethod):
         raise NotImplementedError
 
     def select(self, tokens: VisualTokens) -> Selection:
-        scores = self.score(tokens)
+        return self.keep_top_scores(tokens, check_scores(self, tokens, self.score(tokens)))
+
+    def keep_top_scores(self, tokens: VisualTokens, scores: torch.Tensor) -> Selection:
+        """Every crop's (or image's, with scope="image") top tokens by `scores` [C, N], ascending."""
         if self.scope == "image":
             return self._select_per_image(tokens, scores)
         if tokens.valid is None:
@@ -312,6 +321,28 @@ class ScoreMethod(EncoderMethod):
         width = max(counts, default=0)
         kept = torch.where(keep, torch.arange(n, device=device), n).sort(dim=-1).values[:, :width]
         return Selection(kept=kept, counts=counts)
+
+
+def check_scores(method: EncoderMethod, tokens: VisualTokens, scores: object) -> torch.Tensor:
+    """A score method's scores [C, N] as the base class takes them for its top-k: the shape, dtype and device on
+    the host (a `VTokenError` naming the method), and no NaN or +inf on the device (invalid tokens may be -inf): a
+    device-side assert on CUDA (no sync), raised at once on the CPU (as a `VTokenError`)."""
+    crops, n, device = tokens.num_crops, tokens.num_tokens, tokens.features.device
+    where = f"{method.name}.score()"
+    if not isinstance(scores, torch.Tensor):
+        raise VTokenError(f"{where} returned {type(scores).__name__}; expected a tensor [C, N] = [{crops}, {n}]")
+    if tuple(scores.shape) != (crops, n):
+        raise VTokenError(f"{where} returned scores of shape {tuple(scores.shape)}; expected [C, N] = [{crops}, {n}]")
+    if scores.device != device:
+        raise VTokenError(f"{where} returned scores on {scores.device}; expected the features' device, {device}")
+    if not scores.is_floating_point():
+        raise VTokenError(f"{where} returned scores of dtype {scores.dtype}; expected a floating-point tensor")
+    message = f"{where} returned NaN or +inf scores (expected finite scores; -inf marks tokens never to keep)"
+    try:
+        torch._assert_async((scores < float("inf")).all(), message)
+    except RuntimeError as err:  # raised at once off CUDA; on CUDA a device-side assert ends the call
+        raise VTokenError(message) from err
+    return scores
 
 
 class PrefillMethod(Method):
@@ -402,3 +433,74 @@ class PrefillMethod(Method):
         """Decode stage: layers whose KV cache is cut, after prefill, to the visual tokens that survived every
         drop (none by default)."""
         return range(0)
+
+
+@dataclass(frozen=True)
+class TowerShape:
+    """What a tower method knows of the vision tower it acts in; the adapter describes it at `patch`.
+
+    family: the adapter's family ("llava-1.5", "qwen3-vl", ...). cls: a [CLS] token comes first in the tower's
+    sequence (CLIP; not SigLIP or Qwen). feature_block: F, the block whose output the LLM reads (LLaVA's
+    `vision_feature_layer = -2` of 24 blocks: 22); -1 when the LLM reads the embeddings. merge: ViT patches per LLM
+    token along each side (Qwen's 2x2 merger: 2; LLaVA: 1). patch: pixels per patch side. temporal: frames per
+    patch (Qwen: 2; LLaVA: 1). channels: colour channels. mean, std: the processor's per-channel normalisation
+    (pixels = (value - mean) / std), for methods that read pixel values.
+    """
+
+    family: str
+    cls: bool = False
+    feature_block: int = -1
+    merge: int = 1
+    patch: int = 14
+    temporal: int = 1
+    channels: int = 3
+    mean: tuple[float, ...] = (0.0, 0.0, 0.0)
+    std: tuple[float, ...] = (1.0, 1.0, 1.0)
+
+    @property
+    def merging_layers(self) -> int:
+        """Blocks 0..F: the layers whose output reaches the LLM's feature layer."""
+        return self.feature_block + 1
+
+
+@dataclass
+class TowerMethod(Method):
+    """A method acting before or inside the vision tower (stage "tower"), so that the tower itself runs on fewer
+    tokens (post-tower methods leave the tower's cost, which dominates batch-1 time to first token on Qwen-VL).
+
+    Its declaration adds: acts: "input" (drops patch rows before block 0: `select_input`) or "layers" (changes the
+    sequence inside blocks, per block from the hidden states and that block's keys). families: the families it
+    applies to, each with how ("official" or "extension: ..."); refusals: family -> why it is refused (the message
+    of the `VTokenError` at `patch`). keeps_grid: whether its output keeps the crop's token grid (holes marked
+    invalid), so that a later encoder method may read grid signals. positions: the positions of the tokens
+    leaving the tower: "original" (kept tokens keep theirs where the family's positions are multi-axis, Qwen's
+    M-RoPE) or "renumber".
+    How many tokens leave the tower it says before any model compute, with `count_before_encoding`.
+    """
+
+    stages: ClassVar[tuple[str, ...]] = ("tower",)
+    modalities: ClassVar[tuple[str, ...]] = ("image",)
+    acts: ClassVar[str] = "input"
+    families: ClassVar[dict[str, str]] = {}
+    refusals: ClassVar[dict[str, str]] = {}
+    keeps_grid: ClassVar[bool] = False
+    positions: ClassVar[str] = "renumber"
+
+    def check_family(self, family: str) -> None:
+        """Raise `VTokenError` naming why the method cannot act in `family`'s tower (a refusal of the spec, or a
+        family it was never made for); nothing when it applies. Called at `patch`, before the model is touched."""
+        from ..errors import VTokenError
+
+        if family in self.families:
+            return
+        reason = self.refusals.get(family, f"it was not made for {family}'s vision tower")
+        raise VTokenError(f"{self.name} is refused on {family}: {reason}. It applies to: {', '.join(self.families)}")
+
+    def count_before_encoding(
+        self, grids: list[tuple[int, ...]], pixels: torch.Tensor | None = None, tower: TowerShape | None = None
+    ) -> list[int]:
+        """Tokens leaving the tower (LLM-level tokens) per crop, before any model compute: from host integers
+        (`grids`: every crop's patch grid, (H, W) or Qwen's (t, h, w)) or from the preprocessed `pixels`; `tower`
+        describes the tower. The prompt is shrunk from it before the tower runs; serving engines size their
+        placeholders from it."""
+        raise NotImplementedError

@@ -21,7 +21,9 @@ a_f (how much attention each token draws) and g_f (the frame's global feature):
    merges every token of its segment that is neither salient nor one of its own targets. Each token goes to its
    most cosine-similar target (the first on ties); a target with n tokens becomes w * x + (1 - w) * their mean,
    w = max(1 / (n + 1), beta).
-5. Kept: salient and context tokens, ascending by position per frame (a context token at its target's).
+5. Kept: salient and context tokens, ascending by position per frame (a context token at its target's), each at
+   its original position (gaps; the official LLaVA-OneVision code passes `position_ids = keep_indexs`, and Qwen's
+   M-RoPE keeps (t, h, w) anyway); decoding continues at the unpruned length.
 
 Signals: onevision reads SigLIP's attention-pooling (MAP) head on the tower features (`siglip_head_attention`:
 the probe's head-mean attention pooled like the tokens; `siglip_head_pooled`: its pooled output); qwen reads the
@@ -248,6 +250,7 @@ class FastVID(EncoderMethod):
 
     name = "fastvid"
     modalities = ("video",)
+    encoder_positions = "original"  # official (LLaVA-OneVision): position_ids = keep_indexs, with gaps
     scopes = ("image",)  # budgets are shared out over each video's segments
     merges = True
     params = {
@@ -353,12 +356,30 @@ def video_selection(
         return torch.cat(rows).to(features.dtype), torch.cat(places)
 
     features, positions = build(projected)
-    counts = torch.cat([plan.keep.sum(-1).flatten() for *_, plan in plans]).tolist()  # the one sync
+    # a merge whose outputs fall in groups (PruneVid: a window's static tokens, a frame's dynamic ones) says how
+    # many each holds: read with the counts, in the one sync
+    grouped = all(hasattr(plan, "kinds") for *_, plan in plans)
+    reads = [plan.keep.sum(-1).flatten() for *_, plan in plans]
+    reads += [plan.kinds.flatten() for *_, plan in plans] if grouped else []
+    values = torch.cat(reads).tolist()  # the one sync
+    crops = tokens.num_crops
+    counts, sizes = values[:crops], (values[crops:] if grouped else None)
 
     def mix(other: torch.Tensor) -> torch.Tensor:
         return build(other)[0]
 
-    return Selection(features=features, counts=counts, anchors=positions, at_anchors=True, mix=mix)
+    groups = None
+    if grouped:  # crop c's rows: group 2c (the static group of the window it starts) or 2c + 1 (its dynamic one)
+        kind = torch.cat([nn_pad(plan.group_rows(), width).flatten(0, 1) for *_, plan in plans])
+        crop = torch.arange(crops, device=kind.device)[:, None]
+        groups = torch.where(positions < tokens.num_tokens, 2 * crop + kind, -1)
+    return Selection(features=features, counts=counts, anchors=positions, at_anchors=True, mix=mix, groups=groups,
+                     group_sizes=sizes)  # fmt: skip
+
+
+def nn_pad(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """rows [..., n] padded on the last axis to `width` with 0."""
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[-1]))
 
 
 def _runs(values: list[int]):

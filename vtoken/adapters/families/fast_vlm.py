@@ -13,14 +13,12 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality
 from .llava import LlavaAdapter
 
 
-@register_adapter
 class FastVlmAdapter(LlavaAdapter):
     family = "fastvlm"
     clip_tower = False  # FastViTHD, not a CLIP checkpoint's tower
@@ -81,5 +79,5 @@ class FastVlmAdapter(LlavaAdapter):
         )
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
-        records = self.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
+        records = self.encoder.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
         return EncodedImages(embeds, None, records)

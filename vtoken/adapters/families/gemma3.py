@@ -21,14 +21,12 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import Adapter, EncodedImages, Modality, flat_kept
 from ..flat_features import FlatFeatures
 
 
-@register_adapter
 class Gemma3Adapter(FlatFeatures, Adapter):
     family = "gemma3"
     model_types = ("gemma3",)
@@ -94,5 +92,5 @@ class Gemma3Adapter(FlatFeatures, Adapter):
         else:
             embeds = self.project(flat_kept(selection, features))
         per_crop = list(embeds.split(selection.counts_per_crop()))
-        records = self.crop_records(tokens, selection, timer, [0] * crops, images=list(range(crops)))
+        records = self.encoder.crop_records(tokens, selection, timer, [0] * crops, images=list(range(crops)))
         return EncodedImages(per_crop, None, records)

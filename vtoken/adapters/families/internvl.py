@@ -34,7 +34,6 @@ from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.tables import on_device, repeated, segment_aranges
 from vtoken.question import tokenizer_for
 from vtoken.records import LazyRecords
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from .. import hf
@@ -47,7 +46,6 @@ from ..probes import ClsAttentionProbe
 FRAME_LABEL = re.compile(r"Frame(\d+):\s*(?:<img>)?\s*$")  # the text the processor puts before a video frame
 
 
-@register_adapter
 class InternVLAdapter(FlatFeatures, Adapter):
     family = "internvl"
     model_types = ("internvl",)
@@ -313,7 +311,7 @@ class InternVLAdapter(FlatFeatures, Adapter):
         # records: images and videos numbered on their own, a video's frames its crops
         kinds = [kind for kind, _, _ in items]
         number = [kinds[:item].count(kind) for item, kind in enumerate(kinds)]
-        crop_records = self.crop_records(tokens, selection, timer, crop_index, images=image_index)
+        crop_records = self.encoder.crop_records(tokens, selection, timer, crop_index, images=image_index)
         records = LazyRecords(
             lambda: [
                 dataclasses.replace(record, image=number[record.image], modality=kinds[record.image])

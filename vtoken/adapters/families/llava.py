@@ -15,7 +15,6 @@ from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.geometry.tables import on_device
 from vtoken.records import LazyRecords, Record
-from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
@@ -23,7 +22,6 @@ from ..base import Adapter, EncodedImages, Modality
 from ..probes import ClsAttentionProbe
 
 
-@register_adapter
 class LlavaAdapter(Adapter):
     """Visual tokens = the patch tokens of `vision_feature_layer` (no [CLS]), selected before the projector."""
 
@@ -199,7 +197,7 @@ class LlavaAdapter(Adapter):
         tokens = VisualTokens(features, (1, features.shape[1]), signals, image_index, valid,
                               on_device(crop_index, "cpu"))  # fmt: skip
         selection, timer = self.select(tokens)
-        records = self.merge_records(self.crop_records(tokens, selection, timer, crop_index), selection)
+        records = self.merge_records(self.encoder.crop_records(tokens, selection, timer, crop_index), selection)
         embeds = self.kept_embeddings(tokens, selection)
         counts = selection.counts_per_crop()
         per_image, protected, first = [], [], 0
@@ -230,7 +228,7 @@ class LlavaAdapter(Adapter):
                               image_of_crop=list(range(num_images)))  # fmt: skip
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
-        records = self.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
+        records = self.encoder.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))
         return EncodedImages(embeds, None, records)  # renumbered positions: the first placeholders stay
 
     def merge_records(self, records: Sequence[Record], selection: Selection) -> LazyRecords:

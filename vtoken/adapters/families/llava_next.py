@@ -30,7 +30,7 @@ from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.anyres import AnyresGrid, anyres_grid, crop_valid, pack, sequence_index
 from vtoken.geometry.tables import on_device, repeated
 from vtoken.records import LazyRecords
-from vtoken.registry import available_methods, method_class, register_adapter
+from vtoken.registry import available_methods, method_class
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality, output_places
@@ -40,7 +40,6 @@ from .llava import LlavaAdapter
 AnyresLayout = AnyresGrid
 
 
-@register_adapter
 class LlavaNextAdapter(LlavaAdapter):
     family = "llava-next"
     model_types = ("llava_next",)
@@ -160,7 +159,7 @@ class LlavaNextAdapter(LlavaAdapter):
                       self.inner.image_newline, native=not official, origin=selection.origin, drop=drop,
                       base_newline="newline after base-only image" in method.official_packing,
                       whole=method.acts_on == "placed")  # fmt: skip
-        records = self.crop_records(tokens, selection, timer, crop_index, images=images)
+        records = self.encoder.crop_records(tokens, selection, timer, crop_index, images=images)
         if drop is not None:
             records = _after_unpadding(records, packed.reached, places, drop)
         return EncodedImages(packed.per_image(), None, records)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from vtoken.geometry.tables import repeated
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality, flat_kept
@@ -24,7 +23,6 @@ from .llava_next import LlavaNextAdapter
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
 
-@register_adapter
 class LlavaNextVideoAdapter(LlavaNextAdapter):
     family = "llava-next-video"
     model_types = ("llava_next_video",)
@@ -94,5 +92,5 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         embeds = self.inner.multi_modal_projector(flat_kept(selection, pooled))
         per_frame = selection.counts_per_crop()
         per_video = list(embeds.split([sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]))
-        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+        records = self.encoder.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
         return EncodedImages(per_video, None, records)

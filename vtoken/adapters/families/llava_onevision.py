@@ -28,10 +28,9 @@ from torch import nn
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.geometry.anyres import AnyresGrid, onevision_grid, onevision_max_crops, pack, with_row_after
-from vtoken.geometry.tables import repeated, stack_padded
+from vtoken.geometry.tables import padded_rows, repeated, stack_padded
 from vtoken.hub import hub_kwargs
 from vtoken.records import LazyRecords
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from .. import hf
@@ -52,7 +51,6 @@ def _checkpoint_head(path: str) -> tuple[nn.Module, nn.Module] | None:
 FEATURE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
 
-@register_adapter
 class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava-onevision"
     clip_tower = False  # SigLIP: no CLIP text tower of its own
@@ -67,10 +65,45 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     stacked_features = frozenset({"video"})
     video_run_trailer = 1  # a video's placeholder run ends with one image_newline, not a frame token
 
+    @property
+    def positions(self) -> str:
+        """The kept tokens' positions: "original" where the encoder method keeps them in place (FastVID's official
+        code on OneVision videos: `position_ids = keep_indexs`, with gaps; such methods are video-only, and only the
+        video path gives offsets), else "renumber" (contiguous, the model's own numbering of the shorter prompt)."""
+        method = self.encoder_method
+        return "original" if getattr(method, "encoder_positions", "renumber") == "original" else "renumber"
+
+    def position_offset(self, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """[B] with original positions, what decoding adds to a position counted over the real tokens: the prompt's
+        largest position + 1 minus its real tokens (the tokens dropped before it); None when renumbered."""
+        positions = kwargs.get("position_ids")
+        if self.positions == "renumber" or positions is None:
+            return None
+        ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        largest = positions.masked_fill(~valid.to(positions.device), -1).amax(-1)
+        return largest + 1 - valid.sum(1).to(largest.device)
+
+    def continued_positions(
+        self, mask: torch.Tensor, past: int, tail_positions: torch.Tensor | None, offset: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[B, past + n]: one position per real token of `mask`, moved on by `offset` (the tokens an earlier call
+        dropped while the kept ones kept their places); new tokens with positions of their own (`tail_positions`,
+        a later turn's pruned video, numbered from their first real token) start where decoding would continue."""
+        positions = super().continued_positions(mask, past, tail_positions, offset)
+        if offset is None:
+            return positions
+        positions = positions + offset.to(positions.device)[:, None]
+        if tail_positions is not None:
+            start = mask[:, :past].long().sum(1) + offset.to(mask.device)  # each row's first new real token
+            positions[:, past:] = tail_positions.to(positions) + start[:, None]
+        return positions.masked_fill(mask == 0, 0)
+
     def available_signals(self) -> set[str]:
-        # SigLIP has no [CLS]; video frames are plain grids, so they can be resized
+        # SigLIP has no [CLS]; video frames are plain grids, so they can be resized; "projected_merge": the projector
+        # and pooling run before selection, so a merge of LLM-input tokens (PruneVid) reaches the LLM as it is
         return {"patch_features", "grid", "resized_grid", "siglip_head_attention", "siglip_head_pooled",
-                "tower_attention"}  # fmt: skip
+                "tower_attention", "projected_merge"}  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
@@ -136,6 +169,24 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         if probe is not None:
             signals["tower_attention"] = lambda: pooled(probe.scores[:, 1:] if drop_first else probe.scores)
         return signals
+
+    @staticmethod
+    def _run_offsets(
+        selection: Any, rows: torch.Tensor, frames: int, tokens: int, kept: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Where every video's output rows stand in its placeholder run (F frames of T tokens, then the newline):
+        (rows [sum kept, D] ordered by place within each video, per video its [kept + 1] ascending offsets, the
+        newline's F * T last). Crops are the videos' frames in order. A fixed few kernels, no host sync."""
+        device = rows.device
+        width = max(selection.num_kept, 1)
+        picked = padded_rows(selection.counts_per_crop(), width, device)  # real entries of the [C, width] rows
+        crop = picked // width
+        places = output_places(selection).flatten()[picked] + (crop % frames) * tokens
+        order = (crop // frames * (frames * tokens + 1) + places).argsort()  # by video, then place
+        places = places[order]
+        ends = torch.full((1,), frames * tokens, dtype=places.dtype, device=device)
+        offsets = with_row_after(places[:, None], kept, ends)[:, 0].split([n + 1 for n in kept])
+        return rows[order], list(offsets)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return features  # selection runs after the projector (and the model's own pooling/stitching)
@@ -240,9 +291,12 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             selection, timer = self.select(tokens)
             per_frame = selection.counts_per_crop()
             kept = [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
-            per_video = with_row_after(flat_kept(selection, pooled), kept, newline).split([n + 1 for n in kept])
-            records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
-            return EncodedImages(list(per_video), None, records)
+            rows, offsets = flat_kept(selection, pooled), None
+            if self.positions == "original":  # each kept token at its place in the video's run, the newline last
+                rows, offsets = self._run_offsets(selection, rows, frames, pooled.shape[1], kept)
+            per_video = with_row_after(rows, kept, newline).split([n + 1 for n in kept])
+            records = self.encoder.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+            return EncodedImages(list(per_video), offsets, records)
 
         self.refuse_resized_grids("anyres images")
         counts = self._crop_counts(image_sizes, batch_num_images)
@@ -259,7 +313,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         base_tokens = VisualTokens(base, self.grid, {}, torch.arange(len(packed), device=device),
                                    image_of_crop=list(range(len(packed))))  # fmt: skip
         selection, timer = self.select(base_tokens)
-        parts = [self.crop_records(base_tokens, selection, timer, [0] * len(packed), images=list(range(len(packed))))]
+        images = list(range(len(packed)))
+        parts = [self.encoder.crop_records(base_tokens, selection, timer, [0] * len(packed), images=images)]
         # every image as crops for `pack`: the base view, then its stitched grid as one sub-image of its own size
         base_counts = selection.counts_per_crop()
         base_rows = flat_kept(selection, base).split(base_counts)
@@ -276,7 +331,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             stitched = features[side * side :][None]
             tokens = VisualTokens(stitched, (height, width), {}, torch.full((1,), i, device=device), image_of_crop=[i])
             chosen, watch = self.select(tokens)
-            parts.append(self.crop_records(tokens, chosen, watch, [1], images=[i]))
+            parts.append(self.encoder.crop_records(tokens, chosen, watch, [1], images=[i]))
             grids.append(AnyresGrid(1, 1, (height, width), 0, height, 0, width))
             count = chosen.counts_per_crop()[0]
             places.append(output_places(chosen)[0, :count])

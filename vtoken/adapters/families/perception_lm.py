@@ -22,14 +22,12 @@ import torch.nn.functional as F
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.tables import repeated
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 from vtoken.towers import TimmRowProbe
 
 from ..base import Adapter, EncodedImages, Modality, flat_kept
 
 
-@register_adapter
 class PerceptionLMAdapter(Adapter):
     family = "perception-lm"
     model_types = ("perception_lm",)
@@ -129,5 +127,5 @@ class PerceptionLMAdapter(Adapter):
         selection, timer = self.select(tokens)
         per_tile = selection.counts_per_crop()
         kept = flat_kept(selection, features).split([sum(per_tile[i * tiles : (i + 1) * tiles]) for i in range(items)])
-        records = self.crop_records(tokens, selection, timer, list(range(tiles)) * items, modality.name, owners)
+        records = self.encoder.crop_records(tokens, selection, timer, list(range(tiles)) * items, modality.name, owners)
         return EncodedImages(list(kept), None, records)

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from vtoken.errors import VTokenError
-from vtoken.registry import register_adapter
 
 from .. import hf
 from ..base import EncodedImages
@@ -32,7 +31,6 @@ from ..compiled import eager
 from .qwen_vl import QwenVLAdapter
 
 
-@register_adapter
 class Qwen3VLAdapter(QwenVLAdapter):
     family = "qwen3-vl"
     model_types = ("qwen3_vl", "qwen3_vl_moe")
@@ -58,7 +56,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     # ----------------------------------------------------------------- DeepStack inside a pruned prefill
     def install(self) -> None:
         super().install()
-        if self._llm_stages is not None and hasattr(self.language_model, "_deepstack_process"):
+        if self.llm is not None and hasattr(self.language_model, "_deepstack_process"):
             # a bound method, not a closure: a patched model deep-copies and pickles
             self.language_model._deepstack_process = self._deepstack
 
@@ -74,7 +72,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
         [V, D] their DeepStack features in row-major order."""
         lm = self.language_model
         stock = type(lm)._deepstack_process.__get__(lm)
-        columns = self._llm_stages.prefill_columns() if self._llm_stages is not None else None
+        columns = self.llm.prefill_columns() if self.llm is not None else None
         if columns is None or hidden.shape[1] == visual_pos_masks.shape[1]:
             return stock(hidden, visual_pos_masks, visual_embeds)
         masks = visual_pos_masks.to(hidden.device)
@@ -88,7 +86,6 @@ class Qwen3VLAdapter(QwenVLAdapter):
         return hidden
 
 
-@register_adapter
 class Qwen35Adapter(Qwen3VLAdapter):
     """Qwen3.5 / Qwen3.5-MoE: the encoder stage as Qwen3-VL (no DeepStack). The LLM is hybrid: 3 of every 4
     decoder layers are Gated DeltaNet linear attention (a recurrent state, no KV cache, no attention rows). A

@@ -30,7 +30,6 @@ from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, tok
 from vtoken.geometry.tables import on_device
 from vtoken.kernels import attention_column_mean
 from vtoken.records import LazyRecords
-from vtoken.registry import register_adapter
 from vtoken.tokens import Selection, VisualTokens
 
 from .. import hf
@@ -40,7 +39,6 @@ from ..probes import VisionQueryKeyProbe
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
 
-@register_adapter
 class QwenVLAdapter(Adapter):
     family = "qwen2-vl"
     model_types = ("qwen2_vl",)
@@ -59,9 +57,11 @@ class QwenVLAdapter(Adapter):
     multi_axis_positions = True  # M-RoPE (t, h, w): LLM-stage drops keep original positions
 
     def available_signals(self) -> set[str]:
-        # "received_attention" (HoloV's score="received") is "tower_attention" (HoliTom's) under HoloV's name
+        # "received_attention" (HoloV's score="received") is "tower_attention" (HoliTom's) under HoloV's name;
+        # "projected_merge": the merger runs before selection, so a merge of LLM-input tokens (PruneVid) reaches the
+        # LLM as it is
         return {"patch_features", "grid", "merge_features", "resized_grid", "vit_query_attention", "tower_attention",
-                "received_attention"}  # fmt: skip
+                "received_attention", "projected_merge"}  # fmt: skip
 
     def attention_probes(self) -> dict[str, VisionQueryKeyProbe]:
         """Probes on the ViT blocks whose attention the encoder method's signals read."""
@@ -277,7 +277,7 @@ class QwenVLAdapter(Adapter):
                 kept, places, follow = kept[order], places[order], [c[order] for c in follow]
             features.append(kept)
             offsets.append(places)
-            parts.append(self.crop_records(crops, selection, timer, list(range(frames)), modality.name,
+            parts.append(self.encoder.crop_records(crops, selection, timer, list(range(frames)), modality.name,
                                            [index] * frames))  # fmt: skip
             followers.append(follow)
         check_followed(self.encoder_method, checks)  # a merge's anchors on DeepStack levels: one read, if any
@@ -289,7 +289,6 @@ class QwenVLAdapter(Adapter):
         return []
 
 
-@register_adapter
 class Qwen25VLAdapter(QwenVLAdapter):
     """Qwen2.5-VL: as Qwen2-VL; its encoder internals are window-ordered and are put back in raster order."""
 

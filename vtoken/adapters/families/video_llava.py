@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from vtoken.geometry.tables import on_device, repeated
-from vtoken.registry import register_adapter
 from vtoken.tokens import VisualTokens
 
 from ..base import EncodedImages, Modality, flat_kept
@@ -22,7 +21,6 @@ from .llava import LlavaAdapter
 IMAGE_KWARGS = ("vision_feature_layer", "vision_feature_select_strategy")
 
 
-@register_adapter
 class VideoLlavaAdapter(LlavaAdapter):
     family = "video-llava"
     clip_tower = False  # LanguageBind's towers: not an OpenAI CLIP checkpoint
@@ -94,5 +92,5 @@ class VideoLlavaAdapter(LlavaAdapter):
         embeds = self.inner.multi_modal_projector(out)
         sizes = [n + c for n, c in zip(counts, lead, strict=True)]
         per_video = list(embeds.split([sum(sizes[v * frames : (v + 1) * frames]) for v in range(videos)]))
-        records = self.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
+        records = self.encoder.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
         return EncodedImages(per_video, None, records)

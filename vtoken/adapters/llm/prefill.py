@@ -1,6 +1,8 @@
-"""The prefill drop engine: at a method's drop point, a fixed burst of kernels (score, keep, gather the hidden states,
-positions, rotary tables and the mask of the rest of the prefill) and no host sync beyond what the method's
-definition needs, every count on the host.
+"""One prefill of a call with an LLM stage: a `PrefillRun` owns what the prefill has made so far (the current view
+of the prompt, the layout read once, the prompt's own rotary tables, the cache the layers fill, what each layer ran
+on, the records) and does the three things a prefill does: at a method's drop point a fixed burst of kernels
+(gather what the method reads, score, keep, gather the hidden states, positions, rotary tables and the mask of the
+rest of the prefill), the output-aware KV cut when the prefill ends, and the records.
 
 The prompt's layout is read once, when the prefill starts (`Layout.read`: one host sync, right after the stock
 model's own placeholder check synced); from then on a method's budget says how many tokens each row keeps
@@ -10,46 +12,277 @@ back once per drop. Records are built when read (`records.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vtoken.errors import InputError
 from vtoken.methods.base import PrefillMethod
 from vtoken.timing import Stopwatch
+from vtoken.tokens import LayerTokens, TextTokens
 
 from .. import hf
-from .reads import layer_tokens
-from .records import kept_ranks, prefill_records
-from .views import LayerView, Layout, narrowed, packed, take_columns, text_after_image
+from .records import LazyRecord, kept_ranks, prefill_records
+from .views import LayerView, Layout, Overrides, narrowed, packed, take_columns, text_after_image
+
+if TYPE_CHECKING:
+    from .stages import LanguageModelStages
 
 
-@dataclass
-class Overrides:
-    """Keyword arguments a group of layers gets instead of the LLM's own (None: keep the LLM's)."""
+class PrefillRun:
+    """One prefill of one call, on the decoder layers of `stages` (the hooks that drive it).
 
-    attention_mask: Any
-    position_ids: Any
-    position_embeddings: Any
-    cache: Any = None  # the cache the layers get instead (a decode-time selection's gathered view of it)
+    view: what the layers run on now; layout: the prompt's host counts; cache: the cache the layers fill; rotary /
+    position_ids: the prompt's own tables and positions (seen at the first layer); views: what every layer ran on,
+    in order; overrides: what the layers after the last drop get; records: the drops' records so far; chosen: [B, T]
+    the text rows a method chose (query_rows="chosen"), over each row's text after its first visual token.
+    """
 
+    def __init__(self, stages: LanguageModelStages, view: LayerView, layout: Layout, cache: Any,
+                 chosen: torch.Tensor | None = None):  # fmt: skip
+        self.stages = stages
+        self.method: PrefillMethod = stages.method
+        self.view = view
+        self.layout = layout
+        self.cache = cache
+        self.chosen = chosen
+        self.rotary: Any = None
+        self.position_ids: Any = None
+        self.views: list[LayerView] = []
+        self.overrides: Overrides | None = None
+        self.records: list = []
 
-@dataclass
-class PrefillState:
-    """One prefill: the current view, the prompt's layout (host counts), its own rotary tables and positions, the
-    cache the layers fill, what each layer ran on, and the records of the drops so far. chosen: [B, T] the text
-    rows a method chose (query_rows="chosen"), over each row's text after its first visual token."""
+    # ----------------------------------------------------------------- start
+    @classmethod
+    def start(cls, stages: LanguageModelStages, embeds: torch.Tensor, kwargs: dict, visual: torch.Tensor,
+              cache: Any) -> PrefillRun | None:  # fmt: skip
+        """The run of a prefill of `embeds` [B, L, D] whose visual tokens are `visual` [B, L]; None when no row has
+        any (nothing to drop)."""
+        method = stages.method
+        check_cache(method, cache, stages.recurrent)
+        batch, length = visual.shape
+        device = embeds.device
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask.long()
+        if mask.dim() != 2:
+            raise InputError(f"{method.name} needs the usual 2-D [batch, seq] attention_mask; got {mask.dim()}-D")
+        visual = visual.to(device) & (mask != 0)
+        text = text_after_image(mask, visual)
+        layout = Layout.read(mask, visual, text)  # the prefill's one host read
+        if not any(layout.visual):
+            return None
+        positions = (mask.cumsum(1) - 1).clamp(min=0) if stages.renumber else None  # each row's own numbering
+        column = torch.arange(length, device=device).expand(batch, length)
+        protected = stages.adapter.protected_mask_for((batch, length))
+        view = LayerView(column, mask, positions, visual, None if protected is None else protected.to(device), None,
+                         layout.lengths, layout.visual, [0] * batch)  # fmt: skip
+        run = cls(stages, view, layout, cache)
+        if method.query_rows == "chosen":
+            run.chosen = run._chosen_rows(embeds, text)
+        return run
 
-    view: LayerView
-    layout: Layout
-    cache: Any
-    rotary: Any = None
-    position_ids: Any = None
-    views: list[LayerView] = field(default_factory=list)
-    overrides: Overrides | None = None
-    records: list = field(default_factory=list)
-    chosen: torch.Tensor | None = None
+    def _chosen_rows(self, embeds: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """query_rows="chosen": [B, T] bool over each row's text after its first visual token (right-padded), the
+        rows the method picks from the LLM's input embeddings."""
+        visual = self.view.visual_slots()
+        words = packed(text, max(max(self.layout.text, default=0), 1), self.layout.text)
+        with torch.no_grad():
+            chosen = self.method.choose_rows(take_columns(embeds, visual, 1), visual >= 0,
+                                             take_columns(embeds, words, 1), words >= 0)  # fmt: skip
+        return chosen.bool() & (words >= 0)
+
+    # ----------------------------------------------------------------- every layer
+    def enter_layer(self, kwargs: dict) -> Overrides | None:
+        """Before a decoder layer: note what it runs on; the first one also shows the prompt's own tables and cache.
+        Returns what the layer gets instead of the LLM's own arguments (None: the LLM's)."""
+        if self.rotary is None:
+            self.rotary, self.position_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
+            self.cache = self.cache if self.cache is not None else hf.cache_in(kwargs)
+        self.views.append(self.view)
+        return self.overrides
+
+    # ----------------------------------------------------------------- a drop
+    def drop(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """After drop layer `layer`: the hidden states [B, C', D] of what goes on; the next view and its overrides."""
+        method, view = self.method, self.view
+        timer = Stopwatch(hidden.device).start()
+        slots = view.visual_slots()  # [B, V] each row's visual slots, -1 padded
+        counts = view.visual_counts
+        merged = updated = None
+        with torch.no_grad():  # a selection: nothing to differentiate
+            tokens = self.layer_tokens(layer, hidden, slots)
+            if max(counts, default=0) == 0:  # no row has visual tokens left
+                keep_visual, kept = tokens.valid, list(counts)
+            else:
+                keep_visual = method.keep_mask(tokens).bool() & tokens.valid
+                kept = method.kept_counts(tokens)
+                if tokens.protected is not None:
+                    keep_visual |= tokens.protected
+                    kept = None
+                merged = method.merge(tokens, keep_visual)
+                updated = method.update(tokens, keep_visual)
+            if kept is None:  # a threshold decided: the drop's one host read
+                kept = keep_visual.sum(1).tolist()
+            added = merged.counts if merged is not None else None
+        width = view.width
+        marked = torch.where(keep_visual, slots, width)
+        keep = torch.zeros(slots.shape[0], width + 1, dtype=torch.bool, device=slots.device).scatter_(1, marked, True)
+        keep = keep[:, :width] | ((view.mask != 0) & ~view.visual)
+        now = [k + (added[row] if added else 0) for row, k in enumerate(kept)]
+        lengths = [n - v + k for n, v, k in zip(view.lengths, counts, now, strict=True)]
+        if updated is not None:  # kept tokens that others were merged into take their new states
+            hidden = replace_columns(hidden, slots, updated, keep_visual)
+        merged_columns = None
+        if merged is not None:
+            anchors = slots.gather(1, merged.anchors.clamp(min=0)).clamp(min=0)
+            merged_columns = view.column.gather(1, anchors).masked_fill(~merged.valid, -1)
+            hidden = torch.cat([hidden, merged.features.to(hidden.dtype)], 1)
+        new_view, sources = narrowed(view, keep, lengths, now, self.layout.right, self.stages.renumber, merged,
+                                     merged_columns)  # fmt: skip
+        hidden = take_columns(hidden, sources, 1)
+        if new_view.padded:
+            hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
+        compute = kept_ranks(self.views[0].visual, view.column, view.merged, slots, keep_visual)
+        timer.stop()
+        self.records += prefill_records(method.name, layer, counts, kept, added, compute, timer)
+        self.view = new_view
+        self.overrides = self._overrides(hidden, new_view, layer + 1)
+        return hidden
+
+    def _overrides(self, hidden: torch.Tensor, view: LayerView, layer: int) -> Overrides:
+        """Mask, positions and rotary tables of the layers running on `view` from `layer` on."""
+        stages = self.stages
+        if stages.renumber:
+            positions = view.positions
+            rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
+        else:  # the prompt's own positions and tables, sliced
+            positions = self.position_ids
+            if positions is None:
+                first = self.views[0].mask
+                positions = (first.cumsum(1) - 1).clamp(min=0)
+            positions = take_columns(positions, view.column, positions.dim() - 1)
+            rotary = tuple(take_columns(t, view.column, 1) for t in self.rotary)
+        mask = stages.mask(hidden, view.mask if view.padded else None, positions, self.cache, layer)
+        return Overrides(mask, positions, rotary)
+
+    # ----------------------------------------------------------------- what a method reads at a drop point
+    def layer_tokens(self, layer: int, hidden: torch.Tensor, slots: torch.Tensor) -> LayerTokens:
+        """What the method reads at drop point `layer` (`PrefillMethod.reads`), gathered into `LayerTokens`: the
+        attention of its query rows to the visual tokens (one fused op), post-RoPE keys, final-normed and raw
+        hidden states, each for the row's visual tokens and its text after the image; counts from the host.
+        slots: [B, V] each row's visual slots (-1: padding)."""
+        stages, view, method = self.stages, self.view, self.method
+        reads = method.reads
+        key_valid = view.mask != 0
+        valid = slots >= 0
+        rows = row_valid = attention = keys = None
+        if "attention" in reads or "next_attention" in reads:
+            rows = self._query_rows(method.query_rows)
+            row_valid = rows >= 0
+            probe = stages.probes[layer]
+            cached = None
+            if "next_attention" in reads:  # the next layer's own input norm and the rotary tables it will get
+                rotary = self.overrides.position_embeddings if self.overrides is not None else self.rotary
+                probe.replay(stages.layers[layer + 1].input_layernorm(hidden), rotary)
+            else:
+                cached = self._cached_keys(layer, view.width)
+            attention = probe.visual_attention(rows, key_valid, slots, cached)
+        if "keys" in reads:
+            shifted = not self.layout.right and view.padded  # a left-padded row may be numbered from its padding
+            keys = stages.probes[layer].keys(key_valid, self._cached_keys(layer, view.width), shifted)  # [B, S, H*d]
+        normed = stages.lm.norm(hidden) if "normed" in reads else None
+        index = text = None
+        if keys is not None or normed is not None:
+            first = view.column.gather(1, view.mask.argmax(1, keepdim=True))
+            index = view.column - first  # each slot's index in its row's unpadded LLM input
+            counts = self.layout.text
+            text_slots = packed(text_after_image(view.mask, view.visual), max(counts, default=0), counts)
+            text_valid, text_slots = text_slots >= 0, text_slots.clamp(min=0)
+            text_keys = None if keys is None else take_columns(keys, text_slots, 1)
+            text_normed = None if normed is None else take_columns(normed, text_slots, 1)
+            text = TextTokens(text_valid, index.gather(1, text_slots), text_keys, text_normed, known=counts)
+            index = index.gather(1, slots.clamp(min=0))
+
+        def visual_part(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else take_columns(x, slots, 1)
+
+        protected = view.protected.gather(1, slots.clamp(min=0)) & valid if view.protected is not None else None
+        hidden_visual = visual_part(hidden) if "hidden" in reads else None
+        received = self.views[0].visual_counts
+        return LayerTokens(layer, attention, row_valid, valid, protected, received, index, visual_part(keys),
+                           visual_part(normed), hidden_visual, text, known=view.visual_counts)  # fmt: skip
+
+    def _query_rows(self, rows: str) -> torch.Tensor:
+        """[B, R] sequence indices of the method's query rows in the current view (-1: none)."""
+        view, layout = self.view, self.layout
+        if rows == "last":  # each row's own last real token: the last column unless the batch is padded on the right
+            if not layout.right:
+                return torch.full((view.column.shape[0], 1), view.width - 1, dtype=torch.long,
+                                  device=view.column.device)  # fmt: skip
+            return view.mask.sum(1, keepdim=True) - 1
+        text = packed(text_after_image(view.mask, view.visual), max(max(layout.text, default=0), 1), layout.text)
+        if rows == "chosen":  # text tokens are never dropped: the chosen ones keep their place among them
+            return text.masked_fill(~self.chosen, -1)
+        return text
+
+    def _cached_keys(self, layer: int, width: int) -> torch.Tensor | None:
+        """Layer `layer`'s rotated keys [B, Hkv, S, d] as its cache holds them after it ran in this prefill (the
+        prefill starts from an empty cache), or None without a cache (they are rotated from the capture then)."""
+        layers = hf.cache_layers(self.cache) if self.cache is not None else None
+        if not layers or layer >= len(layers):
+            return None
+        keys = getattr(layers[layer], "keys", None)
+        return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[2] == width else None
+
+    # ----------------------------------------------------------------- the end
+    def finish(self, cache: Any, prompt_length: int) -> tuple[list, list[LayerView | None]]:
+        """After the prefill (`cache`: the one the LLM returned, if it made one): the KV cut, the decode-time
+        selection's state, the records' layer averages. Returns the records and what each layer's cache holds
+        (None: the prompt as the LLM received it), for the decoding steps."""
+        self.cache = cache if cache is not None else self.cache
+        stages, first = self.stages, self.views[0]
+        views: list[LayerView | None] = [None if v is first else v for v in self.views]
+        counts = [v.visual_counts for v in self.views]  # per layer, per row (host)
+        records = self.records
+        if stages.cut_layers and self.cache is not None:
+            records += self._cut_caches(views, prompt_length)
+        if stages.selection is not None and self.cache is not None:
+            records += stages.selection.start(self)
+        rows = range(len(first.lengths))
+        average = [sum(layer[row] for layer in counts) / max(len(counts), 1) for row in rows]
+        for record in records:
+            if record.stage.startswith("prefill"):
+                record.extra["layer_average"] = average[record.image]
+        return records, views
+
+    def _cut_caches(self, views: list[LayerView | None], prompt_length: int) -> list:
+        """Cut the caches of `stages.cut_layers` to the visual tokens in the final view (output-aware KV cut); one
+        record per row. Two gathers per cut layer, no host sync."""
+        final, cut_layers = self.view, self.stages.cut_layers
+        cut_views: dict[int, tuple[LayerView, torch.Tensor]] = {}  # per view held: its cut view, final's slots there
+        for index in cut_layers:
+            held = self.views[index]
+            if id(held) not in cut_views:
+                cut = LayerView(final.column, final.mask, final.positions, final.visual, final.protected,
+                                final.merged, final.lengths, final.visual_counts, held.lost)  # fmt: skip
+                cut_views[id(held)] = cut, slots_of_columns(held, final.column, prompt_length)
+            views[index], slots = cut_views[id(held)]
+            layer_cache = hf.cache_layers(self.cache)[index]
+            for name in ("keys", "values"):
+                tensor = getattr(layer_cache, name)
+                index_ = slots.clamp(min=0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
+                setattr(layer_cache, name, tensor.gather(2, index_))
+        rows = range(len(final.lengths))
+        before = [sum(self.views[i].visual_counts[row] for i in cut_layers) for row in rows]
+        after = [final.visual_counts[row] * len(cut_layers) for row in rows]
+        lengths = [[(v or self.views[0]).lengths[row] for v in views] for row in rows]
+        timer = Stopwatch(final.mask.device).start().stop()
+        return [
+            LazyRecord("decode.kv", self.method.name, image=row, crop=0, tokens_in=before[row],
+                       tokens_out=after[row], kept=None, grid=(1, 0), timer=timer, share=0.0,
+                       extra={"cache_lengths": lengths[row]})
+            for row in rows
+        ]  # fmt: skip
 
 
 def check_cache(method: PrefillMethod, cache: Any, recurrent: set[int]) -> None:
@@ -67,93 +300,6 @@ def check_cache(method: PrefillMethod, cache: Any, recurrent: set[int]) -> None:
         )
 
 
-def start(stages, embeds: torch.Tensor, kwargs: dict, visual: torch.Tensor, cache: Any) -> PrefillState | None:
-    """The state of a prefill of `embeds` [B, L, D] whose visual tokens are `visual` [B, L]; None when no row has
-    any (nothing to drop)."""
-    method = stages.method
-    check_cache(method, cache, stages.recurrent)
-    batch, length = visual.shape
-    device = embeds.device
-    mask = kwargs.get("attention_mask")
-    mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask.long()
-    if mask.dim() != 2:
-        raise InputError(f"{method.name} needs the usual 2-D [batch, seq] attention_mask; got {mask.dim()}-D")
-    visual = visual.to(device) & (mask != 0)
-    text = text_after_image(mask, visual)
-    layout = Layout.read(mask, visual, text)  # the prefill's one host read
-    if not any(layout.visual):
-        return None
-    positions = (mask.cumsum(1) - 1).clamp(min=0) if stages.renumber else None  # each row's own numbering
-    column = torch.arange(length, device=device).expand(batch, length)
-    protected = stages.adapter.protected_mask_for((batch, length))
-    view = LayerView(column, mask, positions, visual, None if protected is None else protected.to(device), None,
-                     layout.lengths, layout.visual, [0] * batch)  # fmt: skip
-    state = PrefillState(view, layout, cache)
-    if method.query_rows == "chosen":
-        state.chosen = chosen_rows(method, embeds, view, layout, text)
-    return state
-
-
-def chosen_rows(method: PrefillMethod, embeds: torch.Tensor, view: LayerView, layout: Layout, text: torch.Tensor):
-    """query_rows="chosen": [B, T] bool over each row's text after its first visual token (right-padded), the rows
-    the method picks from the LLM's input embeddings."""
-    visual = view.visual_slots()
-    words = packed(text, max(max(layout.text, default=0), 1), layout.text)
-    with torch.no_grad():
-        chosen = method.choose_rows(take_columns(embeds, visual, 1), visual >= 0, take_columns(embeds, words, 1),
-                                    words >= 0)  # fmt: skip
-    return chosen.bool() & (words >= 0)
-
-
-def drop(stages, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-    """After drop layer `layer`: the hidden states [B, C', D] of what goes on, the next view and its overrides."""
-    state, method = stages.call.prefill, stages.method
-    view = state.view
-    timer = Stopwatch(hidden.device).start()
-    slots = view.visual_slots()  # [B, V] each row's visual slots, -1 padded
-    counts = view.visual_counts
-    merged = updated = None
-    with torch.no_grad():  # a selection: nothing to differentiate
-        tokens = layer_tokens(stages, state, layer, hidden, slots)
-        if max(counts, default=0) == 0:  # no row has visual tokens left
-            keep_visual, kept = tokens.valid, list(counts)
-        else:
-            keep_visual = method.keep_mask(tokens).bool() & tokens.valid
-            kept = method.kept_counts(tokens)
-            if tokens.protected is not None:
-                keep_visual |= tokens.protected
-                kept = None
-            merged = method.merge(tokens, keep_visual)
-            updated = method.update(tokens, keep_visual)
-        if kept is None:  # a threshold decided: the drop's one host read
-            kept = keep_visual.sum(1).tolist()
-        added = merged.counts if merged is not None else None
-    width = view.width
-    marked = torch.where(keep_visual, slots, width)
-    keep = torch.zeros(slots.shape[0], width + 1, dtype=torch.bool, device=slots.device).scatter_(1, marked, True)
-    keep = keep[:, :width] | ((view.mask != 0) & ~view.visual)
-    now = [k + (added[row] if added else 0) for row, k in enumerate(kept)]
-    lengths = [n - v + k for n, v, k in zip(view.lengths, counts, now, strict=True)]
-    if updated is not None:  # kept tokens that others were merged into take their new states
-        hidden = replace_columns(hidden, slots, updated, keep_visual)
-    merged_columns = None
-    if merged is not None:
-        anchors = slots.gather(1, merged.anchors.clamp(min=0)).clamp(min=0)
-        merged_columns = view.column.gather(1, anchors).masked_fill(~merged.valid, -1)
-        hidden = torch.cat([hidden, merged.features.to(hidden.dtype)], 1)
-    new_view, sources = narrowed(view, keep, lengths, now, state.layout.right, stages.renumber, merged,
-                                 merged_columns)  # fmt: skip
-    hidden = take_columns(hidden, sources, 1)
-    if new_view.padded:
-        hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
-    compute = kept_ranks(state.views[0].visual, view.column, view.merged, slots, keep_visual)
-    timer.stop()
-    state.records += prefill_records(method.name, layer, counts, kept, added, compute, timer)
-    state.view = new_view
-    state.overrides = overrides_for(stages, hidden, new_view, state, layer + 1)
-    return hidden
-
-
 def replace_columns(hidden: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """hidden [B, C, D] with rows [B, V, D] written at the visual slots [B, V] (-1: none) where `where` [B, V]; the
     rest unchanged (padding and unchosen entries write into a spare column, dropped)."""
@@ -163,17 +309,10 @@ def replace_columns(hidden: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
     return spare.scatter(1, target[..., None].expand(-1, -1, dim), rows.to(hidden.dtype))[:, :width]
 
 
-def overrides_for(stages, hidden: torch.Tensor, view: LayerView, state: PrefillState, layer: int) -> Overrides:
-    """Mask, positions and rotary tables of the layers running on `view` from `layer` on, in the prefill."""
-    if stages.renumber:
-        positions = view.positions
-        rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
-    else:  # the prompt's own positions and tables, sliced
-        positions = state.position_ids
-        if positions is None:
-            first = state.views[0].mask
-            positions = (first.cumsum(1) - 1).clamp(min=0)
-        positions = take_columns(positions, view.column, positions.dim() - 1)
-        rotary = tuple(take_columns(t, view.column, 1) for t in state.rotary)
-    mask = stages.mask(hidden, view.mask if view.padded else None, positions, state.cache, layer)
-    return Overrides(mask, positions, rotary)
+def slots_of_columns(view: LayerView, columns: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """[B, R] slots of `view` holding prompt columns `columns` [B, R] (-1: padding, or not held)."""
+    batch = view.column.shape[0]
+    lookup = torch.full((batch, prompt_length + 1), -1, dtype=torch.long, device=view.column.device)
+    slots = torch.arange(view.width, device=view.column.device).expand(batch, -1)
+    lookup.scatter_(1, view.column + 1, slots)
+    return lookup.gather(1, columns + 1).masked_fill(columns < 0, -1)

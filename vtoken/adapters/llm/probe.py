@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from vtoken.kernels import causal_rows_probs, visual_attention
 
 from vtoken.errors import VTokenError
+from vtoken.kernels import causal_rows_probs, visual_attention
 
 from .. import hf
 from ..compiled import eager

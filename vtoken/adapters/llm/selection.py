@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,9 +20,12 @@ from vtoken.timing import Stopwatch
 
 from .. import hf
 from ..conversation import remember_selection, selection_of
-from .prefill import Overrides, PrefillState
 from .records import Deferred, Elapsed, LazyRecord
-from .views import packed
+from .views import Overrides, packed
+
+if TYPE_CHECKING:
+    from .prefill import PrefillRun
+    from .stages import LanguageModelStages
 
 
 @dataclass
@@ -102,10 +105,10 @@ class Step:
 class DecodeTimeSelection:
     """The decode-time selection of one `LanguageModelStages` (its method's `select_layer`, `decode_keep`)."""
 
-    def __init__(self, stages, layer: int):
+    def __init__(self, stages: LanguageModelStages, layer: int):
         self.stages, self.layer = stages, layer
 
-    def start(self, state: PrefillState) -> list:
+    def start(self, state: PrefillRun) -> list:
         """After a prefill with a cache: the state the decoding steps select with, left on the cache; one record
         per row (tokens_in: the visual tokens chosen among; tokens_out: what a selecting step keeps of them)."""
         stages = self.stages
@@ -125,7 +128,7 @@ class DecodeTimeSelection:
         ]  # fmt: skip
         kept = [method.decode_count(n) for n in counts]
         keep_counts = on_device(kept, visual.device)
-        beams = bool(getattr(stages.call, "beams", False))
+        beams = stages.beams
         padded = first.padded
         slots = packed(visual, max(counts, default=0), counts)  # each row's visual columns, for every step
         selection = DecodeSelection(visual, counts, kept, keep_counts, padded, slots, None, records, timer, beams)
@@ -139,7 +142,7 @@ class DecodeTimeSelection:
         if selection is None:
             return []
         selection.previous, selection.timer, selection.keys = None, Elapsed(), None
-        selection.beams = bool(getattr(self.stages.call, "beams", False))  # this call's own decoding strategy
+        selection.beams = self.stages.beams  # this call's own decoding strategy
         selection.records = [
             dataclasses.replace(r, kept=None, timer=selection.timer, extra={"steps": 0, "selections": 0})
             for r in selection.records

@@ -1,6 +1,6 @@
-"""`LanguageModelStages`: the hooks one method's LLM stages put on one model's language model, and where each
-call's work goes (`prefill.py` for drops, `decode.py` for the cut and decoding steps, `selection.py` for a
-decode-time selection).
+"""`LanguageModelStages`: the hooks one method's LLM stages put on one model's language model, and the per-call
+objects they hand the work to: a `PrefillRun` (`prefill.py`: drops, the KV cut) while a prefill runs, a
+`DecodeStep` (`decode.py`) in a decoding step, and a decode-time selection's `Step` (`selection.py`).
 
 Works on the decoder stack every supported family shares in transformers 5.x (`language_model.layers`, each layer
 called with `attention_mask`, `position_embeddings` and `position_ids` as keywords, a `DynamicCache` with one
@@ -23,9 +23,24 @@ from vtoken.methods.base import PrefillMethod
 from .. import hf
 from ..compiled import eager
 from ..conversation import remember_views, views_of
-from . import decode, prefill
+from ..state import PerThread
+from .decode import DecodeStep
+from .prefill import PrefillRun
 from .probe import QueryKeyProbe
-from .selection import DecodeTimeSelection
+from .selection import DecodeTimeSelection, Step
+
+
+class LanguageModelCall:
+    """What one thread's current call keeps for the LLM stages: the prefill running (`PrefillRun`), the decoding
+    step (`DecodeStep`), a decode-time selection's step until layer L - 1 (`Step`), the prompt's length, and the
+    prompt columns the last layers ran on (for a forward's labels)."""
+
+    def __init__(self) -> None:
+        self.prefill: PrefillRun | None = None
+        self.decode: DecodeStep | None = None
+        self.step: Step | None = None
+        self.prompt_length = 0
+        self.final_columns: torch.Tensor | None = None
 
 
 class LanguageModelStages:
@@ -47,20 +62,29 @@ class LanguageModelStages:
         self.renumber = method.positions == "renumber"
         select_layer = method.select_layer(len(self.layers))  # decode-time selection (None: none)
         self.selection = None if select_layer is None else DecodeTimeSelection(self, select_layer)
-        self._hooks: list = []
         self.probes: dict[int, QueryKeyProbe] = {}
         self.row_probe: QueryKeyProbe | None = None
-        # per call, in the adapter's per-thread `CallState`: `prefill` (a `PrefillState` while one runs), `decode`
-        # (a `DecodeStep` in a decoding step), `step` (a selecting step until layer L - 1), `prompt_length`,
-        # `final_columns`. What each layer's cache holds is left on the cache itself (`remember_views`)
+        # per call, one per thread (hooks run in the thread that called the model); what each layer's cache holds
+        # is left on the cache itself (`remember_views`)
+        self._calls = PerThread(LanguageModelCall)
 
     @property
-    def call(self):
-        """The calling thread's call state (hooks run in the thread that called the model)."""
-        return self.adapter._state
+    def call(self) -> LanguageModelCall:
+        """The calling thread's current call."""
+        return self._calls.get()
+
+    @property
+    def beams(self) -> bool:
+        """The calling thread's call is a beam search (a decode-time selection follows the reordered rows)."""
+        return self.adapter.calls.state.beams
+
+    def final_columns(self) -> torch.Tensor | None:
+        """[B, C] the prompt column of every slot the last decoder layers ran on in this thread's last prefill."""
+        return self.call.final_columns
 
     # ----------------------------------------------------------------- install / remove
-    def install(self) -> None:
+    def install(self, hooks) -> None:
+        """Register the hooks through the model's `HookOwner` (it removes them), checking every layer first."""
         unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"}) if self.recurrent else []
         if unknown:
             raise VTokenError(f"{self.method.name}: hybrid LLM with layer types {unknown} is not supported")
@@ -77,44 +101,37 @@ class LanguageModelStages:
         if select is not None:
             read = self.layers[select - 1]
             QueryKeyProbe.check(getattr(read, "self_attn", None), f"{type(read).__name__} {select - 1}")
-        try:
-            if select is not None:  # the new token's row, after layer L - 1 ran
-                self.row_probe = QueryKeyProbe(self.layers[select - 1].self_attn)
-                self._hooks.append(self.layers[select - 1].register_forward_hook(self._select_step))
-            self._hooks.append(self.lm.register_forward_pre_hook(self._before_lm, with_kwargs=True))
-            self._hooks.append(self.lm.register_forward_hook(self._after_lm))
-            for index, layer in enumerate(self.layers):
-                hook = functools.partial(self._layer_input, index)
-                self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-            for index in self.drop_layers:
-                scored = self._scored_layer(index)
-                if scored is not None:  # the next layer is scored before it runs: replayed, not captured
-                    self.probes[index] = QueryKeyProbe(self.layers[scored].self_attn, capture=scored == index)
-                hook = functools.partial(self._layer_output, index)
-                self._hooks.append(self.layers[index].register_forward_hook(hook))
-        except BaseException:
-            self.remove()
-            raise
+        hooks.on_remove(self.remove_probes)
+        if select is not None:  # the new token's row, after layer L - 1 ran
+            self.row_probe = QueryKeyProbe(self.layers[select - 1].self_attn)
+            hooks.after_forward(self.layers[select - 1], self._select_step)
+        hooks.before_forward(self.lm, self._before_lm)
+        hooks.after_forward(self.lm, self._after_lm)
+        for index, layer in enumerate(self.layers):
+            hooks.before_forward(layer, functools.partial(self._layer_input, index))
+        for index in self.drop_layers:
+            scored = self._scored_layer(index)
+            if scored is not None:  # the next layer is scored before it runs: replayed, not captured
+                self.probes[index] = QueryKeyProbe(self.layers[scored].self_attn, capture=scored == index)
+            hooks.after_forward(self.layers[index], functools.partial(self._layer_output, index))
 
     def _scored_layer(self, drop: int) -> int | None:
         """The layer whose queries/keys the method reads at drop point `drop` (None: none)."""
         scored = dict(zip(self.drop_layers, self.method.scored_layers(len(self.layers)), strict=False))
         return scored.get(drop)
 
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
+    def remove_probes(self) -> None:
         for probe in self.probes.values():
             probe.remove()
         if self.row_probe is not None:
             self.row_probe.remove()
-        self._hooks, self.probes, self.row_probe = [], {}, None
+        self.probes, self.row_probe = {}, None
 
     def prefill_columns(self) -> torch.Tensor | None:
         """[B, C] prompt column of every slot of the sequence the decoder layers run on now (-1 = padding slot),
         during a prefill; None outside one. For model code that indexes the prompt after layers (DeepStack)."""
-        state = self.call.prefill
-        return None if state is None else state.view.column
+        run = self.call.prefill
+        return None if run is None else run.view.column
 
     def new_call(self, cache: Any) -> list:
         """A `generate` call continuing from `cache` (a decode-time selection starts afresh): its new records."""
@@ -138,16 +155,16 @@ class LanguageModelStages:
             call.final_columns = None
             remember_views(cache, None)
             visual = self.adapter.visual_mask_for(tuple(embeds.shape[:2]))
-            state = None if visual is None else prefill.start(self, embeds, kwargs, visual, cache)
-            if state is not None:
+            run = None if visual is None else PrefillRun.start(self, embeds, kwargs, visual, cache)
+            if run is not None:
                 call.prompt_length = embeds.shape[1]
-                call.prefill = state
+                call.prefill = run
                 for probe in self.probes.values():
                     probe.active = True
             return
         held = views_of(cache)  # what each layer's cache holds, left there by the prefill that filled it
         if held is not None:
-            step = call.decode = decode.start_step(self, embeds, kwargs, cache, past, *held)
+            step = call.decode = DecodeStep.start(self, embeds, kwargs, cache, past, *held)
             if self.selection is not None:
                 self.selection.start_step(embeds, step.mask, step.positions, cache)
 
@@ -170,18 +187,10 @@ class LanguageModelStages:
     def _layer_input(self, index: int, module, args, kwargs):
         """Pre-hook of decoder layer `index`: the mask, positions and rotary tables of the sequence it runs on."""
         call = self.call
-        state = call.prefill
-        if state is not None:
-            if state.rotary is None:  # the first layer sees the prompt's own tables (and the LLM's own cache)
-                state.rotary, state.position_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
-                state.cache = state.cache if state.cache is not None else hf.cache_in(kwargs)
-            state.views.append(state.view)
-            overrides = state.overrides
+        if call.prefill is not None:
+            overrides = call.prefill.enter_layer(kwargs)
         elif call.decode is not None:
-            step = call.decode
-            overrides = step.selected.get(index) or decode.step_overrides(
-                self, step, index, kwargs.get("attention_mask")
-            )
+            overrides = call.decode.overrides(index, kwargs.get("attention_mask"))
         else:
             return None
         if overrides is None:
@@ -203,7 +212,7 @@ class LanguageModelStages:
         if self.call.prefill is None:
             return None
         hidden = output[0] if isinstance(output, tuple) else output
-        hidden = prefill.drop(self, index, hidden)
+        hidden = self.call.prefill.drop(index, hidden)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
     @eager
@@ -217,15 +226,14 @@ class LanguageModelStages:
     @eager
     def _after_lm(self, module, args, output) -> None:
         call = self.call
-        state = call.prefill
-        if state is None:
+        run = call.prefill
+        if run is None:
             return
         call.prefill = None
         for probe in self.probes.values():
             probe.active = False
         # the LLM makes its own cache when called with use_cache and none given: take the one it returns
-        cache = hf.cache_out(output)
-        state.cache = cache if cache is not None else state.cache
-        records = decode.finish(self, state, call.prompt_length)
+        records, views = run.finish(hf.cache_out(output), call.prompt_length)
+        remember_views(run.cache, (views, call.prompt_length))
         self.adapter.add_records(records)
-        call.final_columns = state.view.column
+        call.final_columns = run.view.column

@@ -9,11 +9,22 @@ what the device needs (which slot holds which prompt column), and shapes come fr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vtoken.geometry.tables import on_device
 from vtoken.tokens import Merged
+
+
+@dataclass
+class Overrides:
+    """Keyword arguments a group of layers gets instead of the LLM's own (None: keep the LLM's)."""
+
+    attention_mask: Any
+    position_ids: Any
+    position_embeddings: Any
+    cache: Any = None  # the cache the layers get instead (a decode-time selection's gathered view of it)
 
 
 def take_columns(x: torch.Tensor, column: torch.Tensor, dim: int) -> torch.Tensor:

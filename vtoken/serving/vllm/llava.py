@@ -23,15 +23,12 @@ from vllm.model_executor.models.llava import (
 
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
-from vtoken.methods.base import unmet
+from vtoken.stages.encoder import EncoderStage, SignalSources, check_signals, check_takes
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
 from .config import ServingConfig, error, serving_config
-from .selection import check_counts, select, select_placed
 from .signals import QKVClsProbe
-
-COMMON = {"question", "projected", "vision_features"}
 
 
 class LlavaFamily:
@@ -61,7 +58,7 @@ class LlavaFamily:
         return self.hf_config.vision_feature_select_strategy == "default" and self.feature_layer >= 0
 
     def signals(self) -> set[str]:
-        signals = {"patch_features", "grid", "resized_grid"} | COMMON
+        signals = {"patch_features", "grid", "resized_grid"}
         if self.has_cls:
             signals |= {"cls_attention", "keys"} | {f"cls_attention@{i}" for i in range(self.feature_layer + 1)}
             signals |= {f"cls_attention@{i - self.num_layers}" for i in range(self.feature_layer + 1)}
@@ -85,7 +82,7 @@ class LlavaFamily:
         """Placeholders of one image [3, H, W] (known before the encoder)."""
         valid = self.valid(method, pixel_values[None])
         n = self.side * self.side if valid is None else int(valid.sum())
-        grid = (1, n) if method.acts_on == "placed" else self.grid  # placed: the image's run as the LLM gets it
+        grid = (1, n) if EncoderStage(method).placed else self.grid  # placed: the image's run as the LLM gets it
         count = method.count_before_encoding(n, grid, 1)
         if count is None:
             raise error(f"{method.name}'s token count on {self.name} depends on the data; {why_counts()}")
@@ -95,7 +92,7 @@ class LlavaFamily:
         """Refuse at start what this family cannot serve (signals, layout, counts decided by the data)."""
         method = config.method
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
-        check_signals(method, self.signals(), self.name)
+        check_signals_served(method, self.signals(), self.name)
         check_clip(method, self.hf_config)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
@@ -124,20 +121,26 @@ def check_clip(method, hf_config: Any) -> None:
 
 def check_modality(method, family: str) -> None:
     """Refuse a method that does not act on images (VidCom2: videos only) on a family served for images."""
-    if "image" not in method.modalities:
-        raise error(
-            f"method {method.name!r} acts on {', '.join(method.modalities)} only, and {family} in vLLM serves "
-            "images; use it with vtoken.patch on transformers on a video model"
-        )
+    try:
+        check_takes(method, {"image"}, f"{family} in vLLM", "use it with vtoken.patch on transformers on a video model")
+    except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
+        raise error(str(err)) from None
 
 
-def check_signals(method, available: set[str], family: str) -> None:
-    missing = unmet(tuple(method.requires), available)
-    if missing:
-        note = f" ({method.signals_note})" if method.signals_note else ""
-        raise error(
-            f"method {method.name!r} needs the signal(s) {missing}, which {family} in vLLM cannot provide{note}; it "
-            f"provides {sorted(available)}"
+def check_signals_served(method, available: set[str], family: str) -> None:
+    """Refuse a method needing signals `family` cannot provide in vLLM (the encoder stage's check)."""
+    try:
+        check_signals(method, available, f"{family} in vLLM")
+    except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
+        raise error(str(err)) from None
+
+
+def check_counts(method, produced: list[int], planned: list[int], where: str) -> None:
+    """The encoder must fill exactly the placeholders the front end planned (a mismatch would shift the prompt)."""
+    if produced != planned:
+        raise RuntimeError(
+            f"vtoken: {method.name} kept {produced} tokens per {where} but the prompt holds {planned} placeholders "
+            "(sized before the encoder ran); please report this"
         )
 
 
@@ -250,13 +253,15 @@ class Llava(PruningModel, LlavaForConditionalGeneration):
             pixel_values = torch.stack(pixel_values)
         method, family = self.vtoken.method, LlavaFamily(self.config)
         features, signals = encode_crops(self, family, method, pixel_values)  # [B, N, Dv], before the projector
-        if method.acts_on == "placed":  # DivPrune: among the projected tokens as placed (all N of each image)
-            embeds = select_placed(method, list(self.multi_modal_projector(features)))
+        stage = EncoderStage(method)
+        if stage.placed:  # DivPrune: among the projected tokens as placed (all N of each image)
+            embeds = placed_rows(stage, list(self.multi_modal_projector(features)))
         else:
             valid = family.valid(method, pixel_values)
             tokens = VisualTokens(features, family.grid, signals, torch.arange(len(features)),
                                   None if valid is None else valid.to(features.device))  # fmt: skip
-            selection = select(method, tokens, self.multi_modal_projector, self.text_query(asked, family.name))
+            sources = SignalSources(self.multi_modal_projector, self.text_query(asked, family.name))
+            selection, _ = stage.select(tokens, sources)
             embeds = kept_embeddings(tokens, selection, self.multi_modal_projector)
         check_counts(method, [len(e) for e in embeds], [family.count(method, p) for p in pixel_values], "image")
         return tuple(embeds)
@@ -265,7 +270,7 @@ class Llava(PruningModel, LlavaForConditionalGeneration):
 def encode_crops(model, family: LlavaFamily, method, crops: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
     """vLLM's CLIP tower (built up to the feature layer) on crops [C, 3, H, W], once, with [CLS]-row probes on the
     layers the method reads: patch features [C, N, Dv] before the projector, and the signals as callables
-    (resolved in `select`), "cls_token" ([C, Dv], the [CLS] feature) for methods that send it (VisionZip)."""
+    (resolved by the encoder stage), "cls_token" ([C, Dv], the [CLS] feature) for methods that send it (VisionZip)."""
     layers = model.vision_tower.vision_model.encoder.layers
     probes: dict[int, QKVClsProbe] = {}
     wanted = {}  # signal -> (probe, what it reads)
@@ -288,6 +293,13 @@ def encode_crops(model, family: LlavaFamily, method, crops: torch.Tensor) -> tup
     if "clip_features" in method.requires:
         signals["clip_features"] = lambda features=hidden: method.clip_features(features)
     return hidden, signals
+
+
+def placed_rows(stage: EncoderStage, placed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A placed selection (DivPrune) on every image's run [L_i, D] as the LLM receives it: the kept rows
+    [k_i, D] of every run (`EncoderStage.select_placed`, as vtoken's transformers adapters)."""
+    picks = stage.select_placed(placed)
+    return placed if picks is None else picks.take(picks.padded)
 
 
 def kept_embeddings(tokens: VisualTokens, selection: Selection, project) -> list[torch.Tensor]:

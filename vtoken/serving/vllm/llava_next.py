@@ -26,6 +26,7 @@ from vtoken.adapters.families.llava_next import official_layout_methods
 from vtoken.geometry.anyres import anyres_grid, crop_grid, pack
 from vtoken.geometry.kept import kept_rows, output_places
 from vtoken.geometry.tables import on_device, repeated
+from vtoken.stages.encoder import EncoderStage, SignalSources
 from vtoken.tokens import VisualTokens
 
 from .config import ServingConfig, error, serving_config
@@ -34,12 +35,13 @@ from .llava import (
     PrunedImagePlaceholders,
     PruningModel,
     check_clip,
+    check_counts,
     check_modality,
-    check_signals,
+    check_signals_served,
     encode_crops,
+    placed_rows,
     why_counts,
 )
-from .selection import check_counts, select, select_placed
 
 LAYOUTS = ("native", "official")
 
@@ -66,7 +68,7 @@ class LlavaNextFamily(LlavaFamily):
 
     def image_count(self, method, image_size: Any, native_length: int) -> int:
         """Placeholders of one image (known before the encoder); `native_length`: its stock run (vLLM's count)."""
-        if method.acts_on == "placed":
+        if EncoderStage(method).placed:
             count = method.count_before_encoding(native_length, (1, native_length), 1)
         else:
             rows, cols = self.crops(image_size)
@@ -80,11 +82,11 @@ class LlavaNextFamily(LlavaFamily):
     def check(self, config: ServingConfig) -> None:
         method, layout = config.method, config.layout
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
-        check_signals(method, self.signals(), self.name)
+        check_signals_served(method, self.signals(), self.name)
         check_clip(method, self.hf_config)
         if layout not in LAYOUTS:
             raise error(f"layout={layout!r} is not available for {self.name}; it has: {', '.join(LAYOUTS)}")
-        placed = method.acts_on == "placed"
+        placed = EncoderStage(method).placed
         if placed and layout == "official":
             raise error(
                 f"{method.name} selects among the tokens as {self.name} packs them (newlines included), which is "
@@ -149,9 +151,9 @@ class LlavaNext(PruningModel, LlavaNextForConditionalGeneration):
     def pruned(self, image_input: dict[str, Any], asked: Any) -> tuple[torch.Tensor, ...]:
         method, family = self.vtoken.method, LlavaNextFamily(self.config)
         sizes = image_input["image_sizes"]
-        if method.acts_on == "placed":  # DivPrune: among vLLM's own packing of each image
+        if EncoderStage(method).placed:  # DivPrune: among vLLM's own packing of each image
             placed = list(self._process_image_input(image_input))
-            embeds = select_placed(method, placed)
+            embeds = placed_rows(EncoderStage(method), placed)
             native = [len(p) for p in placed]
         else:
             embeds = self.official_images(image_input["pixel_values"], sizes, asked)
@@ -175,7 +177,8 @@ class LlavaNext(PruningModel, LlavaNextForConditionalGeneration):
         crop_index = on_device([c for n in counts for c in range(n)], device)
         crop_grid = {i: (grid.rows, grid.cols) for i, grid in enumerate(grids)}
         tokens = VisualTokens(features, family.grid, signals, image_index, None, crop_index, crop_grid)
-        selection = select(method, tokens, self.multi_modal_projector, self.text_query(asked, family.name))
+        sources = SignalSources(self.multi_modal_projector, self.text_query(asked, family.name))
+        selection, _ = EncoderStage(method).select(tokens, sources)
         rows = kept_rows(selection, tokens.features, tokens.signals, self.multi_modal_projector)
         packed = pack(grids, output_places(selection), selection.counts_per_crop(), rows, self.image_newline,
                       native=False, origin=selection.origin,

@@ -34,19 +34,24 @@ import torch
 from vtoken.adapters.families.qwen_vl import same_selection
 from vtoken.geometry.kept import output_places
 from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid
-from vtoken.tokens import VisualTokens
+from vtoken.stages.encoder import EncoderStage
+from vtoken.tokens import Selection, VisualTokens
 
 from . import question as questions
 from .config import ServingConfig, error, serving_config
-from .llava import check_signals, why_counts
-from .selection import select, select_placed_offsets
+from .llava import check_signals_served, why_counts
 
-SIGNALS = {"patch_features", "grid", "resized_grid", "projected"}
+SIGNALS = {"patch_features", "grid", "resized_grid"}
 
 
 def frames_of(grid: tuple[int, int], frames: int = 1) -> VisualTokens:
     """Zero features of one image (frames=1) or video (a crop per frame) of `grid`: what a dry run selects on."""
     return VisualTokens(torch.zeros(frames, grid[0] * grid[1], 4), grid, {}, torch.zeros(frames, dtype=torch.long))
+
+
+def select(method, tokens: VisualTokens) -> Selection:
+    """The encoder stage's selection of `tokens` (the plugin's Qwen methods read no common signal)."""
+    return EncoderStage(method).select(tokens)[0]
 
 
 def kept_offsets(selection, frames: int, n: int) -> torch.Tensor:
@@ -86,14 +91,14 @@ class QwenFamily:
 
     def check(self, config: ServingConfig) -> None:
         method = config.method
-        check_signals(method, SIGNALS, self.name)
+        check_signals_served(method, SIGNALS, self.name)
         if config.layout != "native":
             raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
         if method.count_before_encoding(48, (6, 8), 1) is None:
             raise error(
                 f"{method.name} ({method!r}) decides its token count on {self.name} from the data; {why_counts()}"
             )
-        if method.acts_on != "placed" and not data_independent(method):
+        if not EncoderStage(method).placed and not data_independent(method):
             raise error(
                 f"{method.name} picks tokens from the features, but vLLM fixes {self.name}'s M-RoPE positions "
                 "before the encoder runs, and kept tokens must keep their original (t, h, w) positions; served "
@@ -108,7 +113,7 @@ class QwenFamily:
         """Placeholders of an image, or of a video (frames x each frame's count; a method acting on the tokens as
         placed, DivPrune: its count of the whole run)."""
         grid = self.grid(grid_thw)
-        if method.acts_on == "placed":
+        if EncoderStage(method).placed:
             run = item_tokens([int(x) for x in grid_thw.tolist()], self.merge)
             return method.count_before_encoding(run, (1, run), 1)
         return int(grid_thw[0]) * method.count_before_encoding(grid[0] * grid[1], grid, 1)
@@ -176,7 +181,8 @@ class QwenModelMixin:
         with torch.inference_mode():
             (full,) = super().embed_multimodal(**kwargs)
         width = self.config.text_config.hidden_size
-        (placed,) = select_placed_offsets(self.vtoken.method, [full[:, :width]])
+        picks = EncoderStage(self.vtoken.method).select_placed([full[:, :width]])
+        placed = torch.arange(len(full), device=full.device) if picks is None else picks.kept[0]
         key = _pixel_key(modality, pixels, grid_thw)
         self._vtoken_picks[key] = full[placed.to(full.device)]
         self._vtoken_picks.move_to_end(key)
@@ -188,6 +194,7 @@ class QwenModelMixin:
         if self.vtoken is None:
             return super().get_mrope_input_positions(input_tokens, mm_features)
         method, family = self.vtoken.method, self.vtoken_family
+        placed = EncoderStage(method).placed
         tokens, features, columns, shift, cursor = [], [], [], 0, 0
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
             offset, length = feature.mm_position.offset, feature.mm_position.length
@@ -201,7 +208,7 @@ class QwenModelMixin:
                 key = family.GRID[feature.modality]
                 grid_thw = feature.data[key].data
                 grid, frames = family.grid(grid_thw), int(grid_thw[0])
-                if method.acts_on == "placed":  # picks from the encoder's output: encoded now, kept for later
+                if placed:  # picks from the encoder's output: encoded now, kept for later
                     kept, smaller = self._vtoken_placed_picks(feature), None
                 else:
                     kept, smaller = plan(method, grid, frames)
@@ -229,9 +236,10 @@ class QwenModelMixin:
             return super().embed_multimodal(**kwargs)
         parsed = self._parse_and_validate_multimodal_inputs(**kwargs)
         method, family, index = self.vtoken.method, self.vtoken_family, 0
+        placed = EncoderStage(method).placed
         pixel_types = ("pixel_values", "pixel_values_videos")
         stock = [m for m, inputs in parsed.items() if m not in family.pruned or inputs["type"] not in pixel_types]
-        if method.acts_on == "placed" and not stock:  # every item was encoded when its request was added
+        if placed and not stock:  # every item was encoded when its request was added
             embeddings = [None] * sum(len(inputs[family.GRID[m]]) for m, inputs in parsed.items())
         else:
             embeddings = list(super().embed_multimodal(**kwargs) or ())
@@ -245,7 +253,7 @@ class QwenModelMixin:
             starts = [0, *torch.cat([g.prod()[None] for g in grids]).cumsum(0).tolist()]
             for item, grid_thw in enumerate(grids):
                 grid, frames = family.grid(grid_thw), int(grid_thw[0])
-                if method.acts_on == "placed":  # kept when its request was added, its positions fixed by them
+                if placed:  # kept when its request was added, its positions fixed by them
                     key = _pixel_key(modality, pixels[starts[item] : starts[item + 1]], grid_thw)
                     kept = self._vtoken_picks.get(key)
                     if kept is None:
