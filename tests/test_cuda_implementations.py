@@ -73,6 +73,30 @@ CASES = {
     ],  # fmt: skip
     "greedy_least_similar": [((_t(1, 8, 576), _t(1, 576, dtype=torch.bool), _t(1, 8, dtype=torch.int64)), {})],
     "static_windows": [((_t(1, 32, 32), 1024), {})],
+    "fill_gaps": [
+        (
+            (
+                _t(2, 32, dtype=torch.int64),
+                _t(2, 32, dtype=torch.bool),
+                _t(2, 32, dtype=torch.int64),
+                _t(2, 32, dtype=torch.int64),
+            ),
+            {},
+        )
+    ],  # fmt: skip
+    "anchored_prediction": [
+        (
+            (
+                _t(2 * 1024, 1176),
+                _t(2, dtype=torch.int64),
+                _t(2, dtype=torch.int64),
+                _t(2, dtype=torch.int64),
+                0.05,
+                "max",
+            ),
+            {},
+        )
+    ],  # fmt: skip
     "visual_attention": [
         (
             (
@@ -199,7 +223,8 @@ def test_with_triton_the_kernel_is_registered():
 
 
 @pytest.mark.parametrize("module, name", [("diversity", "max_min_diversity"), ("duplicates", "duplicate_removal"),
-                                          ("static_windows", "static_windows")])  # fmt: skip
+                                          ("static_windows", "static_windows"), ("segment_gaps", "fill_gaps"),
+                                          ("pixel_prediction", "anchored_prediction")])  # fmt: skip
 def test_host_looping_references_are_the_ones_refused(module, name):
     """The references that read the device back (`.tolist()` of counts, `.cpu()`) are registered as host loops."""
     import importlib

@@ -46,6 +46,14 @@ def test_each_sync_is_counted_once_with_its_site(name):
     assert "test_launches.py" in counted.sync_sites[0]
 
 
+def test_reading_a_host_copy_is_free():
+    """x.cpu().numpy() (or .tolist()) reads the device once: the copy; the host copy's read costs nothing more."""
+    for read in (lambda t: t.numpy(), lambda t: t.tolist()):
+        with count_launches() as counted:
+            read(x.cpu())
+        assert counted.syncs == 1, counted.describe()
+
+
 def test_a_round_trip_through_the_host_is_two_syncs():
     with count_launches() as counted:
         x.cpu().to(x.device)

@@ -260,7 +260,8 @@ class _FunctionCounter(TorchFunctionMode):
         if self.dispatch.quiet:
             return func(*args, **kwargs)
         if name in HOST_READS:
-            self._sync(name)
+            if not (args and self._is_host(args[0])):  # a copy already on the host (`.cpu()`) reads for free
+                self._sync(name)
             return self._quietly(func, args, kwargs)
         if name == "cpu" and args and isinstance(args[0], torch.Tensor):
             source = args[0]
