@@ -37,7 +37,7 @@ PYTEST_ARGS ?= -q
 # stamps are written as new files (rm, then touch): a venv may be a hard-linked copy of another, whose stamps touch
 # would update too
 
-.PHONY: setup test-setup test-min-setup browser run test test-min lint bench bench-gpu lock compat docs vllm-venv
+.PHONY: setup test-setup test-min-setup browser run test test-min lint bench bench-gpu gpu-wheels lock compat docs vllm-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -122,21 +122,24 @@ lint: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_llava.py $(ARGS)
 
-# every GPU benchmark on one CUDA GPU at full depth, bf16 (about 6 minutes on an H100/H200, under 8), results into
-# benchmarks/results/*_cuda.*: the encoder methods (issue 30's targets), LLaVA-1.5 at batch 1/8/32 (FasterVLM at
-# every budget; every encoder method at 25 % in batches of 8 and 32), the LLM stages, sparse prefill, and the Qwen
-# families; tests/test_gpu_benchmarks.py builds each one's models on the meta device
-GPU_BENCH := --device cuda --repeats 5 --out benchmarks/results
-bench-gpu: setup
-	$(BIN)/python benchmarks/bench_methods.py $(GPU_BENCH) --budgets 0.5 0.25 0.1 $(ARGS)
-	$(BIN)/python benchmarks/bench_llava.py $(GPU_BENCH) $(ARGS)
-	$(BIN)/python benchmarks/bench_llava.py $(GPU_BENCH) --batch 8 32 --budgets 0.25 --methods all \
-		--name llava15_batch_cuda $(ARGS)
-	$(BIN)/python benchmarks/bench_llm_stages.py $(GPU_BENCH) $(ARGS)
-	$(BIN)/python benchmarks/bench_sparse_prefill.py $(GPU_BENCH) $(ARGS)
-	$(BIN)/python benchmarks/bench_families.py $(GPU_BENCH) --budgets 0.25 $(ARGS)
-	$(BIN)/python benchmarks/bench_qwen3_vl.py $(GPU_BENCH) --budgets 0.25 $(ARGS)
-	$(BIN)/python benchmarks/bench_tower.py $(GPU_BENCH) $(ARGS)
+# on a machine with one CUDA GPU, with the Python, torch (>= 2.11) and triton (>= 3.6) already there and vtoken and
+# transformers installed from wheels (`make gpu-wheels` here, docs/guide/gpu.md): the CUDA tests, then every GPU
+# benchmark (full depth, bf16), then one summary, benchmarks/results/summary_cuda.md, within 8 minutes on an
+# H100/H200. No venv, no download: `make bench-gpu PYTHON=python3`. ARGS=... goes to benchmarks/run_gpu.py (e.g.
+# --archive results.tar.gz, --steps methods). tests/test_gpu_benchmarks.py runs the same command on a CPU at tiny
+# shapes (--device cpu) and builds every GPU configuration on the meta device.
+bench-gpu:
+	$(PYTHON) benchmarks/run_gpu.py --device cuda --out benchmarks/results $(ARGS)
+
+# what a lent GPU machine lacks, as wheels into .whl/ (ignored by git; carry it with the tree): vtoken itself and the
+# transformers it is tested with (+ regex; transformers >= 5.25 also needs its `kernels` package)
+GPU_WHEELS ?= transformers==5.24.0 regex==2026.11.19
+WHEEL_PLATFORM := --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+gpu-wheels:
+	exclude=$$(git rev-parse --git-common-dir)/info/exclude; grep -qx '/.whl/' $$exclude || echo /.whl/ >> $$exclude
+	$(PYTHON) -m pip download -q --no-deps $(WHEEL_PLATFORM) -d .whl $(GPU_WHEELS)
+	$(PYTHON) -m pip wheel -q --no-deps -w .whl .
 
 # the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, anchor or API reference fails
 docs: setup

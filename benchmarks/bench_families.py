@@ -33,7 +33,7 @@ def _build(builder, overrides: dict, device, dtype):
     """A family's tiny builder re-dimensioned to real shapes (the processor and tokenizer are reused)."""
     model, processor = builder()
     config = model.config
-    for section, values in overrides.items():
+    for section, values in common.shaped(overrides).items():
         target = getattr(config, section) if section != "top" else config
         for key, value in values.items():
             setattr(target, key, value)
@@ -63,14 +63,16 @@ def qwen_7b_lm(layers: int | None) -> dict:
 def qwen25_vl_7b(layers: int | None, device, dtype):
     text = qwen_7b_lm(layers)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+    depth = layers or 32
     vision = dict(
-        depth=layers or 32,
+        depth=depth,
         hidden_size=1280,
         intermediate_size=3420,
         num_heads=16,
         out_hidden_size=3584,
         window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31],
+        # the full-attention blocks of the real tower that a cut one has (at least its last block)
+        fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < depth] or [depth - 1],
     )
     model, processor = _build(tiny_qwen2_5_vl, {"text_config": text, "vision_config": vision}, device, dtype)
     processor.image_processor.max_pixels = 896 * 896

@@ -49,25 +49,17 @@ def build_model(llm_layers: int, device: torch.device, dtype: torch.dtype):
 
     tokenizer = tiny_tokenizer()
     processor = llava_processor(tokenizer)
-    config = llava_config(
-        tokenizer,
-        vision=dict(
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            projection_dim=768,
-            hidden_act="quick_gelu",
-        ),
-        text=dict(
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=llm_layers,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            vocab_size=32064,
-        ),
-    )
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  projection_dim=768, hidden_act="quick_gelu")  # fmt: skip
+    text = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=llm_layers, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32064)  # fmt: skip
+    if common.TINY:  # the smoke run: tiny LLaVA's widths, these depths
+        vision = dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, projection_dim=32
+        )
+        text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=llm_layers, num_attention_heads=4,
+                    num_key_value_heads=2)  # fmt: skip
+    config = llava_config(tokenizer, vision=vision, text=text)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -170,7 +162,9 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="results file stem (default llava15_<device>)")
     parser.add_argument("--methods", nargs="+", default=["fastervlm"], choices=[*ENCODER_METHODS, "all"],
                         help="encoder methods to time (all: every one LLaVA-1.5 takes)")  # fmt: skip
+    common.add_tiny(parser)
     args = parser.parse_args()
+    common.set_tiny(args)
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"

@@ -113,7 +113,7 @@ CLIP_L_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12
 def cdpruner_factory(model):
     """CDPruner with a CLIP-L-shaped checkpoint fitting `model`'s tower: the text tower runs once per distinct
     question (cached), so the timed runs, which repeat one question, leave it out."""
-    clip, tokenizer = tiny_clip(model, tokenizer_for(model, "cdpruner"), text=CLIP_L_TEXT)
+    clip, tokenizer = tiny_clip(model, tokenizer_for(model, "cdpruner"), text=None if common.TINY else CLIP_L_TEXT)
     return lambda b: vtoken.CDPruner(budget=b, clip=clip, clip_tokenizer=tokenizer)
 
 
@@ -154,7 +154,10 @@ def qwen25_7b_layer(device, dtype):
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-    config = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4)
+    widths = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4)
+    if common.TINY:
+        widths = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    config = Qwen2Config(**widths)
     torch.manual_seed(0)
     with torch.device(device):
         return Qwen2DecoderLayer(config, 0).to(dtype).eval(), Qwen2RotaryEmbedding(config)
@@ -206,15 +209,16 @@ def greedy_scaling(device, dtype, repeats: int) -> list[dict]:
     """MMTok's coverage matrix + greedy at Qwen2.5-VL-7B widths for N up to 2,916 (a 1512 x 1512 image), next to
     the prefill time of one Qwen2.5-7B decoder layer on that many tokens (x 28 = the full LLM)."""
     layer, rope = qwen25_7b_layer(device, dtype)
+    width, vision = layer.hidden_size, 32 if common.TINY else 1280
     rows = []
-    for n in (576, 1024, 2916):
+    for n in (64,) if common.TINY else (576, 1024, 2916):
         g = torch.Generator(device=device).manual_seed(0)
-        v = torch.randn(1, n, 3584, device=device, generator=g)
-        u = torch.randn(1, n, 1280, device=device, generator=g)
-        z = torch.randn(1, 12, 3584, device=device, generator=g)
+        v = torch.randn(1, n, width, device=device, generator=g)
+        u = torch.randn(1, n, vision, device=device, generator=g)
+        z = torch.randn(1, 12, width, device=device, generator=g)
         mask = torch.ones(1, 12, dtype=torch.bool, device=device)
         valid = torch.ones(1, n, dtype=torch.bool, device=device)
-        hidden = torch.randn(1, n + 40, 3584, device=device, dtype=dtype, generator=g)
+        hidden = torch.randn(1, n + 40, width, device=device, dtype=dtype, generator=g)
         positions = torch.arange(n + 40, device=device)[None]
 
         @torch.inference_mode()

@@ -59,7 +59,24 @@ DENSITIES = [1.0, 0.5, 0.2, 0.1, 0.05]
 BLOCK = 64
 
 
-def settings(cuda: bool) -> dict:
+def settings(cuda: bool, tiny: bool = False) -> dict:
+    if tiny:  # the smoke run (`--tiny`): every path at a few blocks, tiny widths
+        return dict(
+            kernel_lengths=[192],
+            video_tokens=[128],
+            min_length=64,
+            heads=(4, 2, 16),
+            text=dict(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=152064,
+            ),  # fmt: skip
+            vision_depth=1,
+            frame_side=224,
+        )
     if cuda:
         return dict(
             kernel_lengths=[8192, 16384, 32768, 65536, 131072],
@@ -96,10 +113,11 @@ def settings(cuda: bool) -> dict:
 
 
 # --------------------------------------------------------------------- 1. kernel level
-def kernel_level(device, dtype, lengths, heads, repeats) -> tuple[dict, list[str]]:
+def kernel_level(device, dtype, lengths, heads, repeats, flex: bool = True) -> tuple[dict, list[str]]:
+    """`flex`: time FlexAttention too where it runs (the smoke run leaves out its CPU compilation)."""
     hq, hkv, dim = heads
     scale = dim**-0.5
-    flex = flex_unavailable(device.type) is None
+    flex = flex and flex_unavailable(device.type) is None
     own = "Triton kernel" if device.type == "cuda" else "reference"
     results, lines = {}, []
     lines += [
@@ -282,6 +300,15 @@ def end_to_end(cfg, device, dtype, repeats) -> tuple[dict, list[str]]:
         for name, methods in configs.items():
             contexts[name] = (lambda m=methods: vtoken.patched(model, m)) if methods else None
             facts[name] = llm_facts(model, inputs, methods, layers // 2)
+        if device.type == "cuda":  # what a deployment does first: this GPU's break-even (if none is recorded) and
+            # the sparse kernels' compilation and tuning at these lengths, before any timed request
+            with vtoken.patched(model, configs["sparse"]):
+                lengths = sorted({facts[name]["llm_tokens"] for name in ("sparse", "pruning + sparse")})
+                report = vtoken.warmup(model, lengths=lengths)
+            warmed = {gpu: repr(fitted) for gpu, fitted in report.measured.items()}
+            lines_warm = [f"warm-up measured the break-even on {gpu}: {fitted}" for gpu, fitted in warmed.items()]
+            print("\n".join(lines_warm) or "warm-up: break-even recorded for this GPU", flush=True)
+            results.setdefault("warmup", {}).update(measured=warmed, prepared=report.prepared)
         runs = dict.fromkeys(configs, ttft)
         timed = common.interleaved(runs, repeats, device, contexts={k: v for k, v in contexts.items() if v})
         base = timed["dense"]["median_s"]
@@ -290,7 +317,7 @@ def end_to_end(cfg, device, dtype, repeats) -> tuple[dict, list[str]]:
             seq = facts[name]["llm_tokens"]
             if seq not in share:
                 share[seq] = attention_seconds(seq, hq, hkv, dim, device, dtype, repeats) * layers
-        results[tokens] = {}
+        results.setdefault(tokens, {})
         for name in configs:
             fact = facts[name]
             t = timed[name]["median_s"]
@@ -396,16 +423,18 @@ def main() -> None:
         help="timed runs per config, interleaved after a warm-up (default: 5 on cuda, 2 on cpu)",
     )
     parser.add_argument("--only", choices=["kernel", "e2e"], default=None)
+    common.add_tiny(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     repeats = args.repeats or (5 if cuda else 2)
-    cfg = settings(cuda)
+    cfg = settings(cuda, tiny=args.tiny)
     results, lines = {}, []
     start = time.perf_counter()
     if args.only in (None, "kernel"):
-        results["kernel"], part = kernel_level(device, dtype, cfg["kernel_lengths"], cfg["heads"], repeats)
+        results["kernel"], part = kernel_level(device, dtype, cfg["kernel_lengths"], cfg["heads"], repeats,
+                                               flex=not args.tiny)  # fmt: skip
         lines += part
     if args.only in (None, "e2e"):
         results["end_to_end"], part = end_to_end(cfg, device, dtype, repeats)

@@ -391,7 +391,10 @@ def main() -> None:
     parser.add_argument("--only", choices=["qwen2.5-vl", "qwen3-vl", "clip", "ttft"], default=None)
     parser.add_argument("--no-ttft", dest="ttft", action="store_false", help="towers only, no whole-model TTFT")
     parser.add_argument("--cpu-llm-layers", type=int, default=1, help="LLM layers of the TTFT models on a CPU")
+    common.add_tiny(parser)
     args = parser.parse_args()
+    if args.tiny:  # the smoke run: the CLIP tower alone, one block, a small page (real widths; it measures nothing)
+        args.only, args.ttft, args.cpu_clip_layers, args.size = "clip", False, 1, 224
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

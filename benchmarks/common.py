@@ -24,6 +24,32 @@ from vtoken.timing import Ratio, compare, device_sync, measure
 
 RESULTS = Path(__file__).parent / "results"  # the tables the docs show: written only when --out names it
 DEFAULT_OUT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vtoken" / "benchmarks"
+# --tiny (a smoke run on a CPU, `run_gpu.py --device cpu`): the tiny models keep their own widths; of the real
+# shapes' settings only these (depth and what follows it) are applied, so that every code path of the GPU run
+# executes in seconds. It measures nothing.
+TINY = False
+TINY_KEYS = frozenset({"num_hidden_layers", "depth", "deepstack_visual_indexes", "fullatt_block_indexes"})
+
+
+def add_tiny(parser: argparse.ArgumentParser) -> None:
+    """`--tiny`: the smoke run (see `TINY`); with `--device cpu`, what `run_gpu.py --device cpu` runs."""
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke run: tiny widths (checks that the script runs; no numbers)")  # fmt: skip
+
+
+def set_tiny(args) -> bool:
+    """Switch the tiny widths on from parsed `--tiny` (module-wide: `shaped` reads it)."""
+    global TINY
+    TINY = bool(getattr(args, "tiny", False))
+    return TINY
+
+
+def shaped(overrides: dict) -> dict:
+    """A model's real-shape settings, or under `--tiny` only their depth keys (`TINY_KEYS`)."""
+    if not TINY:
+        return overrides
+    return {section: {key: value for key, value in values.items() if key in TINY_KEYS}
+            for section, values in overrides.items()}  # fmt: skip
 
 
 def sync(device: torch.device) -> None:
@@ -173,6 +199,7 @@ def ttft_parser(doc: str, cpu_layers_help: str):
     )
     parser.add_argument("--cpu-layers", type=int, default=1, help=cpu_layers_help)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05])
+    add_tiny(parser)
     return parser
 
 
@@ -181,6 +208,7 @@ def run_settings(args) -> tuple[torch.device, torch.dtype, int | None, int]:
     `--cpu-layers` on a CPU."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    set_tiny(args)
     return (
         device,
         torch.bfloat16 if cuda else torch.float32,

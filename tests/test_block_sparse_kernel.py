@@ -433,6 +433,25 @@ def test_flex_attention_matches_the_reference_on_cpu():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_flex_block_mask_makes_no_host_copy():
+    """A layer's `BlockMask` is built on the device from the plan: the A-shape's sink and window enter the mask
+    as Python ints (kernel constants), not as tensors copied from the host on every layer of every call."""
+    from vtoken.kernels.block_sparse_flex import flex_block_mask, flex_unavailable
+    from vtoken.launches import count_launches
+
+    if flex_unavailable("cpu"):
+        pytest.skip(flex_unavailable("cpu"))
+    namespace: dict = {}
+    exec(PLANS, namespace)
+    g = torch.Generator().manual_seed(0)
+    counts, index = namespace["random_plan"](2, 4, 256, 32, 0.5, g)
+    valid = torch.rand(2, 256, generator=g) > 0.2
+    for sink, window in ((0, 0), (3, 40)):
+        with count_launches() as counted:
+            flex_block_mask(counts, index, 32, 256, valid, sink, window)
+        assert counted.syncs == 0, counted.describe()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flex_attention_matches_the_reference_on_cuda():
     from vtoken.kernels.block_sparse_flex import block_sparse_attention_flex

@@ -60,6 +60,34 @@ def test_random_videos_equal_the_reference(k):
         first += count
 
 
+def test_temporal_merge_is_one_burst_without_a_sync():
+    """Stage 1 on the GPU: one cosine over every (frame, reference frame) pair and one sort, whatever the frames and
+    videos; the frame layout comes from the adapter's host-side `image_of_crop` (without it, `image_index` is read
+    back once)."""
+    from vtoken.launches import count_launches
+
+    def counted(frames: list[int], host: bool = True):
+        g = torch.Generator().manual_seed(len(frames))
+        tokens = torch.randn(sum(frames), 12, 6, generator=g)
+        owners = [v for v, n in enumerate(frames) for _ in range(n)]
+        visual = VisualTokens(tokens, (3, 4), {"projected": tokens}, torch.tensor(owners),
+                              image_of_crop=owners if host else None)  # fmt: skip
+        with count_launches() as launches:
+            selection = vtoken.DyCoke(k=0.7).select(visual)
+        first = 0
+        for count in frames:  # the same picks as the spec
+            expected = reference_merge(tokens[first : first + count], 0.7)
+            assert [selection.kept_of(f).tolist() for f in range(first, first + count)] == expected
+            first += count
+        return launches
+
+    runs = [counted(frames) for frames in ([4], [9], [32], [3, 8, 5])]
+    assert all(run.syncs == 0 for run in runs), [run.describe() for run in runs]
+    assert len({run.kernels for run in runs}) == 1 and runs[0].kernels <= 25, [run.describe() for run in runs]
+    unhosted = counted([3, 8, 5], host=False)
+    assert unhosted.syncs == 1 and unhosted.kernels == runs[0].kernels, unhosted.describe()
+
+
 def test_hand_made_frames_keep_what_changed():
     """Frame 1 repeats frame 0 except at positions 3 and 5; frame 2 repeats frame 0 except at 1 and 7 (re-pruned
     against frame 0 as 9 frames have i = 0 and 4 in range(0, 5, 4): frames 2 and 6); frame 8 (odd count) stays."""

@@ -133,29 +133,60 @@ def test_a_token_no_target_draws_keeps_its_features_and_merges_use_fp32():
 
 
 def test_selection_is_batched_with_one_sync():
-    """A fixed number of kernels whatever the frame count, budget or segmentation; one host sync (the counts)."""
+    """A fixed number of kernels whatever the frame count, budget, segmentation or videos in the call; one host sync
+    (the counts). The tokens are an adapter's: the video of every frame on the device (`image_index`) and on the host
+    (`image_of_crop`), so nothing reads the device to find the videos."""
 
     def launches(frames, **settings):
-        x, attention, pooled, _ = synthetic([frames], seed=frames)
+        x, attention, pooled, videos = synthetic(frames, seed=sum(frames))
         signals = {"projected": x, "siglip_head_attention": attention, "siglip_head_pooled": pooled}
-        tokens = VisualTokens(x, (4, 6), signals)
+        tokens = VisualTokens(x, (4, 6), signals, videos, image_of_crop=videos.tolist())
         with count_launches() as counted:
             vtoken.FastVID(**settings).select(tokens)
         return counted
 
-    base = launches(4, budget=0.5)
+    base = launches([4], budget=0.5)
     assert base.syncs == 1 and "fastvid.py" in base.sync_sites[0], base.describe()
-    for frames, settings in [(16, dict(budget=0.3)), (9, dict(budget=0.5, c=2, tau=0.1)), (6, dict(budget=0.4, p=1))]:
+    for frames, settings in [([16], dict(budget=0.3)), ([9], dict(budget=0.5, c=2, tau=0.1)), ([6], dict(budget=0.4,
+                             p=1)), ([5, 5], dict(budget=0.5))]:  # fmt: skip
         other = launches(frames, **settings)
         assert (other.kernels, other.syncs) == (base.kernels, 1), other.describe()
+    several = launches([3, 5, 2], budget=0.5)  # runs of different lengths: one burst per run, still one sync
+    assert several.syncs == 1, several.describe()
     qwen = []
     for frames in (4, 12):
-        x, attention, _, _ = synthetic([frames])
+        x, attention, _, videos = synthetic([frames])
+        tokens = VisualTokens(x, (4, 6), {"projected": x, "vit_query_attention": attention}, videos,
+                              image_of_crop=videos.tolist())  # fmt: skip
         with count_launches() as counted:
-            vtoken.FastVID(variant="qwen").select(VisualTokens(x, (4, 6), {"projected": x,
-                                                                        "vit_query_attention": attention}))  # fmt: skip
+            vtoken.FastVID(variant="qwen").select(tokens)
         qwen.append((counted.kernels, counted.syncs))
     assert qwen[0] == qwen[1] and qwen[0][1] == 1
+
+
+@pytest.mark.parametrize("family", ["tiny-onevision", "tiny-qwen2-vl"])
+def test_through_the_adapters_the_videos_are_known_on_the_host(family):
+    """The OneVision and Qwen adapters hand FastVID the video of every frame on the host (`image_of_crop`): the
+    selection inside a patched forward reads the device once (its counts), not the video index."""
+    from conftest import video_inputs
+
+    model, processor = TINY_MODELS[family]()
+    inputs = video_inputs(processor, 4)
+    method = vtoken.FastVID()
+    seen, select = [], method.select
+
+    def counted(tokens):
+        with count_launches() as launches:
+            out = select(tokens)
+        seen.append((tokens.image_of_crop, tokens.num_crops, launches))
+        return out
+
+    method.select = counted
+    with torch.no_grad(), vtoken.patched(model, method):
+        model(**inputs)
+    (owners, crops, launches), *_ = seen
+    assert owners == [0] * crops and len(seen) == 1
+    assert launches.syncs == 1 and "fastvid.py" in launches.sync_sites[0], launches.describe()
 
 
 def test_parameters_are_validated():

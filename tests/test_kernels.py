@@ -30,6 +30,18 @@ CHECK = textwrap.dedent(
         assert got.shape == want.shape == (batch, heads, seq), got.shape
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got.sum(-1), torch.ones(batch, heads, device=device), rtol=1e-5, atol=1e-5)
+        # a padded batch: keys outside key_valid get no probability (the [CLS] key of every row stays valid)
+        valid = torch.rand(batch, seq, generator=g) > 0.3
+        valid[:, 0] = True
+        valid = valid.to(device)
+        got = attention_row_probs_triton(q, k, scale, valid)
+        want = attention_row_probs_reference(q, k, scale, valid)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert (got[~valid[:, None, :].expand_as(got)] == 0).all()
+        logits = (q.float()[:, None] * k.float()).sum(-1).transpose(1, 2) * scale  # independently: a masked softmax
+        expected = logits.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(torch.ops.vtoken.attention_row_probs(q, k, scale, valid), want, rtol=1e-4, atol=1e-6)
     print("kernel ok")
     """
 )

@@ -125,10 +125,7 @@ def test_without_host_counts_a_method_reads_valid_back_once():
     assert launches.syncs == 1, launches.describe()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name, crops, cut", CASES)
-def test_on_cuda_no_sync_and_a_graph_capture(name, crops, cut):
-    tokens = tokens_for(name, crops, cut)
+def _on_cuda(tokens: VisualTokens) -> VisualTokens:
     tokens.features = tokens.features.cuda()
     tokens.signals = {k: v.cuda() for k, v in tokens.signals.items()}
     tokens.image_index, tokens.crop_index, tokens.valid = (
@@ -137,22 +134,40 @@ def test_on_cuda_no_sync_and_a_graph_capture(name, crops, cut):
     if tokens.question is not None:
         question = tokens.question.embed("").cuda()
         tokens.question = TextQuery(tokens.question.questions, "llava-1.5", lambda text: question)
+    return tokens
+
+
+def _picked(selection) -> torch.Tensor:
+    return selection.kept if selection.kept is not None else selection.features
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name, crops, cut", CASES)
+def test_on_cuda_no_sync_and_a_graph_capture(name, crops, cut):
+    """A sync-free selection runs under sync debug mode "error" and inside a captured CUDA graph whose replay gives
+    its picks; a selection with a documented read (HiRED's crop budgets, VidCom2's frame budgets) forces exactly
+    that many real syncs, all at the read in its own file (sync debug mode "warn", sites listed), and gives the
+    same picks as its warm-up run."""
+    from vtoken.launches import cuda_sync_sites
+
+    tokens = _on_cuda(tokens_for(name, crops, cut))
     method = method_for(name, 0.25)
     expected = method.select(tokens)  # warm up: compile kernels, fill caches
+    torch.cuda.synchronize()
     syncs = ONE_READ.get(name, 0) if (name != "hired" or crops > 1) else 0
-    if syncs:
-        return  # a count read back from the device cannot be captured (nor run under "error")
+    if syncs:  # a count read back from the device cannot be captured (nor run under "error"): counted for real
+        with cuda_sync_sites() as sites:
+            again = method.select(tokens)
+        assert len(sites) == syncs and all(f"{name}.py" in site for site in sites), sites
+    else:
+        with no_host_syncs():
+            method.select(tokens)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            again = method.select(tokens)
+        graph.replay()
     torch.cuda.synchronize()
-    with no_host_syncs():
-        method.select(tokens)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = method.select(tokens)
-    graph.replay()
-    torch.cuda.synchronize()
-    got = captured.kept if captured.kept is not None else captured.features
-    want = expected.kept if expected.kept is not None else expected.features
-    assert torch.equal(got, want)
+    assert torch.equal(_picked(again), _picked(expected))
 
 
 @pytest.mark.parametrize("budget", [0.25, 0.1, 0.098, 0.05, 1 / 3, 0.5, 1.0, 1e-6, 1, 29, 144, 10_000])

@@ -563,7 +563,9 @@ def test_recorded_break_even_is_conservative_and_the_defaults_never_lose():
     1M tokens is predicted faster than dense, and shorter ones run dense."""
     from vtoken.kernels.sparse_speed import CUDA_H200, KERNEL_DENSITIES, KERNEL_SPEEDUPS, recorded_break_even
 
-    assert recorded_break_even("cuda") is CUDA_H200 and recorded_break_even("cpu") is None
+    assert recorded_break_even("NVIDIA H200") is CUDA_H200 and recorded_break_even("cpu") is None
+    assert recorded_break_even(torch.device("cpu")) is None
+    assert recorded_break_even("NVIDIA H100 80GB HBM3") is None  # not measured yet: no other GPU's constants
     for length, speedups in KERNEL_SPEEDUPS.items():
         for density, speedup in zip(KERNEL_DENSITIES, speedups, strict=True):
             assert CUDA_H200.ratio(length, density, estimated=False) >= 1 / speedup - 1e-9
@@ -577,6 +579,89 @@ def test_recorded_break_even_is_conservative_and_the_defaults_never_lose():
         assert ratio < CUDA_H200.margin, (length, ratio)
     limit = CUDA_H200.density_limit(32768, estimated=True)
     assert 0.1 < limit < 0.5 and CUDA_H200.decide(32768, limit + 0.01, estimated=True)[0] is False
+
+
+def test_an_unknown_gpu_warns_once_and_a_measured_model_wins(monkeypatch):
+    """Break-even models are keyed by the GPU's name: a GPU without one warns once (naming vtoken.warmup), and what
+    warm-up measured there is used from then on, before anything recorded."""
+    import warnings
+
+    from vtoken.kernels import sparse_speed
+
+    monkeypatch.setattr(sparse_speed, "MEASURED", {})
+    monkeypatch.setattr(sparse_speed, "_unmeasured_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            sparse_speed.warn_unmeasured("NVIDIA H100 80GB HBM3")
+        sparse_speed.warn_unmeasured("NVIDIA L40S")
+    assert len(caught) == 2 and "NVIDIA H100 80GB HBM3" in str(caught[0].message)
+    assert "vtoken.warmup(model)" in str(caught[0].message) and "min_length" in str(caught[0].message)
+    mine = _speed(0.1, lengths=(1024,))
+    sparse_speed.MEASURED["NVIDIA H100 80GB HBM3"] = mine
+    sparse_speed.MEASURED["NVIDIA H200"] = mine
+    assert sparse_speed.recorded_break_even("NVIDIA H100 80GB HBM3") is mine
+    assert sparse_speed.recorded_break_even("NVIDIA H200") is mine  # measured here beats recorded elsewhere
+
+
+def test_measuring_a_break_even_fits_the_timings():
+    """`measure_break_even` times the dense layer, the kernel at each density and the estimate (a warm-up run each
+    first), and fits the kernel's ratios as the recorded model was fitted."""
+    from vtoken.kernels.sparse_speed import fit_kernel, measure_break_even
+
+    ran = []
+
+    def timer(run, repeats):
+        return [run() for _ in range(repeats)], None
+
+    def dense(length):
+        return lambda: ran.append(("dense", length)) or 1.0 * length
+
+    def sparse(length, density):
+        return lambda: ran.append(("sparse", length, density)) or (0.05 + 0.8 * density) * length
+
+    def estimate(length):
+        return lambda: 0.02 * length
+
+    model = measure_break_even(dense, sparse, estimate, [4096, 1024], (1.0, 0.5, 0.1), timer=timer, repeats=3)
+    assert model.lengths == (1024, 4096)
+    fixed, slope = fit_kernel((1.0, 0.5, 0.1), [1 / 0.85, 1 / 0.45, 1 / 0.13])
+    assert model.fixed[0] == pytest.approx(fixed) and model.per_density[0] == pytest.approx(slope)
+    assert model.fixed[0] == pytest.approx(0.05) and model.per_density[1] == pytest.approx(0.8)
+    assert model.estimate == pytest.approx((0.02, 0.02))
+    assert ran.count(("dense", 1024)) == 4  # one warm-up run, then three timed
+
+
+def test_warmup_pays_the_first_calls_costs(llava_batch):
+    """vtoken.warmup compiles FlexAttention for the prompt length it is given (and runs a generate on the given
+    inputs); the first request after it compiles nothing. Bad arguments and an unpatched model are refused."""
+    from vtoken.kernels.block_sparse_flex import flex_unavailable
+    from vtoken.launches import count_events
+
+    if flex_unavailable("cpu"):
+        pytest.skip(flex_unavailable("cpu"))
+    model, _ = tiny_llava()
+    inputs = {k: v[1:] for k, v in llava_batch.items()}
+    seq = inputs["input_ids"].shape[1]
+    with pytest.raises(vtoken.VTokenError, match="not patched"):
+        vtoken.warmup(model)
+    torch._dynamo.reset()  # nothing compiled before: warm-up must compile
+    method = vtoken.SparsePrefill(pattern="a_shape", window=40, backend="flex", **SMALL)
+    with torch.no_grad(), vtoken.patched(model, method) as handle:
+        bad_arguments = [(dict(lengths=[0]), "lengths=.0."), (dict(batches="one"), "batches='one'"),
+                         (dict(measure="yes"), "measure='yes'"),
+                         (dict(max_new_tokens=0), "max_new_tokens=0")]  # fmt: skip
+        for bad, match in bad_arguments:
+            with pytest.raises(vtoken.VTokenError, match=match):
+                vtoken.warmup(model, **bad)
+        report = vtoken.warmup(model, inputs, lengths=[seq])
+        assert report.events.compiles >= 1 and report.generated, str(report)
+        assert report.prepared[0] == f"{seq} tokens x 1: sparse on flex" and "paid here" in str(report)
+        with count_events() as first:
+            model(**inputs)
+        assert {r.extra["attention"] for r in handle.records} == {"flex"}
+    torch._dynamo.reset()
+    assert first.compiles == 0 and not first.events, first.describe()
 
 
 def test_break_even_model_validation():
@@ -742,32 +827,85 @@ def test_flex_backend_inside_a_model_equals_the_reference(llava, llava_batch):
         assert (outputs["flex"] - outputs["torch"]).abs().max() <= 1e-4, params
 
 
-def test_host_syncs_do_not_grow_with_depth_or_batch(llava_batch):
-    """What is the same for every layer (the mask, the decision, the A-shape plan) is read once per call: a 4-layer
-    LLM forces as many host syncs as a 2-layer one, and a layer launches as many kernels for four rows as for two
-    (no loop over rows)."""
+def test_a_sparse_prefill_reads_nothing_back(llava_batch):
+    """A sparse prefill forces no host sync beyond the unpatched model's, padded batch or not, at any depth: what a
+    layer's mask is comes from how transformers built it, its key padding stays on the device, the decision is
+    host arithmetic, and the records (achieved densities, kernel times) are built when read, after the call. A
+    layer launches as many kernels for four rows as for two (no loop over rows)."""
     from vtoken.launches import count_launches
 
-    inputs = {k: v[1:].repeat(4, *([1] * (v.dim() - 1))) for k, v in llava_batch.items()}  # unpadded rows
+    unpadded = {k: v[1:].repeat(4, *([1] * (v.dim() - 1))) for k, v in llava_batch.items()}
+    padded = {k: v.repeat(2, *([1] * (v.dim() - 1))) for k, v in llava_batch.items()}
+    assert bool((padded["attention_mask"] == 0).any())
     counted = {}
     for layers in (2, 4):
         model, _ = tiny_llava(text_layers=layers)
         for pattern in ("vertical_slash", "a_shape"):
-            for rows in (2, 4):
+            for name, inputs, rows in (("unpadded", unpadded, 2), ("unpadded", unpadded, 4), ("padded", padded, 4)):
                 method = vtoken.SparsePrefill(pattern=pattern, **SMALL)
                 batch = {k: v[:rows] for k, v in inputs.items()}
-                with torch.no_grad(), vtoken.patched(model, method):
+                with torch.no_grad(), vtoken.patched(model, method) as handle:
                     model(**batch)  # transformers' first-call setup
                     with count_launches() as sparse:
                         model(**batch)
+                    assert {r.stage for r in handle.records} == {f"sparse.layer{i}" for i in range(layers)}
                 with torch.no_grad(), count_launches() as dense:
                     model(**batch)
-                counted[layers, pattern, rows] = (sparse.kernels - dense.kernels, sparse.syncs - dense.syncs)
+                counted[layers, pattern, name, rows] = (sparse.kernels - dense.kernels, sparse.syncs - dense.syncs,
+                                                        sparse.describe())  # fmt: skip
+    assert all(syncs == 0 for _, syncs, _ in counted.values()), counted
     for pattern in ("vertical_slash", "a_shape"):
-        for rows in (2, 4):
-            assert counted[2, pattern, rows][1] == counted[4, pattern, rows][1] <= 5, counted
-        per_layer = [(counted[4, pattern, rows][0] - counted[2, pattern, rows][0]) / 2 for rows in (2, 4)]
+        per_layer = [(counted[4, pattern, "unpadded", rows][0] - counted[2, pattern, "unpadded", rows][0]) / 2
+                     for rows in (2, 4)]  # fmt: skip
         assert per_layer[0] == per_layer[1], (pattern, counted)
+
+
+def test_a_mask_it_did_not_see_built_runs_the_models_own_attention(llava, llava_batch):
+    """A 4-D mask handed to the language model (not made by transformers' mask builder in this call) is not known
+    to be causal + key padding without reading it: those layers run the model's own attention, exactly, and say
+    why."""
+    model, _ = llava
+    lm_kwargs, _, _ = run_capturing_lm(model, llava_batch)
+    padding = llava_batch["attention_mask"]
+    mask = a_shape_mask(padding, 5, 40)
+    want = stock_lm_with_mask(model, lm_kwargs, mask)
+    with vtoken.patched(model, vtoken.SparsePrefill(pattern="a_shape", sink=5, window=40, **SMALL)) as handle:
+        got = stock_lm_with_mask(model, lm_kwargs, mask)
+        notes = handle.records
+    assert torch.equal(got, want)
+    assert [r.stage for r in notes] == ["sparse", "sparse"]  # one note per layer
+    assert all("not made by transformers' causal mask builder" in r.extra["dense"] for r in notes)
+
+
+def test_a_failing_backend_under_auto_falls_back_with_one_warning(llava, llava_batch, monkeypatch):
+    """backend='auto': a backend that raises leaves the forward to the model's own attention (the unpatched logits,
+    exactly), with one warning naming the error, and the records say so in every later call too; a backend the
+    user named raises."""
+    import warnings
+
+    from vtoken.adapters import sparse_prefill as adapter
+
+    model, _ = llava
+
+    def broken(backend, args):
+        raise RuntimeError("kernel launch failed: out of resources")
+
+    monkeypatch.setattr(adapter, "run_backend", broken)
+    with torch.no_grad():
+        want = model(**llava_batch).logits
+        with vtoken.patched(model, vtoken.SparsePrefill(pattern="a_shape", window=40, **SMALL)) as handle:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                first = model(**llava_batch).logits
+                second = model(**llava_batch).logits
+            notes = handle.records
+        assert torch.equal(first, want) and torch.equal(second, want)
+        assert len(caught) == 1 and "out of resources" in str(caught[0].message), [str(w.message) for w in caught]
+        assert "falls back to the model's own attention" in str(caught[0].message)
+        assert [r.stage for r in notes] == ["sparse"] and "failed earlier" in notes[0].extra["dense"]
+        named = vtoken.SparsePrefill(pattern="a_shape", window=40, backend="torch", **SMALL)
+        with vtoken.patched(model, named), pytest.raises(RuntimeError, match="out of resources"):
+            model(**llava_batch)
 
 
 @pytest.mark.parametrize("backend", ["torch", "flex"])

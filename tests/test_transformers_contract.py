@@ -237,6 +237,33 @@ def test_registered_attention_runs_with_its_mask(llava, llava_inputs):
     )
 
 
+def test_the_mask_builder_says_how_it_was_asked(llama):
+    """`hf.register_attention(..., on_mask=...)` sees every mask `create_causal_mask` builds under the registered
+    name, and `hf.plain_causal` tells the plain causal + padding request (sparse prefill's only case) from one with
+    an extra mask function (a sliding window, chunks or packed sequences are built that way): how sparse prefill
+    knows a layer's mask without reading it."""
+    seen = []
+    hf.register_attention("vtoken_contract_mask", lambda *a, **k: None, like="sdpa",
+                          on_mask=lambda mask, plain: seen.append((mask, plain)))  # fmt: skip
+    config = LlamaConfig(**{**llama.config.to_dict(), "_attn_implementation": "vtoken_contract_mask"})
+    embeds = torch.zeros(2, 6, config.hidden_size)
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    built = hf.causal_mask(config, embeds, padding, DynamicCache(config=config), torch.arange(6)[None], 0)
+    assert len(seen) == 1 and seen[0][0] is built and seen[0][1] is True, broken(
+        "the registered mask builder was not called by create_causal_mask with keyword arguments naming the plain "
+        "causal mask function"
+    )
+    assert built.shape == (2, 1, 6, 6) and torch.equal(built[:, 0, -1], padding.bool()), broken(
+        "the built mask's last row is no longer each row's key padding"
+    )
+    from transformers.masking_utils import create_causal_mask
+
+    cache = hf.cache_kwargs(DynamicCache(config=config))
+    create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=padding, position_ids=torch.arange(6)[None],
+                       and_mask_function=lambda b, h, q, kv: kv >= 0, **cache)  # fmt: skip
+    assert len(seen) == 2 and seen[1][1] is False, broken("an extra mask function no longer wraps the causal one")
+
+
 def test_stock_attention_functions(llama):
     """hf.attention_function: (module, q [B, H, S, d], k, v [B, Hkv, S, d], mask) -> ([B, S, H, d], ...), SDPA and
     the modelling module's eager function agreeing."""

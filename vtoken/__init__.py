@@ -42,6 +42,7 @@ _EXPORTS = {
     ),
     **dict.fromkeys(("ModelView", "model_view"), "modelview"),
     **dict.fromkeys(("LayerTokens", "Merged", "Selection", "TextQuery", "TextTokens", "VisualTokens"), "tokens"),
+    "warmup": "warmup",
 }
 
 
@@ -96,6 +97,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .records import Record
     from .registry import available_methods, make_method, register_method, supported_models, unregister_method
     from .tokens import LayerTokens, Merged, Selection, TextQuery, TextTokens, VisualTokens
+    from .warmup import warmup
 
 # the public names besides the method classes, which `vtoken.methods` finds (see `__getattr__`)
 _CORE = [
@@ -105,6 +107,7 @@ _CORE = [
     "select",
     "patched",
     "handle_of",
+    "warmup",
     "PatchHandle",
     "available_methods",
     "applicable_methods",

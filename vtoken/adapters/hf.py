@@ -25,6 +25,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (
     AttentionMaskInterface,
+    causal_mask_function,
     create_causal_mask,
     create_recurrent_attention_mask,
     eager_mask,
@@ -149,13 +150,39 @@ MASK_FUNCTIONS: dict[str, Callable] = {"sdpa": sdpa_mask, "eager": eager_mask}
 """The mask builders of the attention implementations a registered function may stand in for."""
 
 
-def register_attention(name: str, function: Callable, like: str) -> None:
+def register_attention(
+    name: str, function: Callable, like: str, on_mask: Callable[[Any, bool], None] | None = None
+) -> None:
     """Register `function` as attention implementation `name`, with the mask builder of implementation `like`.
 
     Layers look their attention function up by name (`AttentionInterface`) and `create_causal_mask` its mask
-    builder by the same name (`AttentionMaskInterface`); without the latter the mask is silently None (5.x)."""
+    builder by the same name (`AttentionMaskInterface`); without the latter the mask is silently None (5.x).
+    `on_mask(mask, plain)`, if given, sees every mask the builder makes (None included: SDPA without padding) and
+    whether it was asked for the plain causal + key-padding mask (`plain_causal`): what the mask is, known from
+    how it was made, without reading it."""
     AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, MASK_FUNCTIONS[like])
+    stock = MASK_FUNCTIONS[like]
+    if on_mask is None:
+        AttentionMaskInterface.register(name, stock)
+        return
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        mask = stock(*args, **kwargs)
+        on_mask(mask, not args and plain_causal(kwargs))
+        return mask
+
+    AttentionMaskInterface.register(name, build)
+
+
+def plain_causal(kwargs: dict[str, Any]) -> bool:
+    """Whether a mask builder (`sdpa_mask`, `eager_mask`) was asked for the plain causal mask, key padding aside: the
+    stock `causal_mask_function` (no sliding window, chunks, packed sequences or extra and/or mask functions: each
+    of those wraps it), no local size, queries and keys from position 0. `create_causal_mask` passes these as
+    keywords (5.19-5.24; offsets as `q_offset` / `kv_offset` from 5.24, `kv_offset` alone before)."""
+    function = kwargs.get("mask_function", causal_mask_function)
+    offsets = [kwargs.get(key, 0) for key in ("q_offset", "kv_offset")]
+    return (function is causal_mask_function and kwargs.get("local_size") is None
+            and all(isinstance(o, int) and o == 0 for o in offsets))  # fmt: skip
 
 
 def attention_function(implementation: str, attention: nn.Module) -> Callable:

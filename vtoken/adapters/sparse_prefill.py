@@ -8,15 +8,22 @@ implementation exactly. Nothing else of the model is touched: no module forward 
 
 The function runs the model's own attention (the original implementation, with the mask it was given) unless the
 call is a prefill (as many queries as keys: no cached prefix, no decoding step) of at least `min_length` tokens on
-a sparse layer, with the usual causal + key-padding mask, and the break-even model of the device
-(`vtoken.kernels.sparse_speed`) predicts that the plan's density gains at that length. Then it plans
-(`SparsePrefill.plan`) and runs the chosen backend (the Triton kernel, FlexAttention or the PyTorch reference) on
-rows aligned to start at column 0 (left padding moved to the end and back, so a padded batch plans like its rows one
-by one). When a prefill-stage method (FastV, MustDrop) has shortened the sequence, the layers after the drop receive
-its mask and are planned on the shorter sequence. What is the same for every layer of a call (reading the mask,
-the decision, the a_shape / grid plan) is worked out once per call and sequence length, so the host syncs it
-needs do not grow with the LLM's depth. The records say, per layer, which attention ran and why; a call that ran
-the model's own attention says why in one note.
+a sparse layer, with the usual causal + key-padding mask, and the break-even model of the GPU
+(`vtoken.kernels.sparse_speed`, by GPU name; `vtoken.warmup` measures an unknown one) predicts that the plan's
+density gains at that length. Then it plans (`SparsePrefill.plan`) and runs the chosen backend (the Triton kernel,
+FlexAttention or the PyTorch reference) on rows aligned to start at column 0 (left padding moved to the end and
+back, so a padded batch plans like its rows one by one). When a prefill-stage method (FastV, MustDrop) has shortened
+the sequence, the layers after the drop receive its mask and are planned on the shorter sequence.
+
+Nothing is read back from the GPU (the "grid" pattern's frame layout aside): what a layer's mask is, is known from
+how it was made (the registered mask builder sees the mask function transformers asked for: the plain causal one,
+or one with sliding windows, chunks or packed sequences, which run the model's own attention), its key padding is
+the mask's last row, kept on the device; the decision is host arithmetic on the planned density; the records
+(achieved densities, kernel times) are built when read, after the call. Under `backend="auto"` a backend that fails
+falls back to the model's own attention with one warning, never failing the forward; what "auto" measures and
+what Triton and FlexAttention compile on a first call, `vtoken.warmup` does before any request (`warm`).
+The records say, per layer, which attention ran and why; a call that ran the model's own attention says why in
+one note.
 
 Per-call state (records, the call's frame layout for "grid") lives per thread (`state.PerThread`), so threads
 calling one patched model at once do not mix their calls.
@@ -25,6 +32,8 @@ calling one patched model at once do not mix their calls.
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +44,17 @@ from torch import nn
 from vtoken.errors import VTokenError
 from vtoken.kernels import block_sparse_attention, block_sparse_attention_reference
 from vtoken.kernels.block_sparse_flex import block_sparse_attention_flex, flex_unavailable
-from vtoken.kernels.sparse_speed import BACKEND_CHOICE, BreakEven, available_backends, cpu_backend, recorded_break_even
-from vtoken.methods.sparse_prefill import SparsePrefill
-from vtoken.records import Record
+from vtoken.kernels.sparse_speed import (
+    BACKEND_CHOICE,
+    BreakEven,
+    available_backends,
+    cpu_backend,
+    device_name,
+    recorded_break_even,
+    warn_unmeasured,
+)
+from vtoken.methods.sparse_prefill import SparsePrefill, a_shape_blocks, a_shape_count, a_shape_plan, density_plan
+from vtoken.records import LazyRecords, Record
 from vtoken.timing import Stopwatch
 
 from . import hf
@@ -46,6 +63,8 @@ from .state import PerThread
 
 # attention module -> its stage, both weakly held: a patched model dropped without `unpatch` is still freed
 _STAGES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[SparseAttention]] = weakref.WeakKeyDictionary()
+# the prefill whose masks transformers is building on this thread (set around the LLM's forward)
+_BUILDING = threading.local()
 
 
 @eager
@@ -68,10 +87,29 @@ def sparse_attention_forward(
     return stage.attend(module, query, key, value, attention_mask, **kwargs)
 
 
+def _mask_built(mask: Any, plain: bool) -> None:
+    """The registered mask builder made `mask` for this thread's prefill: remember how (the plain causal + padding
+    mask or another), so that a layer receiving it knows without reading it."""
+    call = getattr(_BUILDING, "call", None)
+    if call is not None and isinstance(mask, torch.Tensor):
+        call.built[id(mask)] = (mask, plain)
+
+
 def _register(original: str) -> str:
     name = f"vtoken_sparse_{original}"
-    hf.register_attention(name, sparse_attention_forward, like=original)
+    hf.register_attention(name, sparse_attention_forward, like=original, on_mask=_mask_built)
     return name
+
+
+def sparse_stages(model: nn.Module) -> list[SparseAttention]:
+    """The sparse stages installed on `model` (one per patched model; none if it has no sparse_prefill)."""
+    found: dict[int, SparseAttention] = {}
+    for module in model.modules():
+        ref = _STAGES.get(module)
+        stage = ref() if ref is not None else None
+        if stage is not None:
+            found[id(stage)] = stage
+    return list(found.values())
 
 
 @dataclass
@@ -94,10 +132,11 @@ class _Rows:
 
     ok: bool
     key_valid: torch.Tensor | None = None  # [B, S] aligned (real tokens from column 0); None: no padding
-    shift: torch.Tensor | None = None  # [B] each row's first real column; None: no left padding
+    shift: torch.Tensor | None = None  # [B] each row's first real column (0 without left padding); None: no mask
     lengths: torch.Tensor | None = None  # [B] real tokens
     last: torch.Tensor | None = None  # [B] one past each row's last real token (aligned)
     mask: torch.Tensor | None = None  # held for the call, so no later mask can reuse its memory (the cache key)
+    why: str = ""  # why the mask is not causal + key padding
 
 
 @dataclass
@@ -128,6 +167,7 @@ class _Call:
     masks: dict[Any, _Rows] = field(default_factory=dict)  # per layer mask (one for all layers, another after a drop)
     verdicts: dict[int, _Verdict] = field(default_factory=dict)  # per sequence length
     plans: dict[Any, tuple] = field(default_factory=dict)  # a_shape / grid plans, per sequence length and mask
+    built: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict)  # masks the builder made: how
 
 
 class SparseAttention:
@@ -173,6 +213,7 @@ class SparseAttention:
         if method.pattern == "grid":
             adapter.check_frame_layout()  # what the family needs to find frames in a prompt (raises if missing)
         self._local = PerThread(_Local)  # per thread; a copy starts empty
+        self._failed: str | None = None  # auto: why the sparse backends failed (the model's own attention since)
         self._saved: list[tuple[Any, Any]] = []
 
     # ----------------------------------------------------------------- install / remove
@@ -219,15 +260,16 @@ class SparseAttention:
         if call is not None and self.method.pattern == "grid":
             call.video = self._video_layout(tuple(shape))
         self._local.get().call = call
+        _BUILDING.call = call
 
     @eager
     def _after_lm(self, module, args, output) -> None:
         call, self._local.get().call = self._local.get().call, None
+        _BUILDING.call = None
         if call is None:
             return
-        records = self._records(call)
-        if records:
-            self.adapter.add_records(records)
+        call.masks, call.plans, call.built = {}, {}, {}  # the masks go with the call; the records need none of them
+        self.adapter.add_records(LazyRecords(lambda: self._records(call)))  # read when asked for, after the call
 
     def _records(self, call: _Call) -> list[Record]:
         method = self.method
@@ -297,13 +339,16 @@ class SparseAttention:
             or kwargs.get("softcap") is not None
         ):
             return self._original(module, query, key, value, attention_mask, **kwargs)
+        if self._failed is not None and method.backend == "auto":
+            call.dense.append(f"the sparse backends failed earlier in this process ({self._failed})")
+            return self._original(module, query, key, value, attention_mask, **kwargs)
         rows = self._rows(call, attention_mask, seq)
         video = call.video
         if rows.ok and method.pattern == "grid" and (video is None or seq != call.length):
             call.dense.append(f"layer {module.layer_idx}: no frame layout for this sequence (grid)")
             return self._original(module, query, key, value, attention_mask, **kwargs)
         if not rows.ok:
-            call.dense.append(f"layer {module.layer_idx}: its mask is not causal + key padding")
+            call.dense.append(f"layer {module.layer_idx}: {rows.why}")
             return self._original(module, query, key, value, attention_mask, **kwargs)
         verdict = self._verdict(call, query, key, seq, rows)
         if not verdict.sparse:
@@ -311,23 +356,37 @@ class SparseAttention:
             return self._original(module, query, key, value, attention_mask, **kwargs)
         scale = kwargs.get("scaling")
         scale = scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
-        out = self._sparse(module.layer_idx, scale, query, key, value, rows, call, verdict)
+        try:
+            out = self._sparse(module.layer_idx, scale, query, key, value, rows, call, verdict)
+        except Exception as error:  # auto promises a forward that never fails for its backends: dense instead
+            if method.backend != "auto":
+                raise
+            self._fail(error)
+            call.dense.append(f"layer {module.layer_idx}: the sparse backend failed ({self._failed})")
+            return self._original(module, query, key, value, attention_mask, **kwargs)
         return out.transpose(1, 2).contiguous(), None
 
+    def _fail(self, error: Exception) -> None:
+        """Remember that the sparse backends failed under auto (the model's own attention from now on), once, with a
+        warning naming the error."""
+        if self._failed is None:
+            self._failed = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"vtoken sparse_prefill: the sparse attention backend failed ({self._failed}); backend='auto' falls "
+                "back to the model's own attention from now on (pass backend='triton', 'flex' or 'torch' to see the "
+                "error raised)",
+                UserWarning,
+                stacklevel=3,
+            )
+
     def _rows(self, call: _Call, mask: torch.Tensor | None, seq: int) -> _Rows:
-        """The layer mask read once per call (every layer gets the same tensor; a drop passes a new one)."""
+        """The layer mask, once per call (every layer gets the same tensor; a drop passes a new one), read without
+        reading the device: what it is comes from how the registered builder made it (`_mask_built`), its key
+        padding is its last row (causal-complete), aligned on the device."""
         cache_key = None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.dtype, str(mask.device))
         rows = call.masks.get(cache_key)
         if rows is None:
-            key_valid, ok = causal_padding(mask, seq)
-            rows = _Rows(ok, mask=mask)
-            if ok and key_valid is not None:
-                shift = key_valid.long().argmax(1)  # first real column of each row
-                if bool((shift > 0).any()):
-                    rows.shift, key_valid = shift, _roll(key_valid, shift)
-                positions = torch.arange(seq, device=key_valid.device)
-                rows.key_valid, rows.lengths = key_valid, key_valid.sum(1)
-                rows.last = torch.where(key_valid, positions, -1).amax(1) + 1
+            rows = causal_padding_rows(mask, seq, call.built.get(id(mask)))
             call.masks[cache_key] = rows
         return rows
 
@@ -344,13 +403,20 @@ class SparseAttention:
         backend, why_backend = self._backend(q, k, seq, density, rows)
         model = method.break_even if isinstance(method.break_even, BreakEven) else None
         if method.break_even is True:
-            model = recorded_break_even(device.type)
+            model = recorded_break_even(device)  # measured at warm-up, else recorded for this GPU's name
+            if model is None and device.type == "cuda":
+                warn_unmeasured(device_name(device))
         if backend == "torch" and device.type == "cuda" and method.backend == "auto" and method.break_even:
             why = ("no block-sparse kernel on cuda (install triton, or torch 2.5+ for FlexAttention): the dense "
                    "reference would be slower than the model's own attention")  # fmt: skip
             verdict = _Verdict(False, backend, why, density)
         elif model is None:
-            source = "break_even=False" if method.break_even is False else f"no speed model recorded for {device.type}"
+            source = (
+                "break_even=False"
+                if method.break_even is False
+                else f"no speed model recorded for {device_name(device)}"
+                + (" (vtoken.warmup measures one)" if device.type == "cuda" else "")
+            )
             verdict = _Verdict(
                 True, backend, f"{source}: min_length={method.min_length} decides; {why_backend}", density
             )
@@ -405,15 +471,17 @@ class SparseAttention:
             call.plans[cache_key] = plan
         return plan
 
-    def _sparse(self, index, scale, q, k, v, rows: _Rows, call: _Call, verdict: _Verdict) -> torch.Tensor:
-        """[B, H, S, d] attention of one prefill layer under the method's plan."""
+    def _sparse(
+        self, index, scale, q, k, v, rows: _Rows, call: _Call, verdict: _Verdict, plan: tuple | None = None
+    ) -> torch.Tensor:
+        """[B, H, S, d] attention of one prefill layer under the method's plan (`plan`: a given one, warm-up)."""
         method = self.method
         batch, _, seq, _ = q.shape
         key_valid = rows.key_valid
         if rows.shift is not None:
             q, k, v = (_roll(x, rows.shift) for x in (q, k, v))
         estimate = Stopwatch(q.device).start()
-        counts, index_, window = self._plan(q, k, scale, rows, call)
+        counts, index_, window = plan if plan is not None else self._plan(q, k, scale, rows, call)
         estimate.stop()
         if rows.last is not None:
             real_blocks, lengths = -(-rows.last // method.block_size), rows.lengths
@@ -437,6 +505,100 @@ class SparseAttention:
             out = out.masked_fill(seeing_nothing, 0.0)
         call.layers.append(_Layer(index, counts, real_blocks, lengths, estimate, attention, backend, verdict.why))
         return out
+
+    # ----------------------------------------------------------------- warm-up (outside any request)
+    def _attention_shape(self) -> tuple[int, int, int, float, torch.device, torch.dtype]:
+        """(query heads, key/value heads, head dim, scale, device, dtype) of the LLM's sparse layers."""
+        config = self.lm.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        module = self.attention_modules[0]
+        dim = getattr(module, "head_dim", None) or config.hidden_size // heads
+        parameter = next(self.lm.parameters())
+        return heads, kv_heads, dim, getattr(module, "scaling", dim**-0.5), parameter.device, parameter.dtype
+
+    def _inputs(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        heads, kv_heads, dim, _, device, dtype = self._attention_shape()
+        g = torch.Generator(device=device).manual_seed(length)
+        q = torch.randn(batch, heads, length, dim, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(batch, kv_heads, length, dim, device=device, dtype=dtype, generator=g) for _ in "kv")
+        return q, k, v
+
+    def warm(self, lengths: list[int], batches: list[int]) -> list[str]:
+        """Run one sparse layer at every prompt length and batch size, padded rows and not, on random inputs of the
+        LLM's attention shape: what the first request of each would do once (FlexAttention's compilation per
+        length bucket, Triton's autotuning, auto's backend measurement), outside any request. One line per shape
+        says what runs there and why."""
+        method = self.method
+        _, _, _, scale, device, _ = self._attention_shape()
+        done = []
+        for length in lengths:
+            for batch in batches:
+                for padded in (False, True):
+                    q, k, v = self._inputs(batch, length)
+                    rows = _Rows(True)
+                    if padded:  # a padded batch's shapes and kernels (key padding given), every key real here
+                        valid = torch.ones(batch, length, dtype=torch.bool, device=device)
+                        last = torch.full((batch,), length, device=device)
+                        rows = _Rows(True, valid, torch.zeros(batch, dtype=torch.long, device=device), last, last)
+                    call = _Call(length)
+                    plan = None
+                    if method.pattern == "grid":  # its plans follow each prompt's frames: the A-shape's kernels
+                        counts, index = a_shape_plan(length, method.block_size, method.sink, method.local, device)
+                        plan = (counts.expand(batch, q.shape[1], -1), index.expand(batch, q.shape[1], -1, -1), 0)
+                        verdict = _Verdict(True, self._backend(q, k, length, 0.5, rows)[0], "warm-up", 0.5)
+                    else:
+                        verdict = self._verdict(call, q, k, length, rows)
+                    shape = f"{length} tokens x {batch}{' (padded)' if padded else ''}"
+                    if length < method.min_length or method.is_identity or not verdict.sparse:
+                        done.append(f"{shape}: the model's own attention ({verdict.why or 'min_length'})")
+                        continue
+                    self._sparse(0, scale, q, k, v, rows, call, verdict, plan)
+                    done.append(f"{shape}: sparse on {call.layers[-1].backend}")
+        return done
+
+    def measure_break_even(self, lengths: list[int], repeats: int = 5) -> BreakEven:
+        """This GPU's `BreakEven` for the method's pattern: at each length, one row of the LLM's attention shape,
+        SDPA's causal attention (the dense layer) against the sparse kernel (the backend auto picks) at each of
+        `KERNEL_DENSITIES`, and the vertical-slash estimate (its plan) against SDPA."""
+        from vtoken.kernels.sparse_speed import KERNEL_DENSITIES, measure_break_even
+
+        method = self.method
+        _, _, _, scale, device, _ = self._attention_shape()
+        rows = _Rows(True)
+
+        def dense(length: int):
+            q, k, v = self._inputs(1, length)
+            return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def sparse(length: int, density: float):
+            q, k, v = self._inputs(1, length)
+            block = method.block_size
+            mandatory = a_shape_blocks(length, block, method.sink, method.local, device)
+            g = torch.Generator(device=device).manual_seed(length)
+            lines = [torch.rand(1, q.shape[1], length, device=device, generator=g) for _ in "vs"]
+            widest = a_shape_count(-(-length // block) - 1, block, method.sink, method.local)
+            counts, index = density_plan(*lines, block, density, mandatory, widest)
+            backend = self._backend(q, k, length, density, rows)[0]
+            args = (q, k, v, counts, index, block, scale, None, 0, 0)
+            if backend == "measure":
+                key = BACKEND_CHOICE.shape_class(q, k, block, density, False, 0)
+                runs = {
+                    "triton": lambda: block_sparse_attention(*args),
+                    "flex": lambda: block_sparse_attention_flex(*args),
+                }
+                backend = BACKEND_CHOICE.pick(key, runs)[0]
+            return lambda: run_backend(backend, args)
+
+        def estimate(length: int):
+            q, k, _ = self._inputs(1, length)
+            return lambda: method.plan(q, k, None, scale)
+
+        return measure_break_even(
+            dense, sparse, estimate if method.pattern == "vertical_slash" else None, lengths, KERNEL_DENSITIES,
+            repeats=repeats, source=f"measured by vtoken.warmup on {device_name(device)} ({method.pattern}, block "
+            f"{method.block_size}, {self._attention_shape()[0]}/{self._attention_shape()[1]} heads)",
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- grid: the call's frame layout
     def _video_layout(self, shape: tuple[int, int]) -> list[list[torch.Tensor]] | None:
@@ -462,22 +624,27 @@ def run_backend(backend: str, args: tuple) -> torch.Tensor:
     return block_sparse_attention(*args)  # the custom op: the Triton kernel on CUDA
 
 
-def causal_padding(mask: torch.Tensor | None, seq: int) -> tuple[torch.Tensor | None, bool]:
-    """Read a layer's mask as causal + key padding: (key_valid [B, S] or None for no padding, whether the mask is
-    exactly that). Accepts None (plain causal), a 4-D boolean mask (sdpa) or a 4-D additive float mask (eager)."""
+def causal_padding_rows(mask: torch.Tensor | None, seq: int, built: tuple[torch.Tensor, bool] | None) -> _Rows:
+    """A layer's mask as causal + key padding, from how it was made (`built`: the tensor the registered builder
+    returned for this call and whether it was asked for the plain causal mask), without reading it: None (SDPA's
+    plain causal, no padding), or a [B, 1, S, S] boolean (SDPA) or additive float (eager) mask of the builder's,
+    whose last row gives the key padding. Any other mask (one passed in 4-D, a sliding window, packed sequences)
+    is not known to be causal + key padding: the layer runs the model's own attention."""
     if mask is None:
-        return None, True
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (seq, seq):
-        return None, False
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    key_valid = allowed[:, 0, -1, :]  # the last row is causal-complete
-    rows = torch.arange(seq, device=mask.device)
-    for start in range(0, seq, 4096):  # compare in slices: no second S x S tensor
-        stop = min(start + 4096, seq)
-        want = (rows[None, :] <= rows[start:stop, None])[None] & key_valid[:, None, :]
-        if not torch.equal(allowed[:, 0, start:stop], want):
-            return None, False
-    return (None if bool(key_valid.all()) else key_valid), True
+        return _Rows(True)
+    if built is None or built[0] is not mask:
+        return _Rows(False, mask=mask, why="its mask was not made by transformers' causal mask builder in this call")
+    if not built[1]:
+        return _Rows(False, mask=mask, why="its mask is not causal + key padding (a window, chunks or packing)")
+    if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[-2:]) != (seq, seq):
+        return _Rows(False, mask=mask, why=f"its mask has shape {tuple(mask.shape)}, not [B, 1, {seq}, {seq}]")
+    last = mask[:, 0, -1, :]  # the last query row sees every real key
+    key_valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    shift = key_valid.long().argmax(1)  # first real column of each row (0 where none is left-padded)
+    key_valid = _roll(key_valid, shift)
+    positions = torch.arange(seq, device=key_valid.device)
+    last_real = torch.where(key_valid, positions, -1).amax(1) + 1
+    return _Rows(True, key_valid, shift, key_valid.sum(1), last_real, mask=mask)
 
 
 def _roll(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import register_cuda
+
 try:
     import triton
     import triton.language as tl
@@ -119,8 +121,4 @@ def _(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[1], dtype=torch.float32)
 
 
-@attention_column_mean.register_kernel("cuda")
-def _(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    if triton is None:
-        return attention_column_mean_reference(query, keys, scale)
-    return attention_column_mean_triton(query, keys, scale)
+register_cuda(attention_column_mean, attention_column_mean_triton, attention_column_mean_reference)

@@ -2,14 +2,17 @@
 
 Used for [CLS]-attention scores in vision towers (one row) and for the query rows LLM-stage methods read
 (FastV's last token, MustDrop's text tokens): the layer itself keeps running SDPA/flash; we recompute only those
-rows from its q/k projections, in O(S * d) per row and head. `attention_row_probs` and `causal_rows_probs`
-dispatch to their Triton kernels for CUDA tensors and to the PyTorch references elsewhere; each pair has one
-signature and is tested against each other (on CPU through `TRITON_INTERPRET=1`).
+rows from its q/k projections, in O(S * d) per row and head. `attention_row_probs` is the custom op
+`vtoken::attention_row_probs` (key padding included: one launch on CUDA, the reference elsewhere);
+`causal_rows_probs` dispatches to its Triton kernel for CUDA tensors and to the PyTorch reference elsewhere; each
+pair has one signature and is tested against each other (on CPU through `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .dispatch import register_cuda, warn_missing
 
 try:
     import triton
@@ -18,15 +21,20 @@ except ImportError:  # the `kernels` extra is optional
     triton = None
 
 
-def attention_row_probs_reference(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_row_probs_reference(
+    query: torch.Tensor, keys: torch.Tensor, scale: float, key_valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Softmax attention probabilities of one query per (batch, head) over all keys.
 
-    query: [B, H, d]; keys: [B, S, H, d] (the layout k_proj outputs, reshaped); returns [B, H, S] float32.
+    query: [B, H, d]; keys: [B, S, H, d] (the layout k_proj outputs, reshaped); key_valid: [B, S] bool or None
+    (a padded batch: keys outside it get no probability). Returns [B, H, S] float32.
     """
     # a product and a sum over d rather than einsum: einsum's batched matmul rounds row b differently for different
     # batch sizes, and a score that depends on the batch breaks "a padded batch equals its rows one by one" wherever
     # scores nearly tie (random-weight towers, VisPruner's duplicate removal)
     logits = (query.float()[:, None] * keys.float()).sum(-1).transpose(1, 2) * scale
+    if key_valid is not None:
+        logits = logits.masked_fill(~key_valid.bool()[:, None, :], float("-inf"))
     return logits.softmax(dim=-1)
 
 
@@ -36,6 +44,7 @@ if triton is not None:
     def _row_probs_kernel(
         q_ptr,
         k_ptr,
+        valid_ptr,
         out_ptr,
         seq_len,
         head_dim,
@@ -44,13 +53,16 @@ if triton is not None:
         stride_kb,
         stride_ks,
         stride_kh,
+        stride_vb,
         stride_ob,
         stride_oh,
         scale,
+        HAS_VALID: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # one program per (batch, head): logits block by block with an online max/sum, then normalise in place
+        # one program per (batch, head): logits block by block with an online max/sum, then normalise in place;
+        # padding keys (HAS_VALID) get -inf logits, as the reference's masked softmax
         b, h = tl.program_id(0), tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d, mask=offs_d < head_dim, other=0.0).to(tl.float32)
@@ -65,7 +77,10 @@ if triton is not None:
                 mask=in_seq[:, None] & (offs_d[None, :] < head_dim),
                 other=0.0,
             ).to(tl.float32)
-            logits = tl.where(in_seq, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+            seen = in_seq
+            if HAS_VALID:
+                seen = seen & (tl.load(valid_ptr + b * stride_vb + offs_s, mask=in_seq, other=0) != 0)
+            logits = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
             tl.store(out_row + offs_s, logits, mask=in_seq)
             new_max = tl.maximum(running_max, tl.max(logits, axis=0))
             running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max), axis=0)
@@ -77,35 +92,43 @@ if triton is not None:
             tl.store(out_row + offs_s, tl.exp(logits - running_max) / running_sum, mask=in_seq)
 
 
-def attention_row_probs_triton(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Triton version of `attention_row_probs_reference` (same signature and result)."""
+def attention_row_probs_triton(
+    query: torch.Tensor, keys: torch.Tensor, scale: float, key_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton version of `attention_row_probs_reference` (same signature and result): one launch, its grid and
+    block sizes from the shapes."""
     if triton is None:
         raise RuntimeError("triton is not installed; install vtoken[kernels]")
     batch, heads, head_dim = query.shape
     seq_len = keys.shape[1]
     query = query if query.stride(-1) == 1 else query.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else None
     out = torch.empty(batch, heads, seq_len, device=query.device, dtype=torch.float32)
     _row_probs_kernel[(batch, heads)](
-        query, keys, out, seq_len, head_dim,
+        query, keys, valid if valid is not None else out, out, seq_len, head_dim,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        out.stride(0), out.stride(1), float(scale),
-        BLOCK_S=128, BLOCK_D=triton.next_power_of_2(head_dim),
+        valid.stride(0) if valid is not None else 0, out.stride(0), out.stride(1), float(scale),
+        HAS_VALID=valid is not None, BLOCK_S=128, BLOCK_D=triton.next_power_of_2(head_dim),
     )  # fmt: skip
     return out
 
 
+@torch.library.custom_op("vtoken::attention_row_probs", mutates_args=())
 def attention_row_probs(
     query: torch.Tensor, keys: torch.Tensor, scale: float, key_valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Dispatching entry point: Triton on CUDA, the PyTorch reference elsewhere. `key_valid` [B, S] (a padded
-    batch): keys outside it get no probability (the reference with a masked softmax, on every device)."""
-    if key_valid is not None:
-        logits = (query.float()[:, None] * keys.float()).sum(-1).transpose(1, 2) * scale
-        return logits.masked_fill(~key_valid[:, None, :], float("-inf")).softmax(dim=-1)
-    if query.is_cuda and triton is not None:
-        return attention_row_probs_triton(query, keys, scale)
-    return attention_row_probs_reference(query, keys, scale)
+    """[B, H, S] float32 (see `attention_row_probs_reference`): the reference here, the Triton kernel for CUDA
+    tensors, padding (`key_valid` [B, S]) included in both."""
+    return attention_row_probs_reference(query, keys, scale, key_valid)
+
+
+@attention_row_probs.register_fake
+def _(query: torch.Tensor, keys: torch.Tensor, scale: float, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query.shape[1], keys.shape[1], dtype=torch.float32)
+
+
+register_cuda(attention_row_probs, attention_row_probs_triton, attention_row_probs_reference)
 
 
 def causal_rows_probs_reference(
@@ -202,6 +225,8 @@ def causal_rows_probs(
     query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, key_valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Dispatching entry point: Triton on CUDA, the PyTorch reference elsewhere."""
-    if query.is_cuda and triton is not None:
-        return causal_rows_probs_triton(query, keys, rows, key_valid, scale)
+    if query.is_cuda:
+        if triton is not None:
+            return causal_rows_probs_triton(query, keys, rows, key_valid, scale)
+        warn_missing("causal_rows_probs")
     return causal_rows_probs_reference(query, keys, rows, key_valid, scale)

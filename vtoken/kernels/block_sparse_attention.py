@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from .dispatch import register_cuda
+
 try:
     import triton
     import triton.language as tl
@@ -362,12 +364,13 @@ def _(q, k, v, block_counts, block_index, block_size, scale, key_valid=None, sin
     return torch.empty_like(q)
 
 
-if triton is not None:
+def _triton_op(q, k, v, block_counts, block_index, block_size, scale, key_valid=None, sink=0, window=0):
+    return block_sparse_attention_triton(q, k, v, block_counts, block_index, block_size, scale, key_valid, sink,
+                                         window)  # fmt: skip
 
-    @block_sparse_attention_op.register_kernel("cuda")
-    def _(q, k, v, block_counts, block_index, block_size, scale, key_valid=None, sink=0, window=0):
-        return block_sparse_attention_triton(q, k, v, block_counts, block_index, block_size, scale, key_valid, sink,
-                                             window)  # fmt: skip
+
+# without triton: the dense reference, warned (sparse prefill's "auto" picks FlexAttention or dense attention first)
+register_cuda(block_sparse_attention_op, _triton_op, _reference_op)
 
 
 def block_sparse_attention(

@@ -69,14 +69,21 @@ def _compact(selected: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor,
     return selected.sum(-1).to(torch.int32), index.gather(-1, order).to(torch.int32).contiguous()
 
 
-def _mask_mod(valid: torch.Tensor, sink: torch.Tensor, window: torch.Tensor):
-    """Causal, key padding (`valid` [B, L]) and the A-shape (j < sink or i - j < window; window 0: none)."""
+def _mask_mod(valid: torch.Tensor, sink: int, window: int):
+    """Causal, key padding (`valid` [B, L]) and the A-shape (j < sink or i - j < window; window 0: none). `sink` and
+    `window` are Python ints, constants of the compiled kernel: no tensor made from them per layer (on CUDA each
+    would be a blocking host-to-device copy), and no A-shape term at all without a window."""
+    if window <= 0:
 
-    def mask(b, h, q_idx, kv_idx):
-        local = (kv_idx < sink) | (q_idx - kv_idx < window) | (window <= 0)
-        return (kv_idx <= q_idx) & local & valid[b, kv_idx]
+        def causal(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & valid[b, kv_idx]
 
-    return mask
+        return causal
+
+    def a_shape(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((kv_idx < sink) | (q_idx - kv_idx < window)) & valid[b, kv_idx]
+
+    return a_shape
 
 
 def flex_block_mask(
@@ -109,7 +116,7 @@ def flex_block_mask(
         full = full & (((index + 1) * block_size <= sink) | (last_query - index * block_size < window))
     partial_counts, partial_index = _compact(listed & ~full, index)
     full_counts, full_index = _compact(full, index)
-    mod = _mask_mod(valid, torch.tensor(sink, device=valid.device), torch.tensor(window, device=valid.device))
+    mod = _mask_mod(valid, int(sink), int(window))
     extra = {}
     block_mask = _flex().BlockMask
     parameters = inspect.signature(block_mask.from_kv_blocks).parameters

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .dispatch import register_cuda
 from .gram import gram_triton
 
 try:
@@ -197,5 +198,5 @@ def _(features: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, width: 
     return features.new_empty(valid.shape[0], width, dtype=torch.long)
 
 
-if triton is not None:
-    max_min_diversity.register_kernel("cuda")(max_min_diversity_triton)
+# the reference reads each image's count back and runs its greedy steps one launch burst at a time
+register_cuda(max_min_diversity, max_min_diversity_triton, max_min_diversity_reference, host_loop=True)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import register_cuda
+
 try:
     import triton
     import triton.language as tl
@@ -205,13 +207,9 @@ def dpp_greedy(
     return dpp_greedy_reference(unit, quality, candidates, steps, tolerance)
 
 
-if triton is not None:
-
-    @dpp_greedy.register_kernel("cuda")
-    def _dpp_greedy_cuda(unit, quality, candidates, steps, tolerance):
-        return dpp_greedy_triton(unit, quality, candidates, steps, tolerance)
-
-
 @dpp_greedy.register_fake
 def _dpp_greedy_fake(unit, quality, candidates, steps, tolerance):
     return unit.new_empty(quality.shape[0], steps, dtype=torch.int64)
+
+
+register_cuda(dpp_greedy, dpp_greedy_triton, dpp_greedy_reference)

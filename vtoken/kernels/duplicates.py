@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .dispatch import register_cuda
 from .gram import gram_triton
 
 try:
@@ -161,5 +162,5 @@ def _(features, residual, lengths, keep, width):  # noqa: ANN001, ANN202
     return features.new_empty(features.shape[0], width, dtype=torch.long)
 
 
-if triton is not None:
-    duplicate_removal.register_kernel("cuda")(duplicate_removal_triton)
+# the reference reads each crop's counts back and deduplicates crop by crop
+register_cuda(duplicate_removal, duplicate_removal_triton, duplicate_removal_reference, host_loop=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import register_cuda
+
 try:
     import triton
     import triton.language as tl
@@ -87,13 +89,9 @@ def greedy_least_similar(similarity: torch.Tensor, pool: torch.Tensor, takes: to
     return greedy_least_similar_reference(similarity, pool, takes)
 
 
-@greedy_least_similar.register_kernel("cuda")
-def _(similarity, pool, takes):
-    if triton is None:
-        return greedy_least_similar_reference(similarity, pool, takes)
-    return greedy_least_similar_triton(similarity, pool, takes)
-
-
 @greedy_least_similar.register_fake
 def _(similarity, pool, takes):
     return pool.new_empty(pool.shape, dtype=torch.bool)
+
+
+register_cuda(greedy_least_similar, greedy_least_similar_triton, greedy_least_similar_reference)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .attention_rows import causal_rows_probs_reference
+from .dispatch import warn_missing
 
 try:
     import triton
@@ -183,6 +184,8 @@ def line_sums(
     q_rows: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, key_valid: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatching entry point: Triton on CUDA, the PyTorch reference elsewhere."""
-    if q_rows.is_cuda and triton is not None:
-        return line_sums_triton(q_rows, keys, rows, key_valid, scale)
+    if q_rows.is_cuda:
+        if triton is not None:
+            return line_sums_triton(q_rows, keys, rows, key_valid, scale)
+        warn_missing("line_sums")
     return line_sums_reference(q_rows, keys, rows, key_valid, scale)

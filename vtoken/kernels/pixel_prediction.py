@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .dispatch import register_cuda
+
 try:
     import triton
     import triton.language as tl
@@ -195,5 +197,5 @@ def _(units, starts, heights, widths, threshold, metric):  # noqa: ANN001, ANN20
     return units.new_empty(units.shape[0], dtype=torch.bool)
 
 
-if triton is not None:
-    anchored_prediction.register_kernel("cuda")(anchored_prediction_triton)
+# the reference runs the raster loop on the host, one image at a time
+register_cuda(anchored_prediction, anchored_prediction_triton, anchored_prediction_reference, host_loop=True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import register_cuda
+
 try:
     import triton
     import triton.language as tl
@@ -109,8 +111,5 @@ def _(labels: torch.Tensor, kept: torch.Tensor, right_length: torch.Tensor, righ
     return labels.new_empty(labels.shape, dtype=torch.long)
 
 
-@fill_gaps.register_kernel("cuda")
-def _(labels: torch.Tensor, kept: torch.Tensor, right_length: torch.Tensor, right_label: torch.Tensor) -> torch.Tensor:
-    if triton is None:
-        return fill_gaps_reference(labels, kept, right_length, right_label)
-    return fill_gaps_triton(labels, kept, right_length, right_label)
+# the reference copies the tables to the host and scans there
+register_cuda(fill_gaps, fill_gaps_triton, fill_gaps_reference, host_loop=True)

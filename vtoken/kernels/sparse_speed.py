@@ -8,10 +8,13 @@ the model's own attention (SDPA, flash on a GPU) costs one dense causal pass. `B
 
 from measurements at a few lengths L (interpolated linearly in log2 L, held beyond the longest); a layer runs
 sparse only where the prediction is below `margin` (0.9: a predicted gain of at least 11 %), and below the
-shortest measured length, where there is no evidence, it runs dense. `RECORDED` holds the only GPU measurement we
-have (`CUDA_H200`, provenance in its `source`); `python benchmarks/bench_sparse_prefill.py --device cuda` measures the
-same quantities on the current kernels and prints a `BreakEven(...)` to replace it. Off CUDA there is no model: the
-CPU backends are for checking results, not speed, and `min_length` alone decides there.
+shortest measured length, where there is no evidence, it runs dense. The models are keyed by the GPU's name
+(`torch.cuda.get_device_name`): `RECORDED` holds what was measured on named GPUs (`CUDA_H200`, provenance in its
+`source`; no H100 entry until one is measured: another GPU's constants would be a guess), `MEASURED` what
+`vtoken.warmup` measured in this process (`measure_break_even`), which wins. A GPU with neither runs where
+`min_length` says, after one warning naming `vtoken.warmup`. `python benchmarks/bench_sparse_prefill.py --device
+cuda` measures the same quantities and prints a `BreakEven(...)` to record. Off CUDA there is no model: the CPU
+backends are for checking results, not speed, and `min_length` alone decides there.
 
 Backend choice. On CUDA, `BackendChoice` times every available backend (the Triton kernel, FlexAttention) on the
 first call of each shape class (device, dtype, batch, heads, head dim, plan block, length and density buckets,
@@ -22,9 +25,11 @@ stay small (`DENSE_SCORES_LIMIT`), FlexAttention (compiled by inductor's C++ bac
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -176,12 +181,75 @@ def _recorded() -> BreakEven:
 
 
 CUDA_H200 = _recorded()
-RECORDED: dict[str, BreakEven] = {"cuda": CUDA_H200}
+# a fragment of the GPU's name -> its measured model; an H100 entry is added once a run on one records it
+RECORDED: dict[str, BreakEven] = {"H200": CUDA_H200}
+MEASURED: dict[str, BreakEven] = {}  # GPU name -> the model `vtoken.warmup` measured in this process
+_unmeasured_warned: set[str] = set()
 
 
-def recorded_break_even(device_type: str) -> BreakEven | None:
-    """The recorded model for a device type (None: no measurement, `min_length` alone decides)."""
-    return RECORDED.get(device_type)
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """The GPU's name for a CUDA device (once per device and process: a driver query, no sync); the device type
+    elsewhere."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device)
+
+
+def recorded_break_even(device: torch.device | str) -> BreakEven | None:
+    """The model for a device (a `torch.device`, or a GPU's name): measured in this process at warm-up, else
+    recorded for its GPU name; None where neither (a CPU, an unmeasured GPU): `min_length` alone decides."""
+    name = device if isinstance(device, str) else device_name(torch.device(device))
+    if name in MEASURED:
+        return MEASURED[name]
+    return next((model for fragment, model in RECORDED.items() if fragment in name), None)
+
+
+def warn_unmeasured(name: str) -> None:
+    """One warning per GPU name: no speed model, so `min_length` decides where sparse attention runs."""
+    if name in _unmeasured_warned:
+        return
+    _unmeasured_warned.add(name)
+    warnings.warn(
+        f"vtoken sparse_prefill: no break-even measurement for {name} (recorded: "
+        f"{', '.join(RECORDED) or 'none'}): min_length alone decides where sparse attention runs, which may be "
+        "slower than dense attention; call vtoken.warmup(model) once before serving to measure this GPU",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def measure_break_even(
+    run_dense: Callable[[int], Callable[[], object]],
+    run_sparse: Callable[[int, float], Callable[[], object]],
+    run_estimate: Callable[[int], Callable[[], object]] | None,
+    lengths: Sequence[int],
+    densities: Sequence[float] = KERNEL_DENSITIES,
+    timer: Callable | None = None,
+    repeats: int = 5,
+    source: str = "",
+) -> BreakEven:
+    """A `BreakEven` from timings on this device: at each length, the dense layer (`run_dense(L)`), the sparse
+    kernel at each density (`run_sparse(L, rho)`) and the vertical-slash estimate (`run_estimate(L)`; None: 0),
+    each a prepared callable timed after one warm-up run; the kernel's ratios fitted as `fit_kernel` does."""
+    timer = timer or _cuda_seconds
+
+    def seconds(run: Callable[[], object]) -> float:
+        run()  # compiles, autotunes
+        times, _ = timer(run, repeats)
+        return sorted(times)[len(times) // 2]
+
+    lengths = sorted(set(lengths))
+    fixed, slopes, estimates = [], [], []
+    for length in lengths:
+        dense = seconds(run_dense(length))
+        speedups = [dense / seconds(run_sparse(length, rho)) for rho in densities]
+        fit = fit_kernel(densities, speedups)
+        fixed.append(fit[0])
+        slopes.append(fit[1])
+        estimates.append(seconds(run_estimate(length)) / dense if run_estimate is not None else 0.0)
+    return BreakEven(lengths=tuple(lengths), fixed=tuple(fixed), per_density=tuple(slopes), estimate=tuple(estimates),
+                     margin=0.9, source=source)  # fmt: skip
 
 
 # --------------------------------------------------------------------- backend choice
@@ -232,7 +300,7 @@ class BackendChoice:
     @staticmethod
     def shape_class(q: torch.Tensor, k: torch.Tensor, block: int, density: float, padded: bool, window: int) -> tuple:
         device = q.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        name = device_name(device)
         batch, heads, seq, dim = q.shape
         return (str(device), name, q.dtype, batch, heads, k.shape[1], dim, block, 1 << (seq - 1).bit_length(),
                 _density_bucket(density), padded, window > 0)  # fmt: skip
@@ -248,12 +316,21 @@ class BackendChoice:
         with self._lock:
             if key in self._best:
                 return self._best[key], None
-            outputs, medians = {}, {}
-            for run in runs.values():  # warm-up: compiles (FlexAttention) and autotunes (Triton)
-                run()
+            outputs, medians, failed = {}, {}, {}
+            for name, run in runs.items():  # warm-up: compiles (FlexAttention) and autotunes (Triton)
+                try:
+                    run()
+                except Exception as error:  # a backend that cannot run here is left out, not fatal
+                    failed[name] = error
+            if len(failed) == len(runs):
+                raise RuntimeError(f"no sparse attention backend runs here: {failed}") from next(iter(failed.values()))
+            for name, error in failed.items():
+                warnings.warn(f"vtoken sparse_prefill: backend {name!r} failed ({error}); auto uses the others",
+                              UserWarning, stacklevel=3)  # fmt: skip
             for name, run in runs.items():
-                seconds, outputs[name] = self._timer(run, self._repeats)
-                medians[name] = sorted(seconds)[len(seconds) // 2]
+                if name not in failed:
+                    seconds, outputs[name] = self._timer(run, self._repeats)
+                    medians[name] = sorted(seconds)[len(seconds) // 2]
             best = min(medians, key=medians.get)
             self._best[key] = best
             return best, outputs[best]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import register_cuda
+
 try:
     import triton
     import triton.language as tl
@@ -125,8 +127,5 @@ def _(gain: torch.Tensor, max_window: int) -> tuple[torch.Tensor, torch.Tensor]:
     return gain.new_empty(batch, frames, dtype=torch.long), gain.new_empty(batch, dtype=torch.float32)
 
 
-@static_windows.register_kernel("cuda")
-def _(gain: torch.Tensor, max_window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if triton is None:
-        return static_windows_reference(gain, max_window)
-    return static_windows_triton(gain, max_window)
+# the reference copies the gains to the host and runs the dynamic programme there
+register_cuda(static_windows, static_windows_triton, static_windows_reference, host_loop=True)

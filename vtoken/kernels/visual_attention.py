@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .attention_rows import causal_rows_probs_reference
+from .dispatch import register_cuda
 
 try:
     import triton
@@ -148,13 +149,9 @@ def visual_attention(
     return visual_attention_reference(query, keys, rows, key_valid, visual, scale)
 
 
-@visual_attention.register_kernel("cuda")
-def _(query, keys, rows, key_valid, visual, scale):
-    if triton is None:
-        return visual_attention_reference(query, keys, rows, key_valid, visual, scale)
-    return visual_attention_triton(query, keys, rows, key_valid, visual, scale)
-
-
 @visual_attention.register_fake
 def _(query, keys, rows, key_valid, visual, scale):
     return query.new_empty(query.shape[0], query.shape[2], visual.shape[1], dtype=torch.float32)
+
+
+register_cuda(visual_attention, visual_attention_triton, visual_attention_reference)

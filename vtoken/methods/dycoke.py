@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import VTokenError
+from ..geometry.tables import on_device
 from ..params import Layer, Real
 from ..tokens import Selection, VisualTokens
 from .base import PrefillMethod
@@ -47,23 +48,53 @@ def frame_counts(frames: int, per_frame: int, k: float) -> list[int]:
     return counts
 
 
-def least_similar(reference: torch.Tensor, frame: torch.Tensor, count: int) -> torch.Tensor:
-    """The `count` positions of `frame` [T, D] least cosine-similar to the same positions of `reference` [T, D],
-    ascending (computed in fp32; ties: the lower position first)."""
-    similarity = F.cosine_similarity(F.normalize(reference.float(), dim=-1), F.normalize(frame.float(), dim=-1), dim=-1)
-    return similarity.argsort(stable=True)[:count].sort().values
+def reference_frames(frames: int) -> list[int]:
+    """For every frame of a video of `frames` frames, the frame it is pruned against (-1: it keeps every token):
+    frame 2i + 1 against 2i, then frame i + 2 against frame i for i in range(0, F - 4, 4) (host arithmetic)."""
+    against = [-1] * frames
+    for i in range(0, frames - 1, 2):  # pairs; an odd count's last frame has no partner and keeps all
+        against[i + 1] = i
+    for i in range(0, frames - 4, 4):  # frame i + 2 once more, against frame i (none for <= 4 frames)
+        against[i + 2] = i
+    return against
 
 
-def temporal_merge(frames: torch.Tensor, k: float) -> list[torch.Tensor]:
-    """DyCoke's stage 1 on one video's tokens [F, tpf, D]: the kept positions of every frame, ascending."""
-    count, per_frame = frames.shape[:2]
-    pruned = int((1 - k) * per_frame)
-    kept = [torch.arange(per_frame, device=frames.device) for _ in range(count)]
-    for i in range(0, count - 1, 2):  # pairs; an odd count's last frame has no partner and keeps all
-        kept[i + 1] = least_similar(frames[i], frames[i + 1], pruned)
-    for i in range(0, count - 4, 4):  # frame i + 2 once more, against frame i (none for <= 4 frames)
-        kept[i + 2] = least_similar(frames[i], frames[i + 2], pruned)
-    return kept
+def temporal_merge(projected: torch.Tensor, videos: list[int], k: float) -> tuple[torch.Tensor, list[int]]:
+    """DyCoke's stage 1 on every frame of a call at once: projected [C, T, D] (frames in order, `videos` [C] the
+    host-side video of each). Returns kept [C, W] (each frame's kept positions ascending, padded with T) and the
+    host counts. One cosine similarity over every (frame, reference frame) pair and one sort: no loop over frames
+    on the device, no read of it."""
+    crops, per_frame = projected.shape[:2]
+    pruned = int((1 - k) * per_frame)  # the official float expression, truncated
+    against = list(range(crops))  # each frame's reference crop (itself: keeps every token)
+    full = [True] * crops
+    start = 0
+    for length in _run_lengths(videos):
+        for frame, reference in enumerate(reference_frames(length)):
+            if reference >= 0:
+                against[start + frame], full[start + frame] = start + reference, False
+        start += length
+    counts = [per_frame if keep_all else pruned for keep_all in full]
+    device = projected.device
+    width = max(max(counts), 1)
+    unit = F.normalize(projected.float(), dim=-1)
+    against_t = on_device(against, device)  # one copy from pinned memory
+    similarity = F.cosine_similarity(unit[against_t], unit, dim=-1)  # [C, T]
+    lowest = similarity.argsort(dim=1, stable=True)[:, :pruned].sort(dim=1).values  # ties: the lower position
+    lowest = F.pad(lowest, (0, width - pruned), value=per_frame)
+    keeps_all = (against_t == torch.arange(crops, device=device))[:, None]  # a frame pruned against itself: none
+    return torch.where(keeps_all, torch.arange(width, device=device), lowest), counts
+
+
+def _run_lengths(videos: list[int]) -> list[int]:
+    """Lengths of the runs of equal consecutive values (a video's frames follow each other)."""
+    lengths: list[int] = []
+    for i, video in enumerate(videos):
+        if i and video == videos[i - 1]:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
 
 
 @dataclass
@@ -105,22 +136,18 @@ class DyCoke(PrefillMethod):
         return sum(self.frame_counts(frames, per_frame))
 
     def select(self, tokens: VisualTokens) -> Selection:
-        """tokens: every frame of the call's videos ([C, tpf, D], `image_index` = the video); the projected tokens
-        (`signals["projected"]`) decide."""
+        """tokens: every frame of the call's videos ([C, tpf, D], `image_index` = the video, a video's frames
+        consecutive and in order; no `image_index`: one video); the projected tokens (`signals["projected"]`)
+        decide. Counts follow the frame layout on the host (`image_of_crop`; without it `image_index` is read back
+        once): no host sync, a fixed burst of kernels whatever the frame count."""
         if tokens.valid is not None:
             raise VTokenError("dycoke takes whole video frames; these crops have tokens that never reach the LLM")
-        projected = tokens.signals["projected"]
-        videos = tokens.image_index if tokens.image_index is not None else torch.zeros(tokens.num_crops)
-        per_crop: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * tokens.num_crops
-        for video in videos.unique().tolist():
-            frames = (videos == video).nonzero().squeeze(1).tolist()  # in order
-            for frame, kept in zip(frames, temporal_merge(projected[frames], self.k), strict=True):
-                per_crop[frame] = kept
-        counts = [len(k) for k in per_crop]
-        kept = torch.full((tokens.num_crops, max(counts + [1])), tokens.num_tokens, dtype=torch.long)
-        for crop, k in enumerate(per_crop):
-            kept[crop, : len(k)] = k.cpu()
-        return Selection(kept=kept.to(projected.device), counts=counts)
+        if tokens.image_of_crop is not None or tokens.image_index is not None:
+            videos = tokens.host_image_index()  # the adapter's host list, or one read of `image_index`
+        else:
+            videos = [0] * tokens.num_crops
+        kept, counts = temporal_merge(tokens.signals["projected"], videos, self.k)
+        return Selection(kept=kept, counts=counts)
 
     # ----------------------------------------------------------------- stage 2: decode-time KV selection
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:

@@ -326,7 +326,10 @@ def video_selection(
     video per call on Qwen) and pack the frames' outputs as one `Selection`: features, positions as anchors (a
     merged token stands at its target's place, `at_anchors`), counts (the one host sync), and `mix`, the same merge
     on other features aligned with the tokens."""
-    videos = tokens.image_index.tolist() if tokens.image_index is not None else [0] * tokens.num_crops
+    if tokens.image_of_crop is not None or tokens.image_index is not None:
+        videos = tokens.host_image_index()  # the adapter's host list (without it, one read of `image_index`)
+    else:
+        videos = [0] * tokens.num_crops
     lengths = [sum(1 for _ in run) for run in _runs(videos)]
     groups, first = [], 0
     for frames in lengths:  # consecutive videos of equal length are one batch

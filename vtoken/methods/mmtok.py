@@ -12,8 +12,8 @@ Greedy max coverage, k steps: gain_j = sum over rows of max(C[row, j] - best[row
 columns -inf), pick the first argmax, best <- max(best, C[:, j]). Kept indices ascending; a crop of N <= k
 valid tokens keeps them all. The greedy runs as the custom op `vtoken::greedy_max_coverage`
 (`vtoken.kernels.coverage`, the step kernel SCOPE's weighted greedy shares): on CUDA one Triton launch per step
-over every crop; its PyTorch reference (k batched steps) elsewhere. Counts come from the host-side valid counts (LLaVA-1.5's pad border
-is read from the pixels: its valid counts are read back once, the one host sync).
+over every crop; its PyTorch reference (k batched steps) elsewhere. Counts come from the host-side valid counts
+(LLaVA-1.5's pad border is read from the pixels: its valid counts are read back once, the one host sync).
 
 The question is read from the prompt (see `vtoken.question`). LLaVA families use its keywords (lmms-eval answer
 suffixes and stop words removed), Qwen families `"Question: " + question`; tau_tv defaults to 0.02 (LLaVA) and

@@ -74,7 +74,9 @@ class FastVlmAdapter(LlavaAdapter):
         feature_map = self.tower(pixel_values, return_dict=True).last_hidden_state  # [B, C, H/64, W/64]
         features = feature_map.flatten(2).transpose(1, 2)  # raster order, as the model flattens it
         num_images = features.shape[0]
-        tokens = VisualTokens(features, grid, {}, torch.arange(num_images, device=features.device))
+        tokens = VisualTokens(
+            features, grid, {}, torch.arange(num_images, device=features.device), image_of_crop=list(range(num_images))
+        )
         selection, timer = self.select(tokens)
         embeds = self.kept_embeddings(tokens, selection)
         records = self.encoder.crop_records(tokens, selection, timer, [0] * num_images, images=list(range(num_images)))

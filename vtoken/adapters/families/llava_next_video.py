@@ -86,8 +86,8 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         signals = {name: (lambda read=read: self._pooled(read())) if callable(read) else read
                    for name, read in signals.items()}  # fmt: skip
         owners = [v for v in range(videos) for _ in range(frames)]
-        tokens = VisualTokens(pooled, self.frame_grid, signals, repeated(list(range(videos)), [frames] * videos,
-                                                                         pooled.device))  # fmt: skip
+        index = repeated(list(range(videos)), [frames] * videos, pooled.device)
+        tokens = VisualTokens(pooled, self.frame_grid, signals, index, image_of_crop=owners)
         selection, timer = self.select(tokens)
         embeds = self.inner.multi_modal_projector(flat_kept(selection, pooled))
         per_frame = selection.counts_per_crop()

@@ -303,8 +303,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             drop_first = hidden.shape[1] < self.grid[0] * self.grid[1]  # the "default" strategy
             signals = self.video_signals(hidden, probe, drop_first)
             owners = [v for v in range(videos) for _ in range(frames)]
-            tokens = VisualTokens(pooled, (side, side), signals, repeated(list(range(videos)), [frames] * videos,
-                                                                          pooled.device))  # fmt: skip
+            index = repeated(list(range(videos)), [frames] * videos, pooled.device)
+            tokens = VisualTokens(pooled, (side, side), signals, index, image_of_crop=owners)
             selection, timer = self.select(tokens)
             per_frame = selection.counts_per_crop()
             kept = [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
@@ -347,7 +347,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
 
         base_signals = {name: (lambda block=block: torch.stack([p[: side * side] for p in packed_scores(block)]))
                         for name, block in wanted.items()}  # fmt: skip
-        base_tokens = VisualTokens(base, self.grid, base_signals, torch.arange(len(packed), device=device))
+        base_tokens = VisualTokens(base, self.grid, base_signals, torch.arange(len(packed), device=device),
+                                   image_of_crop=list(range(len(packed))))  # fmt: skip
         selection, timer = self.select(base_tokens)
         images = list(range(len(packed)))
         parts = [self.encoder.crop_records(base_tokens, selection, timer, [0] * len(packed), images=images)]
@@ -367,7 +368,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             stitched = features[side * side :][None]
             grid_signals = {name: (lambda block=block, i=i: packed_scores(block)[i][side * side :][None])
                             for name, block in wanted.items()}  # fmt: skip
-            tokens = VisualTokens(stitched, (height, width), grid_signals, torch.full((1,), i, device=device))
+            tokens = VisualTokens(stitched, (height, width), grid_signals, torch.full((1,), i, device=device),
+                                  image_of_crop=[i])  # fmt: skip
             chosen, watch = self.select(tokens)
             parts.append(self.encoder.crop_records(tokens, chosen, watch, [1], images=[i]))
             grids.append(AnyresGrid(1, 1, (height, width), 0, height, 0, width))

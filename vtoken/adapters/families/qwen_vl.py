@@ -301,11 +301,10 @@ class QwenVLAdapter(Adapter):
             if wants_groups:  # also the vision features for token-to-token similarity (MMTok)
                 pooled = groups[index].view(frames, grid[0] * grid[1], -1)
                 signals.update({"merge_features": pooled, "vision_features": pooled})
-            crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device),
-                                 image_of_crop=[index] * frames)  # fmt: skip
             valid = None if left is None else left[index].view(frames, -1)  # the tower's dropped groups: invalid
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device), valid,
-                                 valid_counts=None if left is None else [plan.counts[index]])  # fmt: skip
+                                 valid_counts=None if left is None else [plan.counts[index]],
+                                 image_of_crop=[index] * frames)  # fmt: skip (the video's index on the host)
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
                 resized_grid_thw(frames, selection.grid or grid, self.merge)
@@ -371,7 +370,17 @@ def follow_selection(
     if selection.mix is not None:  # a merge that says how to repeat itself (FastVID, HoliTom)
         mixed = Selection(features=selection.mix(per_crop), counts=selection.counts_per_crop())
         return flat_kept(mixed, per_crop), None
-    again = method.select(VisualTokens(per_crop, tokens.grid, {}, tokens.image_index, tokens.valid))
+    again = method.select(
+        VisualTokens(
+            per_crop,
+            tokens.grid,
+            {},
+            tokens.image_index,
+            tokens.valid,
+            valid_counts=tokens.valid_counts,
+            image_of_crop=tokens.image_of_crop,
+        )
+    )
     same = again.grid == selection.grid and again.counts == selection.counts
     agrees = None
     if selection.anchors is not None:

@@ -72,7 +72,9 @@ class VideoLlavaAdapter(LlavaAdapter):
         cls, patches = hidden[:, 0], hidden[:, 1:]
         owners = [v for v in range(videos) for _ in range(frames)]
         device = patches.device
-        tokens = VisualTokens(patches, self.grid, signals, repeated(list(range(videos)), [frames] * videos, device))
+        tokens = VisualTokens(
+            patches, self.grid, signals, repeated(list(range(videos)), [frames] * videos, device), image_of_crop=owners
+        )
         selection, timer = self.select(tokens)
         # each frame: its [CLS] token, then its kept patches; a method that sends [CLS] itself (VisionZip, keeping
         # fewer than all patches: what `planned_counts` sized the prompt for) sends its own rows only
