@@ -20,7 +20,7 @@ from ..images import example_clip, example_image
 from ..methods.base import Method
 from ..modelview import model_view
 from ..prompts import build_prompt
-from ..records import Record
+from ..records import Record, llm_point_label
 from ..registry import describe_method, make_method, method_class
 from ..specs import common_budget
 from ..stats import Estimate, mean_estimate
@@ -166,7 +166,7 @@ def stage_tokens(outcome: Outcome) -> list[tuple[str, int]]:
     rows = [("input", outcome.tokens.unpatched)]
     if outcome.tokens.llm_input != outcome.tokens.unpatched:
         rows.append(("LLM input", outcome.tokens.llm_input))
-    rows += [(f"after LLM layer {stage.removeprefix('prefill.layer')}", n) for stage, n in outcome.tokens.inside]
+    rows += [(llm_point_label(stage), n) for stage, n in outcome.tokens.inside]
     return rows
 
 
