@@ -186,6 +186,8 @@ def offered_methods(model, processor) -> dict[str, dict[str, str | None]]:
         inputs = prepare_inputs(model, processor, "what is in the image?", **given)
         out = {}
         for name, reason in verdicts.items():
+            if reason is None and kind not in method_class(name).modalities:  # e.g. an LLM stage for videos only
+                reason = f"{name} acts on {' and '.join(method_class(name).modalities)} inputs only"
             if reason is None and "encoder" in method_class(name).stages:
                 params = fitting_params(model, name)
                 layout = applicable_layouts(model, name, **params)[0]

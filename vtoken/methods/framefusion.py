@@ -56,7 +56,8 @@ PHASES = ("merge", "prune", "done")
 
 def pruning_ratio(sparsities: Sequence[float], layers: int, cost: float) -> float:
     """P(list): the sparsity every remaining layer needs so that the visual tokens' mean fraction over `layers`
-    layers is `cost`, after merge calls that removed the fractions `sparsities` (n of them, n < layers)."""
+    layers is `cost`, after merge calls that removed the fractions `sparsities` (n of them, n < layers); 1 once the
+    merges alone kept more than the cost (data decides it, mid-prefill: the official code raises there)."""
     n = len(sparsities)
     if n >= layers:
         raise VTokenError(f"framefusion: {n} merge calls for an LLM of {layers} layers; at most {layers - 1}")
@@ -65,11 +66,8 @@ def pruning_ratio(sparsities: Sequence[float], layers: int, cost: float) -> floa
         fraction *= 1 - s
         spent += fraction
     left = layers * cost - spent
-    if left < 0:
-        raise VTokenError(
-            f"framefusion: cost={cost} is spent after {n} merge calls over {layers} layers (the merges alone kept "
-            f"{spent:.3f} layers' worth of visual tokens); give a larger cost"
-        )
+    if left < 0:  # the merges alone kept more than the cost (the official raises): no layer left keeps any
+        return 1.0
     need = left / ((layers - n) * fraction)
     return 0.0 if need > 1 else 1 - need
 

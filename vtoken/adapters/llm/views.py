@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from vtoken.geometry.tables import on_device
 from vtoken.tokens import Merged
 
 
@@ -121,13 +120,6 @@ class LayerView:
     def visual_slots(self) -> torch.Tensor:
         """[B, V] each row's visual slots, ascending, right-padded with -1 (V = most visual tokens of a row)."""
         return packed(self.visual, max(self.visual_counts, default=0), self.visual_counts)
-
-    def lost_tensor(self) -> torch.Tensor:
-        """[B] `lost` on the device, made once per view (every decoding step reads it)."""
-        made = self.__dict__.get("_lost")
-        if made is None:
-            made = self.__dict__["_lost"] = on_device(self.lost, self.column.device)
-        return made
 
 
 def narrowed(
