@@ -273,6 +273,7 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
     total = int((inputs["input_ids"] == model.config.video_token_id).sum()) - 1  # the newline is no frame's
     kept = sum(vtoken.DyCoke().frame_counts(frames, total // frames))
     retention = kept / total
+    cut = min(10, model.config.text_config.num_hidden_layers - 2)  # PruneVid's official layer 10, on a cut LLM less
     configs = {
         "unpatched": None,
         "dycoke (k 0.7, layer 3, p 0.7)": lambda: vtoken.DyCoke(),
@@ -281,6 +282,8 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
         f"fastvid {retention:.3f}": lambda: vtoken.FastVID(budget=retention),
         f"holitom {retention:.3f}": lambda: vtoken.HoliTom(budget=retention),
         "prunevid (encoder stage, official settings)": lambda: vtoken.PruneVid(layer=None),
+        f"prunevid (official, cut after layer {cut})": lambda: vtoken.PruneVid(layer=cut),
+        "framefusion (official: cost 0.3)": lambda: vtoken.FrameFusion(),
         "oracle (first tokens of each frame)": lambda: first_k(retention),
     }
     runs, contexts, selection, tokens = {}, {}, {}, {}

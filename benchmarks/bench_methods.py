@@ -59,7 +59,7 @@ METHODS = {
     "fastvid": lambda b: vtoken.FastVID(budget=b),
     "holitom": lambda b: vtoken.HoliTom(budget=b),
     # PruneVid has no budget (its counts follow the video): the budget sets its groups' share of density-peak
-    # centres; its cut inside the LLM is not wired yet (the encoder stage alone, LightCompress's form)
+    # centres; the encoder stage alone (LightCompress's form: what an encoder-stage table compares)
     "prunevid": lambda b: vtoken.PruneVid(layer=None, cluster_ratio=b),
 }
 APPLIES = {  # method -> families it runs on (docs/guide/methods.md's table: the others are n/a)

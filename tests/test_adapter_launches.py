@@ -43,7 +43,7 @@ def _params(name: str, budget: float) -> dict:
         return {"p": budget, "layer": 1}  # a 2-layer LLM
     if name == "cdpruner":  # its CLIP relevance needs a CLIP checkpoint fitting the tower (test_cdpruner counts it)
         return {"budget": budget, "relevance": "llm"}
-    if name == "prunevid":  # no budget; its encoder stage alone (the cut inside the LLM is not wired)
+    if name == "prunevid":  # no budget; its encoder stage alone (its cut inside the LLM: test_video_llm_wiring)
         return {"layer": None, "cluster_ratio": budget}
     return {"budget": budget}
 

@@ -415,9 +415,10 @@ def test_the_video_mergers_run_on_a_video_and_images_are_refused(tmp_path, capsy
     assert f"{method} acts on video inputs only" in capsys.readouterr().err
 
 
-def test_prunevid_runs_its_encoder_stage_and_names_the_cut_it_cannot_run_yet(tmp_path, capsys):
-    """`vtoken run --method prunevid --param prunevid.layer=none` merges a clip on LLaVA-OneVision; the default cut
-    inside the LLM (layer=10) is refused naming why (here: a 2-layer LLM has no layer 10 to cut after)."""
+def test_prunevid_and_framefusion_run_on_a_clip(tmp_path, capsys):
+    """`vtoken run --method prunevid` on LLaVA-OneVision: its encoder stage alone (`prunevid.layer=none`) and with its
+    cut inside the LLM (`prunevid.layer=0`, the deepest a 2-layer LLM allows; the default 10 is refused naming why);
+    `--method framefusion` merges inside the LLM (the LLM's input unchanged, the tokens after its call points)."""
     import re
 
     from vtoken.images import example_clip
@@ -429,5 +430,11 @@ def test_prunevid_runs_its_encoder_stage_and_names_the_cut_it_cannot_run_yet(tmp
     assert quick_run(*args, "--param", "prunevid.layer=none") == 0
     found = re.search(r"visual tokens \(the LLM's input\): (\d+) -> (\d+) \(", capsys.readouterr().out)
     assert found and int(found[1]) == 785 and int(found[2]) < 785
+    assert quick_run(*args, "--param", "prunevid.layer=0") == 0
+    found = re.search(r"-> (\d+) \(.*; after LLM layer 0: (\d+)", capsys.readouterr().out)
+    assert found and int(found[2]) < int(found[1])
     assert quick_run(*args) == 2
     assert "layer=10 leaves no later layer" in capsys.readouterr().err
+    assert quick_run(*args[:-1], "framefusion") == 0
+    out = capsys.readouterr().out
+    assert "all 785 kept; at the LLM's input:" in out, out

@@ -98,7 +98,7 @@ def test_every_offered_method_runs_on_every_builtin_model(name):
             caption = pictures[rows.index(row)][1]
             if family(model) in MAPPED:  # LLM-stage drops drawn on the crops, never skipped
                 assert drawn and "cannot be mapped" not in caption, (name, kind, caption)
-                prefill = ("fastv", "mustdrop", "dart", "pyramiddrop", "sparsevlm")
+                prefill = ("fastv", "mustdrop", "dart", "pyramiddrop", "sparsevlm", "prunevid", "framefusion")
                 names = [part.strip().split("(")[0] for part in row[0].split("+")]  # fastvid is no fastv
                 assert ("surviving the LLM's drops" in caption) == any(m in names for m in prefill)
             else:

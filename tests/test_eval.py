@@ -448,3 +448,27 @@ def test_the_video_mergers_through_the_vtoken_model(method, cache):
     assert [r.text for r in batched] == [r.text for r in alone]
     assert [r.token_counts.stages for r in batched] == [r.token_counts.stages for r in alone]
     assert all(r.token_counts.stages["encoder"] for r in alone)
+
+
+@pytest.mark.parametrize("method", ["prunevid", "framefusion"])
+def test_the_video_reducers_inside_the_llm_through_the_vtoken_model(method, cache):
+    """PruneVid with its cut inside the LLM (`layer=0` on the 2-layer tiny LLM) and FrameFusion through lmms-eval's
+    `vtoken` model: two MP4 samples batched answer and count as each alone, with the LLM stage's records."""
+    from vtoken.eval.lmms_model import VTokenLMM
+
+    videos = [str(data.video_path(row)) for row in data.questions("video")[:2]]
+
+    def messages(doc):
+        item = {"type": "video", "url": videos[doc["i"]]}
+        return [{"role": "user", "content": [item, {"type": "text", "text": "what happens?"}]}]
+
+    docs = [{"i": 0}, {"i": 1}]
+    params = {"layer": 0, "min_tokens": 6} if method == "prunevid" else {"cost": 0.5}
+    lm = VTokenLMM(pretrained="tiny-onevision", method=method, batch_size=2, max_frames=4, **params)
+    batched = lm.generate_until(requests_for(lm, docs, messages))
+    lm.batch_size_per_gpu = 1
+    alone = lm.generate_until(requests_for(lm, docs, messages))
+    assert [r.text for r in batched] == [r.text for r in alone]
+    assert [r.token_counts.stages for r in batched] == [r.token_counts.stages for r in alone]
+    prefix = "prefill.layer0" if method == "prunevid" else "prefill."
+    assert all(any(s.startswith(prefix) for s in r.token_counts.stages) for r in alone)

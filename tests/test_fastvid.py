@@ -200,11 +200,12 @@ def test_parameters_are_validated():
 
 
 # --------------------------------------------------------------------------- on the tiny models
-def sharpened_onevision():
-    """The tiny LLaVA-OneVision with features that tell tokens apart (random weights attend almost uniformly and
-    project every token near one common vector, so rankings would hang on the last bits): the MAP head's probe
-    queries and the last tower layer's queries scaled up, the projector's output centred and spread out."""
-    model, processor = TINY_MODELS["tiny-onevision"]()
+def sharpened_onevision(text_layers=2):
+    """The tiny LLaVA-OneVision (an LLM of `text_layers` layers) with features that tell tokens apart (random weights
+    attend almost uniformly and project every token near one common vector, so rankings would hang on the last
+    bits): the MAP head's probe queries and the last tower layer's queries scaled up, the projector's output
+    centred and spread out."""
+    model, processor = TINY_MODELS["tiny-onevision"](text_layers=text_layers)
     tower = model.model.vision_tower
     projector = model.model.multi_modal_projector
     with torch.no_grad():

@@ -213,8 +213,8 @@ def encoder_methods(draw, name: str, full: bool = False, family: str = "tiny-lla
         knobs = dict(tau=draw(st.floats(-1, 1)), segment_ratio=draw(st.floats(0.01, 1)),
                      cluster_ratio=draw(st.floats(0.01, 1)), k=draw(st.integers(1, 9)),
                      min_tokens=draw(st.integers(0, 20)), seed=draw(st.integers(0, 99)))  # fmt: skip
-        # the cut inside the LLM (layer=K) is refused until the engine runs it: drawn now and then
-        layer = draw(st.sampled_from([None, None, None, 0]))
+        # the cut inside the LLM after layer K, now and then: 0 fits a 2-layer LLM, 1 does not (refused)
+        layer = draw(st.sampled_from([None, None, 0, 0, 1]))
         return vtoken.PruneVid(layer=layer, **knobs)
     if name == "hired":
         rate = 1.0 if full else draw(fractions)
@@ -384,8 +384,12 @@ def refused_at_patch(family: str, stack: list, layout: str) -> bool:
             return True
         if name in PREFILL_METHODS and not prefill_fits(method, family):
             return True
-        if name == "prunevid" and method.layer is not None:
-            return True  # the cut inside the LLM: not wired in the engine yet
+        if (
+            name == "prunevid"
+            and method.layer is not None
+            and (method.layer not in drop_points(family) or len(stack) > 1)
+        ):
+            return True  # the cut inside the LLM after a layer it cannot follow, or beside another LLM stage
         if name == "holitom" and method.inner_layer is not None and method.inner_layer - 1 not in drop_points(family):
             return True  # the inner merge reads layer inner_layer - 1, a softmax-attention layer before the last
         if name == "dycoke" and (family in REFUSED[name] or method.layer - 1 not in drop_points(family)):
@@ -748,15 +752,25 @@ def test_keeping_every_token_is_the_unpatched_model(name, data):
     assert logits.shape == reference.shape and (logits - reference).abs().max() <= 1e-5
 
 
+FRAMEFUSION_REFUSED = {"tiny-qwen3.5": "linear attention", "tiny-qwen3.5-moe": "linear attention"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_framefusion_is_refused_at_patch_naming_why(family):
-    """FrameFusion merges at call points inside the LLM's layers, which the engine does not offer yet: refused on
-    every family (image-only ones first for taking videos only), the model untouched."""
+def test_framefusion_patches_video_families_and_refuses_the_rest_naming_why(family):
+    """FrameFusion merges at call points inside the LLM's layers: image-only families are refused for taking videos
+    only, hybrid LLMs (Qwen3.5) for linear attention; the model untouched. Elsewhere
+    it patches (every layer but the last split), and unpatching leaves the model as it was."""
     model, _ = tiny(family)
     state = snapshot(model)
-    with pytest.raises(vtoken.VTokenError, match="video inputs only" if family not in VIDEO else "before its MLP"):
+    refused = "video inputs only" if family not in VIDEO else FRAMEFUSION_REFUSED.get(family)
+    if refused:
+        with pytest.raises(vtoken.VTokenError, match=refused):
+            vtoken.patch(model, vtoken.FrameFusion())
+    else:
         vtoken.patch(model, vtoken.FrameFusion())
+        vtoken.unpatch(model)
     assert_restored(model, state)
+    assert not any("forward" in module.__dict__ for module in model.modules())
 
 
 def _last_real_logits(logits: torch.Tensor, row: int, side: str, target: torch.Tensor) -> float:

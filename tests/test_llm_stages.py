@@ -133,7 +133,7 @@ def test_prefill_drop_and_decode_match_the_reference(deep_llava, eager_lm, singl
         visual = set((ids == model.config.image_token_id).nonzero().squeeze(1).tolist())
         decide = fastv_rule(vtoken.tokens_to_keep(method.keep, len(visual)))
     drop_layers = method.drop_layers(LAYERS)
-    cut = [i for i in method.cut_layers(drop_layers) if i > 0]  # layer 0 keeps everything (the cache length)
+    cut = list(method.cut_layers(drop_layers))  # layer 0's too (the engine masks it, keeping the length)
     lm, head = eager_lm
     ref_logits, kept_after, lengths = reference_generate(
         lm, head, embeds, visual, decide, drop_layers, policy == "renumber", cut, steps=6

@@ -361,10 +361,8 @@ def test_refusals_name_why():
     model, processor = TINY_MODELS["tiny-onevision"]()  # a 2-layer LLM
     with pytest.raises(vtoken.VTokenError, match="layer=10 leaves no later layer.*at most 0"):
         vtoken.patch(model, "prunevid")
-    with pytest.raises(vtoken.VTokenError, match="layer=0 cuts the video tokens inside the LLM.*layer=None"):
-        vtoken.patch(model, vtoken.PruneVid(layer=0))
     assert vtoken.handle_of(model) is None
-    assert vtoken.PruneVid.fit(vtoken.model_view(model)) == {"layer": None}  # the cut is not wired yet
+    assert vtoken.PruneVid.fit(vtoken.model_view(model)) == {"layer": 0}  # the deepest a cut can follow
     assert vtoken.applicable_methods(model)["prunevid"] is None
     image = processor(images=[make_image(300, 200)], text=[build_prompt(processor, "what?")], return_tensors="pt")
     with vtoken.patched(model, vtoken.PruneVid(layer=None)), pytest.raises(vtoken.InputError, match="prunevid acts"):

@@ -533,3 +533,49 @@ def test_a_checkpoint_s_image_processor_is_read_locally(tmp_path):
 
     tiny_llava()[1].image_processor.save_pretrained(tmp_path)
     assert hf.local_image_processor(str(tmp_path)).image_mean == tiny_llava()[1].image_processor.image_mean
+
+
+def _text_layer(kind: str):
+    """(decoder layer 0, its language model) of a tiny LLM whose layers are `kind` (a `hf.PRE_NORM_LAYERS` name)."""
+    import transformers
+
+    vl = {"Qwen2VLDecoderLayer": tiny_qwen2_vl, "Qwen2_5_VLDecoderLayer": tiny_qwen2_5_vl,
+          "Qwen3VLTextDecoderLayer": tiny_qwen3_vl}  # fmt: skip
+    if kind in vl:
+        lm = vl[kind]()[0].model.language_model
+    elif kind == "Qwen3VLMoeTextDecoderLayer":
+        from vtoken.zoo import tiny_qwen3_vl_moe
+
+        lm = tiny_qwen3_vl_moe()[0].model.language_model
+    else:
+        widths = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+        if kind == "Qwen3MoeDecoderLayer":
+            widths.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+        name = kind.removesuffix("DecoderLayer")
+        torch.manual_seed(0)
+        lm = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**widths)).model
+    layer = lm.layers[0]
+    assert type(layer).__name__ == kind
+    return layer, lm.eval()
+
+
+@pytest.mark.parametrize("kind", sorted(hf.PRE_NORM_LAYERS))
+def test_pre_norm_layers_split_at_their_residual(kind):
+    """A mid-layer call point (FrameFusion) runs a decoder layer as two halves: attention + residual, then the
+    post-attention norm + MLP + residual. For every class vtoken splits, the halves equal the stock forward, bit for
+    bit, with the keywords the LLM passes (mask, positions, rotary tables, cache)."""
+    layer, lm = _text_layer(kind)
+    hidden = torch.randn(2, 7, layer.self_attn.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(7).expand(2, -1)
+    rope = positions[None].expand(3, -1, -1) if "VL" in kind else positions
+    kwargs = dict(attention_mask=None, position_ids=positions, position_embeddings=lm.rotary_emb(hidden, rope),
+                  use_cache=True)  # fmt: skip
+    with torch.no_grad():
+        whole = layer(hidden, **kwargs, **hf.cache_kwargs(DynamicCache(config=lm.config)))
+        split = hf.split_mlp(layer, hf.split_attention(layer, hidden, **kwargs,
+                                                       **hf.cache_kwargs(DynamicCache(config=lm.config))))  # fmt: skip
+    whole = whole[0] if isinstance(whole, tuple) else whole
+    assert hf.splits_at_residual(layer) and torch.equal(whole, split), broken(
+        f"{kind}.forward should be hidden + self_attn(input_layernorm(hidden)), then + mlp(post_attention_layernorm(.))"
+    )

@@ -369,6 +369,8 @@ def framefusion_ratio(sparsities, layers, cost):
     for s in sparsities:
         f.append(f[-1] * (1 - s))
     left = layers * cost - sum(f[1:])
+    if left < 0:  # the official raises; vtoken: no later layer keeps any
+        return 1.0
     need = left / ((layers - n) * f[n])
     return 0.0 if need > 1 else 1 - need
 

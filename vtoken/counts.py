@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .modelview import model_view
-from .records import Record
+from .records import Record, llm_point_label
 
 
 def placeholder_ids(model) -> list[int]:
@@ -88,7 +88,7 @@ class VisualCounts:
         else:
             out = f"{self.unpatched} -> {self.llm_input} ({self.llm_input / max(self.unpatched, 1):.1%} kept)"
         for stage, n in self.inside:
-            out += f"; after LLM layer {stage.removeprefix('prefill.layer')}: {n}"
+            out += f"; {llm_point_label(stage)}: {n}"
         return out
 
 

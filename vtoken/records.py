@@ -96,6 +96,31 @@ class LazyRecords(Sequence):
         return repr(self._resolved())
 
 
+def llm_point(stage: str) -> float | None:
+    """Where in the LLM a prefill stage's record stands, as a number that orders them (None: not a prefill stage):
+    "prefill.layerK" (a drop after layer K) at K + 1; a mid-layer call point (FrameFusion) "prefill.merge.cC" (call
+    C: the LLM's input for C = 0, else after layer C - 1's attention) at C - 0.5; "prefill.prune.layerL" (a prune
+    by layer L's attention, after it) at L + 0.5."""
+    for prefix, at in (("prefill.layer", 1.0), ("prefill.merge.c", -0.5), ("prefill.prune.layer", 0.5)):
+        if stage.startswith(prefix):
+            number = stage.removeprefix(prefix)
+            return int(number) + at if number.isdigit() else None
+    return None
+
+
+def llm_point_label(stage: str) -> str:
+    """How the tools name where a prefill stage's record stands: "after LLM layer 2", "at the LLM's input", "after
+    LLM layer 3's attention"."""
+    point = llm_point(stage)
+    if point is None:
+        return stage
+    if stage.startswith("prefill.layer"):
+        return f"after LLM layer {int(point) - 1}"
+    if point < 0:
+        return "at the LLM's input"
+    return f"after LLM layer {int(point + 0.5) - 1}'s attention"
+
+
 def summarize(records: list[Record]) -> str:
     """A short human-readable table of records."""
     if not records:
@@ -131,9 +156,8 @@ def summarize(records: list[Record]) -> str:
             lines.append(f"{stage}: {tout} of {tin} tokens marked as keys (none removed)")
         elif tin == tout:
             lines.append(f"{stage}: all {tin} kept")
-        elif stage.startswith("prefill.layer"):
-            layer = stage.removeprefix("prefill.layer")
-            lines.append(f"{stage}: {tin} -> {tout} visual tokens after LLM layer {layer} ({share})")
+        elif llm_point(stage) is not None:
+            lines.append(f"{stage}: {tin} -> {tout} visual tokens {llm_point_label(stage)} ({share})")
         else:  # encoder stages count what the method chose among (a crop's patches: no newline, no [CLS])
             lines.append(f"{stage}: {tin} -> {tout} selected ({share})")
     return "\n".join(lines)

@@ -225,7 +225,9 @@ class LayerTokens:
 
     attention: [B, R, V] post-softmax attention of R query rows (the method's `query_rows`, padded) to each row's
         V visual tokens (padded), mean over heads, normalised over all keys the rows see; None unless the method
-        reads "attention" or "next_attention".
+        reads "attention" or "next_attention". For "plain_attention" instead: the layer's attention without rotary
+        and without a causal mask (softmax over every real key of q . k * scaling, q and k before rotary), the
+        largest over heads (`vtoken.kernels.plain_attention.plain_attention_max`).
     row_valid: [B, R] bool, real query rows. valid: [B, V] bool, real visual tokens.
     protected: [B, V] bool, tokens an earlier stage marked as never dropped (MustDrop's key set), or None.
     received: visual tokens each row brought into the LLM (before any drop), or None.
@@ -237,7 +239,7 @@ class LayerTokens:
         reading the device.
     groups: [B, V] each visual token's group, numbered 0.. per row from an encoder stage's `Selection.groups`
         (-1: none, e.g. OneVision's newline), for a method that keeps a share of every group (PruneVid); None
-        otherwise. group_sizes: host, per row the size of each of its groups.
+        otherwise. group_sizes: host, per row the size of each of its groups as the LLM received them.
     """
 
     layer: int
@@ -259,6 +261,42 @@ class LayerTokens:
     def counts(self) -> list[int]:
         """Visual tokens of every row (`known`: the adapter's host counts; else read from `valid`, a host sync)."""
         return self.known if self.known is not None else self.valid.sum(1).tolist()
+
+
+@dataclass
+class MidLayerTokens:
+    """What a prefill method with mid-layer call points (`PrefillMethod.calls = ("mid_layer",)`) gets at call point
+    `call` (0: the LLM's input, before layer 0; c >= 1: after layer c - 1's attention with its residual added,
+    before its MLP), for the B rows of a prefill. Its candidates are the video tokens (a token inside a frame).
+
+    hidden: [B, C, D] the residual stream of the current sequence; order: [B, P] the candidates in the method's
+    order (`PrefillMethod.candidate_order`; indices into C, -1 past a row's count), kept in that order by a stable
+    compaction after every call; chain: [B, P] the key the method gave each candidate with its order (-1 past the
+    count); columns: [B, P] each candidate's column in the prompt the LLM received; counts: host, candidates per
+    row; attention: [B, R, P] for the rows the method's run asks it for at this call (`wants_attention(call)`),
+    layer call - 1's causal softmax attention (post-rotary, as the model computes it, mean over heads) of each row's
+    last R real tokens (`query_count`) over its candidates in order (row_valid [B, R]); else None."""
+
+    call: int
+    hidden: torch.Tensor
+    order: torch.Tensor
+    chain: torch.Tensor
+    columns: torch.Tensor
+    counts: list[int]
+    attention: torch.Tensor | None = None
+    row_valid: torch.Tensor | None = None
+
+
+@dataclass
+class MidLayerStep:
+    """What one call point decided: keep [B, P] (in the candidates' order) which candidates go on; states [B, P, D]
+    fp32 the new hidden states of the kept ones (None: unchanged); kept: host, candidates left per row. The engine
+    writes the states (cast back), drops the others (the MLP and every later layer run on the shorter sequence, the
+    caches of later layers hold it) and keeps every token's original position."""
+
+    keep: torch.Tensor
+    states: torch.Tensor | None
+    kept: list[int]
 
 
 @dataclass

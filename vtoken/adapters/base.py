@@ -75,6 +75,9 @@ class EncodedImages:
     protected: per image, [k_i] bool over its remaining tokens: tokens no later stage may drop; None if none.
     companions: per image, further [k_i, D'] features that followed the same selection (e.g. Qwen3-VL's DeepStack
     levels), for `Adapter.encoder_output`; None if none.
+    groups: per image, [k_i] int64 each remaining token's group within its image (0.., -1: none), from a selection's
+    `groups` (PruneVid's windows and frames), and group_sizes: per image, the size of each of its groups (host);
+    None if the selection has none.
     """
 
     features: list[torch.Tensor]
@@ -82,6 +85,8 @@ class EncodedImages:
     records: Sequence[Record]
     protected: list[torch.Tensor] | None = None
     companions: list[list[torch.Tensor]] | None = None
+    groups: list[torch.Tensor] | None = None
+    group_sizes: list[list[int]] | None = None
 
 
 class Adapter:
@@ -119,6 +124,8 @@ class Adapter:
     tower_acts: ClassVar[tuple[str, ...]] = ()
     # why tower methods are not wired here (added to the refusal at `patch`)
     tower_note: ClassVar[str] = ""
+    # tokens at the start of every video frame that are not patches (Video-LLaVA's [CLS]): no place in the frame
+    frame_leading: ClassVar[int] = 0
 
     def __init__(self, model: nn.Module, methods: list[Method], layout: str = "native"):
         self.model = model
@@ -157,6 +164,9 @@ class Adapter:
 
     def protected_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
         return self.calls.protected_mask_for(shape)
+
+    def groups_for(self, shape: tuple[int, int]) -> tuple[torch.Tensor, list[list[int]]] | None:
+        return self.calls.groups_for(shape)
 
     # ----------------------------------------------------------------- family-specific
     @classmethod

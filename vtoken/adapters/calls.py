@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from vtoken.errors import InputError
+from vtoken.geometry.tables import repeated
 from vtoken.records import LazyRecords, Record
 
 from . import hf
@@ -102,7 +103,7 @@ class CallPath:
                 "a patched model needs `input_ids` (with the image placeholders) next to the images, to know where "
                 "visual tokens go; inputs_embeds alone are not supported"
             )
-        parts, changed, protected_parts = [], False, {}
+        parts, changed, protected_parts, group_parts = [], False, {}, {}
         method = self.adapter.encoder_method
         tower = self.adapter.tower_stage
         present = self.adapter.present(kwargs)
@@ -169,6 +170,8 @@ class CallPath:
                 parts += [plan.records(), encoded.records] if plan is not None else [encoded.records]
                 if encoded.protected is not None:
                     protected_parts[modality] = torch.cat(encoded.protected)
+                if encoded.groups is not None:
+                    group_parts[modality] = (encoded.groups, encoded.group_sizes, runs.rows)
                 # a list where items differ in length: `join_ragged` joins them for the forward
                 stack = modality.name in self.adapter.stacked_features and len({len(f) for f in encoded.features}) == 1
                 features = torch.stack(encoded.features) if stack else encoded.features
@@ -193,6 +196,7 @@ class CallPath:
             state.protected = torch.zeros_like(ids, dtype=torch.bool)
             for modality, flags in protected_parts.items():
                 state.protected |= scatter_into_placeholders(ids == self.adapter.placeholder_id(modality), flags)
+        state.groups = self._row_groups(kwargs["input_ids"], group_parts) if group_parts else None
         kwargs[hf.ENCODER_OUTPUTS] = mm
         return self.adapter.after_shrinking(kwargs), changed
 
@@ -225,9 +229,11 @@ class CallPath:
         state.visual = visual
 
     def _note_frames(self, kwargs: dict[str, Any]) -> None:
-        """The call's videos' frames, from the caller's inputs, for a stage that follows frames (sparse "grid")."""
-        sparse = self.adapter.sparse
-        self.state.frames = self.adapter.video_frames(kwargs) if sparse is not None and sparse.follows_frames else None
+        """The call's videos' frames, from the caller's inputs, for a stage that follows frames (sparse "grid", an
+        LLM stage's call points)."""
+        sparse, llm = self.adapter.sparse, self.adapter.llm
+        follows = (sparse is not None and sparse.follows_frames) or (llm is not None and llm.follows_frames)
+        self.state.frames = self.adapter.video_frames(kwargs) if follows else None
 
     def visual_mask_for(self, shape: tuple[int, int]) -> torch.Tensor | None:
         """[B, L] visual tokens of the LLM input of this shape (None if the forward's input_ids were not seen)."""
@@ -239,6 +245,37 @@ class CallPath:
         if protected is None or protected.shape[1] != shape[1] or shape[0] % protected.shape[0]:
             return None
         return protected.repeat_interleave(shape[0] // protected.shape[0], dim=0)
+
+    def _row_groups(self, ids: torch.Tensor, parts: dict) -> tuple[torch.Tensor, list[list[int]]]:
+        """([B, L] each placeholder's group, numbered per row in the order of the row's items, -1 elsewhere; per row
+        its groups' sizes, host) from every modality's (per item groups, per item sizes, the row of each item)."""
+        groups = torch.full_like(ids, -1)
+        sizes: list[list[int]] = [[] for _ in range(ids.shape[0])]
+        for modality, (per_item, item_sizes, rows) in parts.items():
+            offsets = []
+            for row, own in zip(rows, item_sizes, strict=True):  # an item's groups follow the row's earlier items'
+                offsets.append(len(sizes[row]))
+                sizes[row] += own
+            lengths = [len(g) for g in per_item]
+            shift = repeated(offsets, lengths, ids.device)
+            values = torch.cat(per_item).to(ids.device)
+            values = torch.where(values >= 0, values + shift, -1)
+            placed = ids == self.adapter.placeholder_id(modality)
+            ordinal = (placed.flatten().long().cumsum(0) - 1).clamp(0, max(len(values) - 1, 0))
+            groups = torch.where(placed, values[ordinal].view_as(ids), groups)
+        return groups, sizes
+
+    def groups_for(self, shape: tuple[int, int]) -> tuple[torch.Tensor, list[list[int]]] | None:
+        """([B, L] each placeholder's group from an encoder stage, per row the groups' sizes) for an LLM input of
+        this shape (rows repeated for beams / return sequences), or None."""
+        found = self.state.groups
+        if found is None:
+            return None
+        groups, sizes = found
+        if groups.shape[1] != shape[1] or shape[0] % groups.shape[0]:
+            return None
+        times = shape[0] // groups.shape[0]
+        return groups.repeat_interleave(times, dim=0), [row for row in sizes for _ in range(times)]
 
     @eager
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -321,7 +358,7 @@ class CallPath:
             return self.conversation.continue_forward(kwargs, cache, past)
         forget(cache)
         if not self.adapter.present(kwargs) or self.adapter.encoder_method is None:  # no images, or LLM stages only
-            self.records, state.protected = [], None
+            self.records, state.protected, state.groups = [], None, None
             return kwargs
         caller_ids, caller_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         kwargs, _ = self.prepare(kwargs)
@@ -365,7 +402,7 @@ class CallPath:
         elif prunes:
             kwargs, changed = self.prepare(kwargs)
         else:
-            self.records, state.protected = [], None
+            self.records, state.protected, state.groups = [], None, None
         if changed:
             if max_length is not None:  # max_length counts the caller's prompt
                 kwargs["max_length"] = max_length - (caller_ids.shape[1] - kwargs["input_ids"].shape[1])

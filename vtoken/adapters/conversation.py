@@ -206,7 +206,7 @@ class Conversation:
             tail, shrunk = self.calls.prepare(tail)
             changed = changed or shrunk
         else:
-            self.calls.records, self.calls.state.protected = [], None
+            self.calls.records, self.calls.state.protected, self.calls.state.groups = [], None, None
         glued = dict(tail)
         for key, start in prefix.items():
             end = tail.get(key)

@@ -8,6 +8,7 @@ Pure functions of the prompt; the adapter (`Adapter.frame_spans`) says which pla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,3 +75,24 @@ def frame_spans(is_video: torch.Tensor, frames: list[int], frame_runs: bool) -> 
         spans[mine[0][0]].append(columns)
         item += 1
     return spans if item % len(frames) == 0 else None
+
+
+def slot_table(spans: Sequence[Sequence[torch.Tensor]], batch: int, length: int, device: torch.device | str):
+    """Where the frames' tokens are: spans[b][v] the [F, 2] (start, end) columns of the frames of row b's video v
+    (`frame_spans`). Returns (slots [B, L] int64: a token's index inside its frame, -1 outside every
+    frame: text, timestamps, InternVL's frame labels, OneVision's newline; videos [B, L] int64: its video, -1
+    outside; counts: candidates per row, host). Built on the host from host facts (a few ops per video), copied
+    to `device` once."""
+    table = torch.full((2, batch, length), -1, dtype=torch.long)
+    for row, items in enumerate(spans):
+        for video, frames in enumerate(items):
+            frames = frames.cpu().long()
+            sizes = frames[:, 1] - frames[:, 0]
+            first = frames[:, 0].repeat_interleave(sizes)
+            slot = torch.arange(int(sizes.sum())) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+            table[0, row, first + slot] = slot
+            table[1, row, first + slot] = video
+    counts = (table[0] >= 0).sum(1).tolist()
+    device = torch.device(device)
+    moved = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
+    return moved[0], moved[1], counts

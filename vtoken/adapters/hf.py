@@ -476,3 +476,33 @@ def local_image_processor(source: str) -> Any:
         return AutoImageProcessor.from_pretrained(source, local_files_only=True)
     except Exception:  # noqa: BLE001 - no local preprocessor config
         return None
+
+# ----------------------------------------------------------------- a decoder layer split at its residual
+PRE_NORM_LAYERS = frozenset({
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer",
+    "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer", "Qwen3VLTextDecoderLayer", "Qwen3VLMoeTextDecoderLayer",
+})  # fmt: skip
+"""Decoder layers whose forward is `h = h + self_attn(input_layernorm(h)); h = h + mlp(post_attention_layernorm(h))`
+(every keyword but `hidden_states` handed to `self_attn`; an MoE `mlp` may return (out, router logits)), read in
+5.19-5.24; `tests/test_transformers_contract.py` checks that the two halves below equal each class's forward."""
+
+
+def splits_at_residual(layer: nn.Module) -> bool:
+    """Whether `split_attention` / `split_mlp` reproduce `layer`'s forward (a class of `PRE_NORM_LAYERS`)."""
+    return type(layer).__name__ in PRE_NORM_LAYERS
+
+
+def split_attention(layer: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The first half of a pre-norm decoder layer's forward: its attention with the residual added, [B, S, D]; the
+    layer's own keyword arguments (mask, positions, rotary tables, cache) go to its `self_attn` as the forward
+    hands them on."""
+    out = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
+    return hidden_states + out
+
+
+def split_mlp(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The second half: the post-attention norm and MLP with the residual added, [B, S, D]."""
+    out = layer.mlp(layer.post_attention_layernorm(hidden_states))
+    if isinstance(out, tuple):  # MoE layers return (hidden, router logits)
+        out = out[0]
+    return hidden_states + out

@@ -11,6 +11,7 @@ whose undo acts on the copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,14 @@ class HookOwner:
         """`hook(module, args, output)` after every forward of `module`."""
         handle = module.register_forward_hook(hook)
         self._undo.append(handle.remove)
+
+    def replace_forward(self, module: nn.Module, forward: Callable) -> None:
+        """`module`'s forward, on this instance only, is `forward` (a picklable callable, not a closure); hooks
+        around the module still run. Removed by deleting the instance attribute (the class's forward again)."""
+        if "forward" in module.__dict__:
+            raise RuntimeError(f"{type(module).__name__} already has an instance-level forward; refusing to replace it")
+        module.forward = forward
+        self._undo.append(functools.partial(_restore_forward, module, forward))
 
     def on_remove(self, undo: Callable[[], None]) -> None:
         """Something else installed (a registered attention function, a stored setting): `undo` restores it."""
@@ -70,3 +79,8 @@ class HookOwner:
         self.installed = False
         while self._undo:
             self._undo.pop()()
+
+
+def _restore_forward(module: nn.Module, forward: Callable) -> None:
+    if module.__dict__.get("forward") is forward:  # not one set since
+        del module.__dict__["forward"]

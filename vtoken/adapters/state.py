@@ -40,6 +40,8 @@ class CallState:
 
     records: the records of the thread's most recent call (`called`: whether the thread made one).
     visual / protected: [B, L] visual tokens of the LLM's current input / tokens an encoder stage protected.
+    groups: ([B, L] each placeholder's group from an encoder stage, numbered per row; per row its groups' sizes), or
+    None (`EncodedImages.groups`).
     in_generate: the thread is inside the patched generate (its forwards already get the shrunk prompt).
     filled: the map of a pruned model(...) prompt, left on the cache the forward returns (`conversation.py`).
     questions: the prompt question of every image of the call (methods that read the question).
@@ -58,6 +60,7 @@ class CallState:
         self.called = False
         self.visual = None
         self.protected = None
+        self.groups = None
         self.in_generate = False
         self.filled = None
         self.questions: list[str] = []

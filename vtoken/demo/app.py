@@ -113,7 +113,7 @@ def configurations(model, methods: list[str], compose: list[str], layout: str, p
     after them.
     The layout is the one asked for where every method of the configuration takes it, else one they all take
     (MustDrop on LLaVA-NeXT: "official"), named in the configuration's label. A parameter the controls leave unset
-    takes the value that fits the model (`fitting_params`: PruneVid's layer=None while its cut is not wired), else
+    takes the value that fits the model (`fitting_params`: e.g. PruneVid's layer, the deepest that fits), else
     its default."""
     if not methods:
         raise InputError("no method ticked; tick at least one under 'methods'")

@@ -20,7 +20,7 @@ from ..images import example_clip, example_image
 from ..methods.base import Method
 from ..modelview import model_view
 from ..prompts import build_prompt
-from ..records import Record
+from ..records import Record, llm_point_label
 from ..registry import describe_method, make_method, method_class
 from ..specs import common_budget
 from ..stats import Estimate, mean_estimate
@@ -166,7 +166,7 @@ def stage_tokens(outcome: Outcome) -> list[tuple[str, int]]:
     rows = [("input", outcome.tokens.unpatched)]
     if outcome.tokens.llm_input != outcome.tokens.unpatched:
         rows.append(("LLM input", outcome.tokens.llm_input))
-    rows += [(f"after LLM layer {stage.removeprefix('prefill.layer')}", n) for stage, n in outcome.tokens.inside]
+    rows += [(llm_point_label(stage), n) for stage, n in outcome.tokens.inside]
     return rows
 
 
@@ -186,6 +186,8 @@ def offered_methods(model, processor) -> dict[str, dict[str, str | None]]:
         inputs = prepare_inputs(model, processor, "what is in the image?", **given)
         out = {}
         for name, reason in verdicts.items():
+            if reason is None and kind not in method_class(name).modalities:  # e.g. an LLM stage for videos only
+                reason = f"{name} acts on {' and '.join(method_class(name).modalities)} inputs only"
             if reason is None and {"tower", "encoder"} & set(method_class(name).stages):  # runs before the LLM
                 params = fitting_params(model, name)
                 layout = applicable_layouts(model, name, **params)[0]

@@ -19,7 +19,7 @@ from PIL import Image
 from .. import api
 from ..methods.random import Random
 from ..overlay import model_view, mosaic, token_picture
-from ..records import Record
+from ..records import Record, llm_point, llm_point_label
 
 TILE = 224  # pixels per crop tile on its longer side
 
@@ -161,8 +161,8 @@ def survivors(order: list[list], records: list[Record]) -> set | None:
     """(crop, cell) pairs of the tokens that survived every LLM drop of row 0; None if the records do not fit
     `order` (then nothing is drawn rather than something wrong)."""
     alive = list(range(len(order)))
-    drops = sorted((r for r in records if r.stage.startswith("prefill.") and r.image == 0 and r.kept is not None),
-                   key=lambda r: int(r.stage.removeprefix("prefill.layer")))  # fmt: skip
+    drops = sorted((r for r in records if llm_point(r.stage) is not None and r.image == 0 and r.kept is not None),
+                   key=lambda r: llm_point(r.stage))  # fmt: skip
     if drops:  # every drop's `kept` indexes the visual tokens the LLM received (tokens merged on the way: none)
         if drops[0].tokens_in != len(alive):
             return None
@@ -230,10 +230,8 @@ def picture(outcome, model, processor, inputs, image=None, frames=None, probe=No
                 cells = np.zeros(c.grid[0] * c.grid[1], dtype=bool)
                 cells[[cell for crop, cell in alive if crop == c.index]] = True
                 keep[c.index] &= cells
-            layers = sorted(
-                {r.stage.removeprefix("prefill.") for r in outcome.records if r.stage.startswith("prefill")}
-            )
-            notes.append(f"tokens surviving the LLM's drops after {', '.join(layers)}")
+            points = sorted({r.stage for r in outcome.records if llm_point(r.stage) is not None}, key=llm_point)
+            notes.append(f"tokens surviving the LLM's drops ({', '.join(llm_point_label(p) for p in points)})")
     tiles = [
         token_picture(view, c.grid, keep[c.index], c.groups)
         for c, view in zip(crops, crop_images(inputs, image, frames, crops, processor), strict=True)

@@ -47,3 +47,18 @@ def kept_rows(selection: Selection, features: torch.Tensor, signals: dict, proje
     if selection.counts is None:  # every crop keeps k: projected as one [C, k, D] batch (the same sums as ever)
         return project(rows.view(len(selection.counts_per_crop()), selection.num_kept, -1)).flatten(0, 1)
     return project(rows)
+
+
+def item_groups(selection: Selection, crops: list[int]) -> tuple[list[torch.Tensor], list[list[int]]] | None:
+    """Per item (an image or video of `crops[i]` consecutive crops), [k_i] the group of each of its output rows in
+    `flat_kept`'s order, numbered within the item (a selection's group 2c / 2c + 1 of crop c becomes 2c' / 2c' + 1 of
+    the item's crop c'; -1 stays), and the item's group sizes (host); None when the selection has no groups."""
+    if selection.groups is None or selection.group_sizes is None:
+        return None
+    counts = selection.counts_per_crop()
+    flat = selection.groups.flatten()[padded_rows(counts, max(selection.num_kept, 1), selection.groups.device)]
+    firsts = [sum(crops[:i]) for i in range(len(crops))]
+    kept = [sum(counts[f : f + n]) for f, n in zip(firsts, crops, strict=True)]
+    groups = [torch.where(g >= 0, g - 2 * f, -1) for g, f in zip(flat.split(kept), firsts, strict=True)]
+    sizes = [list(selection.group_sizes[2 * f : 2 * (f + n)]) for f, n in zip(firsts, crops, strict=True)]
+    return groups, sizes

@@ -409,13 +409,23 @@ class PrefillMethod(Method):
     *next* layer's attention, recomputed from the drop layer's output (its input norm, q/k projections and
     rotary at the current positions: PyramidDrop scores a layer before it runs); "keys" = the drop layer's
     post-RoPE keys; "normed" = its output through the LLM's final norm; "hidden" = its output (see `LayerTokens`).
+    "plain_attention" = the drop layer's attention without rotary and without a causal mask, max over heads
+    (PruneVid; see `LayerTokens.attention`).
     query_rows: "last" = the last prompt token; "text" = every text token after the row's first visual token;
-    "chosen" = the text tokens `choose_rows` picks once, from the LLM's input embeddings.
+    "chosen" = the text tokens `choose_rows` picks once, from the LLM's input embeddings; "after_visual" = every
+    real token after the row's last visual token.
+    calls: ("mid_layer",) = the method acts at call points inside the LLM instead of after whole layers: call 0 on
+    the LLM's input, call c after layer c - 1's attention (its residual added), before its MLP (FrameFusion). Per
+    prefill the engine calls `start`, orders the video tokens by `candidate_order`, then `step` at every call point
+    with `MidLayerTokens`, and applies the `MidLayerStep` it returns; the run `start` made may say which rows want
+    the attention of the layer before a call (`wants_attention(call)`), whether it is `done`, and its `log` of
+    calls (dicts with "call", "before", "after", the rest as records' extras) and `cost(row)`.
     """
 
     stages: ClassVar[tuple[str, ...]] = ("prefill",)
     query_rows: ClassVar[str] = "last"
     reads: ClassVar[tuple[str, ...]] = ("attention",)
+    calls: ClassVar[tuple[str, ...]] = ()
     positions: str = "renumber"
 
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
@@ -428,7 +438,7 @@ class PrefillMethod(Method):
         drops = self.drop_layers(num_layers)
         if "next_attention" in self.reads:
             return tuple(k + 1 for k in drops)
-        return drops if "attention" in self.reads or "keys" in self.reads else ()
+        return drops if {"attention", "keys", "plain_attention"} & set(self.reads) else ()
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         """[B, V] bool: which visual tokens of every row go on (invalid entries are ignored). A hot path: a fixed
@@ -486,6 +496,25 @@ class PrefillMethod(Method):
         """Decode stage: layers whose KV cache is cut, after prefill, to the visual tokens that survived every
         drop (none by default)."""
         return range(0)
+
+    # ----------------------------------------------------------------- mid-layer call points (calls = ("mid_layer",))
+    def start(self, batch: int, num_layers: int) -> Any:
+        """calls=("mid_layer",): the state of one prefill of `batch` rows through `num_layers` layers."""
+        raise NotImplementedError
+
+    def candidate_order(self, slots: torch.Tensor, videos: torch.Tensor, counts: list[int]):
+        """calls=("mid_layer",): (order [B, P], chain [B, P]) of the candidates, once per prefill, from slots and
+        videos [B, L] (a token's index inside its frame and its video; -1 outside every frame) and the candidates
+        per row (host): `MidLayerTokens.order` / `chain`."""
+        raise NotImplementedError
+
+    def query_count(self, family: str) -> int:
+        """calls=("mid_layer",): how many of each row's last tokens give the attention rows (on `family`)."""
+        return 1
+
+    def step(self, run: Any, tokens: Any) -> Any:
+        """calls=("mid_layer",): one call point on `MidLayerTokens`; returns a `MidLayerStep`."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

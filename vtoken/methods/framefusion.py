@@ -23,11 +23,11 @@ video), with L = the LLM's depth (`num_layers`):
 - Caches hold what each layer's attention saw; positions stay the original ones; decoding continues at the
   unpruned length.
 
-The call points sit inside decoder layers, which vtoken's LLM engine does not offer yet: the method's algorithms are
-pure tensor functions here (`slot_table`, `patch_order`, `chain_similarity`, `top_similar`, `chain_merge`,
-`prune_keep`, `pruning_ratio`), and `FrameFusion.start` / `FrameFusion.step` drive one prefill's calls on what the
-engine hands over (`FusionTokens`); `vtoken.patch` refuses it, naming the missing call point, until the engine
-calls them.
+vtoken's LLM engine runs the call points (`calls = ("mid_layer",)`: call 0 on the LLM's input, call c inside layer
+c - 1, whose forward it splits at the residual); the method's algorithms are pure tensor functions here
+(`patch_order`, `chain_similarity`, `top_similar`, `chain_merge`, `prune_keep`, `pruning_ratio`), and
+`FrameFusion.start` / `FrameFusion.step` drive one prefill's calls on what the engine hands over (`MidLayerTokens`:
+the candidates in patch order, compacted after every call, the attention rows when a prune is due).
 
 Differences from the official code (docs/differences.md): L = the LLM's depth (the official hard-codes 28:
 `num_layers=28` reproduces it); merging stops at the last layer (the official divides by zero at n = L); batches of
@@ -48,7 +48,7 @@ import torch
 from ..errors import VTokenError
 from ..geometry.tables import on_device
 from ..params import Int, Kept, OrNone, Real
-from ..tokens import LayerTokens
+from ..tokens import LayerTokens, MidLayerStep, MidLayerTokens
 from .base import PrefillMethod
 
 PHASES = ("merge", "prune", "done")
@@ -56,7 +56,8 @@ PHASES = ("merge", "prune", "done")
 
 def pruning_ratio(sparsities: Sequence[float], layers: int, cost: float) -> float:
     """P(list): the sparsity every remaining layer needs so that the visual tokens' mean fraction over `layers`
-    layers is `cost`, after merge calls that removed the fractions `sparsities` (n of them, n < layers)."""
+    layers is `cost`, after merge calls that removed the fractions `sparsities` (n of them, n < layers); 1 once the
+    merges alone kept more than the cost (data decides it, mid-prefill: the official code raises there)."""
     n = len(sparsities)
     if n >= layers:
         raise VTokenError(f"framefusion: {n} merge calls for an LLM of {layers} layers; at most {layers - 1}")
@@ -65,34 +66,10 @@ def pruning_ratio(sparsities: Sequence[float], layers: int, cost: float) -> floa
         fraction *= 1 - s
         spent += fraction
     left = layers * cost - spent
-    if left < 0:
-        raise VTokenError(
-            f"framefusion: cost={cost} is spent after {n} merge calls over {layers} layers (the merges alone kept "
-            f"{spent:.3f} layers' worth of visual tokens); give a larger cost"
-        )
+    if left < 0:  # the merges alone kept more than the cost (the official raises): no layer left keeps any
+        return 1.0
     need = left / ((layers - n) * fraction)
     return 0.0 if need > 1 else 1 - need
-
-
-def slot_table(spans: Sequence[Sequence[torch.Tensor]], batch: int, length: int, device: torch.device):
-    """Where the candidates are: spans[b][v] the [F, 2] (start, end) columns of the frames of row b's video v (the
-    adapter's `frame_spans`). Returns (slots [B, L] int64: a token's index inside its frame, -1 outside every
-    frame: text, timestamps, InternVL's frame labels, OneVision's newline; videos [B, L] int64: its video, -1
-    outside; counts: candidates per row, host). Built on the host from host facts (a few ops per video), copied
-    to `device` once."""
-    table = torch.full((2, batch, length), -1, dtype=torch.long)
-    for row, items in enumerate(spans):
-        for video, frames in enumerate(items):
-            frames = frames.cpu().long()
-            sizes = frames[:, 1] - frames[:, 0]
-            first = frames[:, 0].repeat_interleave(sizes)
-            slot = torch.arange(int(sizes.sum())) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
-            table[0, row, first + slot] = slot
-            table[1, row, first + slot] = video
-    counts = (table[0] >= 0).sum(1).tolist()
-    device = torch.device(device)
-    moved = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
-    return moved[0], moved[1], counts
 
 
 def patch_order(slots: torch.Tensor, videos: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,39 +133,6 @@ def prune_keep(scores: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor,
 
 
 @dataclass
-class FusionTokens:
-    """What the engine hands FrameFusion at call point `call` (0: before layer 0's attention; c >= 1: after layer
-    c - 1's attention, residual added, before its MLP), for the B rows of a prefill.
-
-    hidden: [B, C, D] the residual stream of the current sequence; order: [B, P] the current candidates in patch
-    order (indices into C, -1 past a row's count; kept in patch order by compaction after every call); chain: [B,
-    P] their chain keys (-1 past the count); columns: [B, P] their sequence index in the prompt (ties of the prune);
-    counts: host, candidates per row; attention: [B, R, P] for rows whose prune is due at this point
-    (`FusionRun.wants_attention`), layer c - 1's causal softmax attention (post-rotary, as the model computes it,
-    mean over heads) of each row's last `rows` real prompt tokens over its candidates (row_valid [B, R]), else
-    None."""
-
-    call: int
-    hidden: torch.Tensor
-    order: torch.Tensor
-    chain: torch.Tensor
-    columns: torch.Tensor
-    counts: list[int]
-    attention: torch.Tensor | None = None
-    row_valid: torch.Tensor | None = None
-
-
-@dataclass
-class FusionStep:
-    """What one call point decided: keep [B, P] (in patch order) which candidates go on; states [B, P, D] fp32 the
-    new hidden states of the kept ones (merged heads; None: unchanged); kept: host, candidates left per row."""
-
-    keep: torch.Tensor
-    states: torch.Tensor | None
-    kept: list[int]
-
-
-@dataclass
 class FusionRun:
     """One prefill's FrameFusion state, per row: the sparsities of its merge calls, its phase ("merge", then
     "prune" when due, then "done") and the log of its calls (call, what, r, u, tokens before and after)."""
@@ -235,8 +179,8 @@ class FrameFusion(PrefillMethod):
     modalities = ("video",)
     merges = True
     positions = "original"  # a merged token keeps its head's (the earliest frame's) position
-    query_rows = "last"
-    reads = ("attention", "hidden")
+    calls = ("mid_layer",)  # before layer 0 and after every layer's attention, before its MLP
+    reads = ()
     params = {
         "cost": Kept(counts=False, hint="the mean share of the video tokens the LLM's layers keep"),
         "threshold": Real("[-1, 1]", hint="a cosine similarity"),
@@ -252,10 +196,11 @@ class FrameFusion(PrefillMethod):
         return self.rows if self.rows is not None else (4 if family == "qwen2-vl" else 1)
 
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
-        raise VTokenError(
-            "framefusion merges after each LLM layer's attention, before its MLP (and before layer 0), a call point "
-            "vtoken's LLM engine does not offer yet; its algorithms are in vtoken.methods.framefusion, not wired"
-        )
+        return ()  # it acts at its call points, not after whole layers
+
+    def candidate_order(self, slots: torch.Tensor, videos: torch.Tensor, counts: list[int]):
+        """The patch order (`patch_order`): by video, slot, then sequence index; chains = video and slot."""
+        return patch_order(slots, videos, counts)
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
         raise VTokenError("framefusion acts at its own call points (FrameFusion.step), not after whole layers")
@@ -266,7 +211,7 @@ class FrameFusion(PrefillMethod):
         layers = self.num_layers if self.num_layers is not None else num_layers
         return FusionRun(layers, [[] for _ in range(batch)], ["merge"] * batch, [[] for _ in range(batch)])
 
-    def step(self, run: FusionRun, tokens: FusionTokens) -> FusionStep:
+    def step(self, run: FusionRun, tokens: MidLayerTokens) -> MidLayerStep:
         """Call point `tokens.call` (0..L - 1): merge calls for the rows still merging (the last one ends merging
         without a prune), the prune for the rows whose prune is due. One host read per call that merges (how many each
         row's threshold flags: r decides the branch and the count); the prune's counts are host-known."""
@@ -337,4 +282,4 @@ class FrameFusion(PrefillMethod):
             pruned = prune_keep(scores, tokens.columns, valid, targets)
             pruning = on_device([int(d) for d in due], pruned.device).bool()[:, None]
             keep = torch.where(pruning, pruned, keep)
-        return FusionStep(keep, states, kept)
+        return MidLayerStep(keep, states, kept)

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from ..errors import VTokenError
 from ..geometry.tables import on_device
 from ..kernels import fill_gaps
+from ..kernels.plain_attention import plain_attention_max  # noqa: F401 - step 8's read, the engine's
 from ..params import Int, Layer, OrNone, Param, Real
 from ..tokens import LayerTokens, Selection, VisualTokens
 from .base import EncoderMethod, PrefillMethod, droppable_layers
@@ -68,10 +69,10 @@ if TYPE_CHECKING:
 
 
 # whether vtoken's LLM engine runs the cut inside the LLM (steps 8-10): it reads the plain attention
-# ("plain_attention": `plain_attention_max` of the rows after the row's last visual token) and hands the encoder
-# stage's groups on (`LayerTokens.groups` / `group_sizes` from `Selection.groups` / `group_sizes`). Until then
-# `patch` refuses layer=K and the tools fit layer=None (the encoder stage alone)
-CUT_WIRED = False
+# ("plain_attention" of the rows after the row's last visual token) and hands the encoder stage's groups on
+# (`LayerTokens.groups` / `group_sizes` from `Selection.groups` / `group_sizes`); while False, `patch` refuses
+# layer=K and the tools fit layer=None (the encoder stage alone)
+CUT_WIRED = True
 
 
 @dataclass(frozen=True)
@@ -222,27 +223,6 @@ def prunevid_merge(
 
 
 # --------------------------------------------------------------------------- the prefill stage's functions
-def plain_attention_max(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    key_valid: torch.Tensor,
-    visual: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """Step 8's attention of R query rows (the reference of the engine's read): queries [B, R, H, d] and keys [B, S,
-    Hkv, d] as the layer projects them *before rotary* (after its QK-norm), key_valid [B, S] (padding False),
-    visual [B, V] the key slots of the row's visual tokens (-1: none). Returns [B, R, V] fp32: for each row, the
-    largest over heads of softmax over every real key (no causal mask) of q . k * scaling, each head with its KV
-    group (grouped-query attention: heads h * Hkv // H share key head h // (H // Hkv))."""
-    heads, groups = queries.shape[2], keys.shape[2]
-    keys = keys.float().repeat_interleave(heads // groups, dim=2)  # [B, S, H, d]
-    logits = torch.einsum("brhd,bshd->bhrs", queries.float(), keys) * scaling
-    logits = logits.masked_fill(~key_valid[:, None, None, :], float("-inf"))
-    probs = logits.softmax(dim=-1).amax(dim=1)  # [B, R, S]
-    taken = probs.gather(2, visual.clamp(min=0)[:, None, :].expand(-1, probs.shape[1], -1))
-    return taken.masked_fill((visual < 0)[:, None, :], 0.0)
-
-
 def group_quota_keep(
     scores: torch.Tensor, groups: torch.Tensor, quotas: torch.Tensor, valid: torch.Tensor
 ) -> torch.Tensor:
@@ -356,7 +336,7 @@ class PruneVid(EncoderMethod, PrefillMethod):
 
         return video_selection(tokens, projected, merge)
 
-    # ----------------------------------------------------------------- prefill stage (needs the engine's support)
+    # ----------------------------------------------------------------- prefill stage
     def drop_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.layer is None:
             return ()

@@ -126,9 +126,10 @@ ONEVISION_PINPOINTS = [[384, 384], [384, 768], [768, 384], [768, 768], [384, 115
 
 
 @_with_tokenizer
-def tiny_onevision(seed: int = 0):
+def tiny_onevision(seed: int = 0, text_layers: int = 2):
     """A tiny random-weight LLaVA-OneVision: SigLIP (no [CLS], 27 x 27 tokens), anyres_max_9 packing with a 4 x 4
-    pinpoint that triggers its downsampling, image newline, 2 x 2 bilinear video pooling."""
+    pinpoint that triggers its downsampling, image newline, 2 x 2 bilinear video pooling; a Llama LLM of
+    `text_layers` layers."""
     from transformers import (
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
@@ -149,7 +150,8 @@ def tiny_onevision(seed: int = 0):
         chat_template=LLAVA_CHAT_TEMPLATE,
         vision_aspect_ratio="anyres_max_9",
     )
-    text = llava_config(tokenizer, vision=dict(TINY_VISION), text=dict(TINY_TEXT)).text_config
+    text = llava_config(tokenizer, vision=dict(TINY_VISION), text=dict(TINY_TEXT, num_hidden_layers=text_layers))
+    text = text.text_config
     vision = dict(TINY_VISION, model_type="siglip_vision_model", image_size=384, patch_size=14)
     vision.pop("projection_dim")
     config = LlavaOnevisionConfig(

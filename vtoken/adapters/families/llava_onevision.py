@@ -28,6 +28,7 @@ from torch import nn
 
 from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.geometry.anyres import AnyresGrid, onevision_grid, onevision_max_crops, pack, with_row_after
+from vtoken.geometry.kept import item_groups
 from vtoken.geometry.tables import padded_rows, repeated, stack_padded
 from vtoken.hub import hub_kwargs
 from vtoken.records import LazyRecords
@@ -190,10 +191,11 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     @staticmethod
     def _run_offsets(
         selection: Any, rows: torch.Tensor, frames: int, tokens: int, kept: list[int]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """Where every video's output rows stand in its placeholder run (F frames of T tokens, then the newline):
         (rows [sum kept, D] ordered by place within each video, per video its [kept + 1] ascending offsets, the
-        newline's F * T last). Crops are the videos' frames in order. A fixed few kernels, no host sync."""
+        newline's F * T last, and [sum kept] that order of the rows). Crops are the videos' frames in order. A fixed
+        few kernels, no host sync."""
         device = rows.device
         width = max(selection.num_kept, 1)
         picked = padded_rows(selection.counts_per_crop(), width, device)  # real entries of the [C, width] rows
@@ -203,7 +205,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         places = places[order]
         ends = torch.full((1,), frames * tokens, dtype=places.dtype, device=device)
         offsets = with_row_after(places[:, None], kept, ends)[:, 0].split([n + 1 for n in kept])
-        return rows[order], list(offsets)
+        return rows[order], list(offsets), order
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return features  # selection runs after the projector (and the model's own pooling/stitching)
@@ -308,12 +310,20 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             selection, timer = self.select(tokens)
             per_frame = selection.counts_per_crop()
             kept = [sum(per_frame[v * frames : (v + 1) * frames]) for v in range(videos)]
-            rows, offsets = flat_kept(selection, pooled), None
+            rows, offsets, order = flat_kept(selection, pooled), None, None
             if self.positions == "original":  # each kept token at its place in the video's run, the newline last
-                rows, offsets = self._run_offsets(selection, rows, frames, pooled.shape[1], kept)
+                rows, offsets, order = self._run_offsets(selection, rows, frames, pooled.shape[1], kept)
             per_video = with_row_after(rows, kept, newline).split([n + 1 for n in kept])
             records = self.encoder.crop_records(tokens, selection, timer, list(range(frames)) * videos, "video", owners)
-            return EncodedImages(list(per_video), offsets, records)
+            found = item_groups(selection, [frames] * videos)  # a later stage's groups (PruneVid), the newline none
+            groups = sizes = None
+            if found is not None:
+                flat = torch.cat(found[0])
+                flat = flat if order is None else flat[order]
+                newline_group = torch.full((1,), -1, dtype=flat.dtype, device=flat.device)
+                groups, sizes = list(with_row_after(flat[:, None], kept, newline_group)[:, 0].split(
+                    [n + 1 for n in kept])), found[1]  # fmt: skip
+            return EncodedImages(list(per_video), offsets, records, groups=groups, group_sizes=sizes)
 
         self.refuse_resized_grids("anyres images")
         counts = self._crop_counts(image_sizes, batch_num_images)

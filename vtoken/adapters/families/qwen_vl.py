@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vtoken.errors import InputError, VTokenError
+from vtoken.geometry.kept import item_groups
 from vtoken.geometry.qwen import item_tokens, resized_grid_thw, run_offsets, token_grid, window_index
 from vtoken.geometry.tables import on_device
 from vtoken.kernels import attention_column_mean
@@ -293,7 +294,7 @@ class QwenVLAdapter(Adapter):
             groups = self.raster_order(groups, grids).split(sizes)
         companions = self.companion_features(out)
         companions = [(c if plan is None else plan.groups_on_grid(c)).split(sizes) for c in companions]
-        features, offsets, parts, followers, checks = [], [], [], [], []
+        features, offsets, parts, followers, checks, kinds, kind_sizes = [], [], [], [], [], [], []
         for index, (tokens, thw) in enumerate(zip(merged.split(sizes), grids, strict=True)):
             frames, grid = thw[0], token_grid(thw, self.merge)
             per_frame = tokens.view(frames, grid[0] * grid[1], -1)
@@ -314,16 +315,23 @@ class QwenVLAdapter(Adapter):
             followed = [follow_selection(self.encoder_method, selection, crops, c[index]) for c in companions]
             follow = [rows for rows, _ in followed]
             checks += [agrees for _, agrees in followed]
+            found = item_groups(selection, [frames])  # a later stage's groups (PruneVid's windows and frames)
+            grouped = None if found is None else found[0][0]
             if selection.at_anchors:  # rows at their anchors, not always ascending (HoliTom): the prompt's order
                 order = places.argsort(stable=True)
                 kept, places, follow = kept[order], places[order], [c[order] for c in follow]
+                grouped = None if grouped is None else grouped[order]
+            if found is not None:
+                kinds.append(grouped)
+                kind_sizes.append(found[1][0])
             features.append(kept)
             offsets.append(places)
             parts.append(self.encoder.crop_records(crops, selection, timer, list(range(frames)), modality.name,
                                            [index] * frames))  # fmt: skip
             followers.append(follow)
         check_followed(self.encoder_method, checks)  # a merge's anchors on DeepStack levels: one read, if any
-        return EncodedImages(features, offsets, LazyRecords.chain(parts), companions=followers if companions else None)
+        return EncodedImages(features, offsets, LazyRecords.chain(parts), companions=followers if companions else None,
+                             groups=kinds or None, group_sizes=kind_sizes or None)  # fmt: skip
 
     def companion_features(self, out: Any) -> list[torch.Tensor]:
         """Further [N, D'] tensors of the encoder's output, one row per merged token, that must follow the

@@ -32,6 +32,7 @@ class VideoLlavaAdapter(LlavaAdapter):
         Modality("video", "pixel_values_videos", "video_token_id", ("vision_feature_layer",)),
     )
     stacked_features = frozenset({"image", "video"})  # its forward masked-scatters `pooler_output` tensors
+    frame_leading = 1  # a frame's [CLS] token before its patches
 
     def available_signals(self) -> set[str]:
         # no merge inside the towers: frames are packed as full grids (each frame keeps its [CLS] slot)

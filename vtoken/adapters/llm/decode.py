@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vtoken.errors import InputError
+from vtoken.geometry.tables import on_device
 
 from .. import hf
 from .views import LayerView, Overrides
@@ -24,7 +25,7 @@ class DecodeGroup:
     is known there), shared by the rest."""
 
     view: LayerView
-    lost: torch.Tensor | None  # [B] the view's lost tokens (renumbered views)
+    renumbered: bool  # positions renumbered: the view's new tokens sit right after its own prompt
     overrides: Overrides | None = None
     built: bool = False
 
@@ -73,8 +74,7 @@ class DecodeStep:
         for index, view in enumerate(views):
             if view is not None:
                 if id(view) not in made:
-                    lost = view.lost_tensor() if stages.renumber else None  # made once per view
-                    made[id(view)] = DecodeGroup(view, lost)
+                    made[id(view)] = DecodeGroup(view, stages.renumber)
                 groups[index] = made[id(view)]
         return cls(stages, embeds, mask, positions, cache, prompt_length, groups)
 
@@ -97,13 +97,14 @@ class DecodeStep:
         groups = list({id(g): g for g in self.groups.values()}.values())
         positions = [self.positions] * len(groups)
         rotary = [None] * len(groups)
-        renumbered = [k for k, g in enumerate(groups) if g.lost is not None]
-        if renumbered:  # positions right after each view's own prompt: one rotary call for every group
-            for k in renumbered:
-                positions[k] = self.positions - groups[k].lost.view(*[1] * (self.positions.dim() - 2), -1, 1)
+        renumbered = [k for k, g in enumerate(groups) if g.renumbered]
+        if renumbered:  # positions right after each view's own prompt: one subtraction, one rotary call for all
+            lost = stacked_lost([groups[k].view for k in renumbered], self.positions.device)  # [B, G]
             width = self.positions.shape[-1]
-            cos, sin = stages.lm.rotary_emb(self.embeds, position_ids=torch.cat([positions[k] for k in renumbered], -1))
+            shifted = self.positions.unsqueeze(-2) - lost.view(*[1] * (self.positions.dim() - 2), *lost.shape, 1)
+            cos, sin = stages.lm.rotary_emb(self.embeds, position_ids=shifted.flatten(-2))  # [..., B, G * n]
             for n, k in enumerate(renumbered):
+                positions[k] = shifted[..., n, :]
                 rotary[k] = (cos[..., n * width : (n + 1) * width, :], sin[..., n * width : (n + 1) * width, :])
         for k, group in enumerate(groups):
             group.built = True
@@ -116,3 +117,14 @@ class DecodeStep:
                 view_mask = torch.cat([view.mask, new_columns], dim=1)
                 mask = stages.mask(self.embeds, view_mask, positions[k], self.cache, first)
             group.overrides = None if mask is None and rotary[k] is None else Overrides(mask, positions[k], rotary[k])
+
+
+def stacked_lost(views: list[LayerView], device: torch.device) -> torch.Tensor:
+    """[B, G] the tokens each of `views` lost before it (`LayerView.lost`), on `device`: made once per set of views
+    (every decoding step of a cache reads it), kept on the first view."""
+    key = tuple(id(v) for v in views)
+    made = views[0].__dict__.setdefault("_stacked_lost", {})
+    if key not in made:
+        batch = len(views[0].lost)
+        made[key] = on_device([view.lost[row] for row in range(batch) for view in views], device).view(batch, -1)
+    return made[key]

@@ -22,8 +22,18 @@ from vtoken.timing import Stopwatch
 from vtoken.tokens import LayerTokens, TextTokens
 
 from .. import hf
+from .midlayer import CallPoints
 from .records import LazyRecord, kept_ranks, prefill_records
-from .views import LayerView, Layout, Overrides, narrowed, packed, take_columns, text_after_image
+from .views import (
+    LayerView,
+    Layout,
+    Overrides,
+    narrowed,
+    packed,
+    take_columns,
+    text_after_image,
+    text_after_visual,
+)
 
 if TYPE_CHECKING:
     from .stages import LanguageModelStages
@@ -48,9 +58,12 @@ class PrefillRun:
         self.chosen = chosen
         self.rotary: Any = None
         self.position_ids: Any = None
+        self.initial = view  # the prompt as the LLM received it
         self.views: list[LayerView] = []
         self.overrides: Overrides | None = None
         self.records: list = []
+        self.group_sizes: list[list[int]] | None = None  # per row, its groups' sizes (an encoder stage's groups)
+        self.calls: CallPoints | None = None  # the method's mid-layer call points (calls=("mid_layer",))
 
     # ----------------------------------------------------------------- start
     @classmethod
@@ -74,11 +87,16 @@ class PrefillRun:
         positions = (mask.cumsum(1) - 1).clamp(min=0) if stages.renumber else None  # each row's own numbering
         column = torch.arange(length, device=device).expand(batch, length)
         protected = stages.adapter.protected_mask_for((batch, length))
+        found = stages.adapter.groups_for((batch, length))
+        groups = None if found is None else found[0].to(device).masked_fill(~visual, -1)
         view = LayerView(column, mask, positions, visual, None if protected is None else protected.to(device), None,
-                         layout.lengths, layout.visual, [0] * batch)  # fmt: skip
+                         layout.lengths, layout.visual, [0] * batch, groups)  # fmt: skip
         run = cls(stages, view, layout, cache)
+        run.group_sizes = None if found is None else found[1]
         if method.query_rows == "chosen":
             run.chosen = run._chosen_rows(embeds, text)
+        if method.calls:
+            run.calls = CallPoints.start(run, embeds)
         return run
 
     def _chosen_rows(self, embeds: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -92,14 +110,22 @@ class PrefillRun:
         return chosen.bool() & (words >= 0)
 
     # ----------------------------------------------------------------- every layer
-    def enter_layer(self, kwargs: dict) -> Overrides | None:
-        """Before a decoder layer: note what it runs on; the first one also shows the prompt's own tables and cache.
-        Returns what the layer gets instead of the LLM's own arguments (None: the LLM's)."""
+    def enter_layer(self, kwargs: dict, hidden: torch.Tensor | None = None) -> tuple[Overrides | None, torch.Tensor]:
+        """Before a decoder layer: note what it runs on; the first one also shows the prompt's own tables and cache,
+        and is where a method's call point 0 acts on the LLM's input `hidden` [B, L, D]. Returns what the layer gets
+        instead of the LLM's own arguments (None: the LLM's) and its hidden states."""
         if self.rotary is None:
             self.rotary, self.position_ids = kwargs.get("position_embeddings"), kwargs.get("position_ids")
             self.cache = self.cache if self.cache is not None else hf.cache_in(kwargs)
+            if self.calls is not None and hidden is not None:
+                hidden = self.calls.call(0, hidden)
         self.views.append(self.view)
-        return self.overrides
+        return self.overrides, hidden
+
+    def call_point(self, point: int, hidden: torch.Tensor) -> torch.Tensor:
+        """A method's call point `point` >= 1 (after layer point - 1's attention, residual added): the hidden
+        states [B, C', D] its MLP and the later layers run on."""
+        return hidden if self.calls is None else self.calls.call(point, hidden)
 
     # ----------------------------------------------------------------- a drop
     def drop(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,12 +168,25 @@ class PrefillRun:
         hidden = take_columns(hidden, sources, 1)
         if new_view.padded:
             hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
-        compute = kept_ranks(self.views[0].visual, view.column, view.merged, slots, keep_visual)
+        compute = kept_ranks(self.initial.visual, view.column, view.merged, slots, keep_visual)
         timer.stop()
         self.records += prefill_records(method.name, layer, counts, kept, added, compute, timer)
         self.view = new_view
         self.overrides = self._overrides(hidden, new_view, layer + 1)
         return hidden
+
+    def narrow(self, hidden: torch.Tensor, keep: torch.Tensor, lengths: list[int], visual_counts: list[int],
+               layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Go on with the slots `keep` [B, C] marks of the current view (host counts of the result per row:
+        `lengths`, `visual_counts`) from layer `layer` on: the next view, its overrides, and (the hidden states
+        [B, C', D] gathered, [B, C'] the source slot of each new slot)."""
+        new_view, sources = narrowed(self.view, keep, lengths, visual_counts, self.layout.right, self.stages.renumber)
+        hidden = take_columns(hidden, sources, 1)
+        if new_view.padded:
+            hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
+        self.view = new_view
+        self.overrides = self._overrides(hidden, new_view, layer)
+        return hidden, sources
 
     def _overrides(self, hidden: torch.Tensor, view: LayerView, layer: int) -> Overrides:
         """Mask, positions and rotary tables of the layers running on `view` from `layer` on."""
@@ -158,7 +197,7 @@ class PrefillRun:
         else:  # the prompt's own positions and tables, sliced
             positions = self.position_ids
             if positions is None:
-                first = self.views[0].mask
+                first = self.initial.mask
                 positions = (first.cumsum(1) - 1).clamp(min=0)
             positions = take_columns(positions, view.column, positions.dim() - 1)
             rotary = tuple(take_columns(t, view.column, 1) for t in self.rotary)
@@ -187,6 +226,10 @@ class PrefillRun:
             else:
                 cached = self._cached_keys(layer, view.width)
             attention = probe.visual_attention(rows, key_valid, slots, cached)
+        if "plain_attention" in reads:  # no rotary, no causal mask, max over heads (PruneVid)
+            rows = self._query_rows(method.query_rows)
+            row_valid = rows >= 0
+            attention = stages.probes[layer].plain_attention(rows, key_valid, slots)
         if "keys" in reads:
             shifted = not self.layout.right and view.padded  # a left-padded row may be numbered from its padding
             keys = stages.probes[layer].keys(key_valid, self._cached_keys(layer, view.width), shifted)  # [B, S, H*d]
@@ -208,9 +251,11 @@ class PrefillRun:
 
         protected = view.protected.gather(1, slots.clamp(min=0)) & valid if view.protected is not None else None
         hidden_visual = visual_part(hidden) if "hidden" in reads else None
-        received = self.views[0].visual_counts
+        received = self.initial.visual_counts
+        groups = None if view.groups is None else view.groups.gather(1, slots.clamp(min=0)).masked_fill(~valid, -1)
         return LayerTokens(layer, attention, row_valid, valid, protected, received, index, visual_part(keys),
-                           visual_part(normed), hidden_visual, text, known=view.visual_counts)  # fmt: skip
+                           visual_part(normed), hidden_visual, text, known=view.visual_counts, groups=groups,
+                           group_sizes=None if groups is None else self.group_sizes)  # fmt: skip
 
     def _query_rows(self, rows: str) -> torch.Tensor:
         """[B, R] sequence indices of the method's query rows in the current view (-1: none)."""
@@ -220,6 +265,9 @@ class PrefillRun:
                 return torch.full((view.column.shape[0], 1), view.width - 1, dtype=torch.long,
                                   device=view.column.device)  # fmt: skip
             return view.mask.sum(1, keepdim=True) - 1
+        if rows == "after_visual":  # every real token after the row's last visual one (never dropped)
+            return packed(text_after_visual(view.mask, view.visual), max(max(layout.after, default=0), 1),
+                          layout.after)  # fmt: skip
         text = packed(text_after_image(view.mask, view.visual), max(max(layout.text, default=0), 1), layout.text)
         if rows == "chosen":  # text tokens are never dropped: the chosen ones keep their place among them
             return text.masked_fill(~self.chosen, -1)
@@ -240,12 +288,16 @@ class PrefillRun:
         selection's state, the records' layer averages. Returns the records and what each layer's cache holds
         (None: the prompt as the LLM received it), for the decoding steps."""
         self.cache = cache if cache is not None else self.cache
-        stages, first = self.stages, self.views[0]
+        stages, first = self.stages, self.initial
         views: list[LayerView | None] = [None if v is first else v for v in self.views]
         counts = [v.visual_counts for v in self.views]  # per layer, per row (host)
         records = self.records
+        if self.calls is not None:
+            records += self.calls.records()
         if stages.cut_layers and self.cache is not None:
             records += self._cut_caches(views, prompt_length)
+        if self.cache is not None:
+            self._whole_first_cache(views, prompt_length)
         if stages.selection is not None and self.cache is not None:
             records += stages.selection.start(self)
         rows = range(len(first.lengths))
@@ -262,6 +314,9 @@ class PrefillRun:
         cut_views: dict[int, tuple[LayerView, torch.Tensor]] = {}  # per view held: its cut view, final's slots there
         for index in cut_layers:
             held = self.views[index]
+            if index == self.stages.first_attention:  # transformers reads the cache length here: masked, not cut
+                views[index] = holey(held, final, prompt_length)
+                continue
             if id(held) not in cut_views:
                 cut = LayerView(final.column, final.mask, final.positions, final.visual, final.protected,
                                 final.merged, final.lengths, final.visual_counts, held.lost)  # fmt: skip
@@ -275,7 +330,7 @@ class PrefillRun:
         rows = range(len(final.lengths))
         before = [sum(self.views[i].visual_counts[row] for i in cut_layers) for row in rows]
         after = [final.visual_counts[row] * len(cut_layers) for row in rows]
-        lengths = [[(v or self.views[0]).lengths[row] for v in views] for row in rows]
+        lengths = [[(v or self.initial).lengths[row] for v in views] for row in rows]
         timer = Stopwatch(final.mask.device).start().stop()
         return [
             LazyRecord("decode.kv", self.method.name, image=row, crop=0, tokens_in=before[row],
@@ -283,6 +338,53 @@ class PrefillRun:
                        extra={"cache_lengths": lengths[row]})
             for row in rows
         ]  # fmt: skip
+
+    def _whole_first_cache(self, views: list[LayerView | None], prompt_length: int) -> None:
+        """The first attention layer's cache holds one entry per prompt column, whatever that layer ran on:
+        transformers reads the cache length (so the next position and every mask's size) from it. A layer that ran
+        on a shorter view (a call point before it) has its keys and values spread to their prompt columns, the
+        columns it never saw masked out in its view. Two scatters; nothing when it ran on the whole prompt."""
+        index = self.stages.first_attention
+        held = views[index] if index < len(views) else None
+        layers = hf.cache_layers(self.cache)
+        if held is None or not layers or index >= len(layers) or held.width == prompt_length:
+            return
+        layer_cache = layers[index]
+        target = torch.where(held.column >= 0, held.column, prompt_length)  # [B, C] (padding to a spare column)
+        for name in ("keys", "values"):
+            tensor = getattr(layer_cache, name)
+            batch, heads, _, dim = tensor.shape
+            spread = tensor.new_zeros(batch, heads, prompt_length + 1, dim)
+            spread.scatter_(2, target[:, None, :, None].expand(-1, heads, -1, dim), tensor)
+            setattr(layer_cache, name, spread[:, :, :prompt_length])
+
+        def place(x: torch.Tensor | None, fill) -> torch.Tensor | None:
+            if x is None:
+                return None
+            out = torch.full((x.shape[0], prompt_length + 1), fill, dtype=x.dtype, device=x.device)
+            return out.scatter_(1, target, x)[:, :prompt_length]
+
+        column = self.initial.column
+        views[index] = LayerView(column, place(held.mask, 0), None, place(held.visual, False),
+                                 place(held.protected, False), place(held.merged, False), held.lengths,
+                                 held.visual_counts, held.lost, place(held.groups, -1))  # fmt: skip
+
+
+def holey(held: LayerView, final: LayerView, prompt_length: int) -> LayerView:
+    """A cut of the cache `held` holds to the tokens of `final`, as a view with the others masked out (nothing
+    moves in the cache): for the first attention layer, whose length transformers reads."""
+    slots = slots_of_columns(held, final.column, prompt_length)
+    width = held.width
+    flags = torch.zeros(slots.shape[0], width + 1, dtype=torch.bool, device=slots.device)
+    flags = flags.scatter_(1, torch.where(slots >= 0, slots, width), True)[:, :width] & (held.mask != 0)
+
+    def kept(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x & flags
+
+    groups = None if held.groups is None else held.groups.masked_fill(~flags, -1)
+    return LayerView(held.column, held.mask * flags.to(held.mask.dtype), held.positions, kept(held.visual),
+                     kept(held.protected), kept(held.merged), list(final.lengths), list(final.visual_counts),
+                     held.lost, groups)  # fmt: skip
 
 
 def check_cache(method: PrefillMethod, cache: Any, recurrent: set[int]) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from vtoken.errors import VTokenError
 from vtoken.kernels import causal_rows_probs, visual_attention
+from vtoken.kernels.plain_attention import plain_attention_max
 
 from .. import hf
 from ..compiled import eager
@@ -123,6 +124,10 @@ class QueryKeyProbe:
             hook.remove()
         self._hooks = []
 
+    def clear(self) -> None:
+        """Forget what this thread captured (so a layer's queries and keys are not held past their use)."""
+        self._store.clear()
+
     def _per_head(self, x: torch.Tensor, seq: int, gated: bool = False) -> torch.Tensor:
         """x as [B, S, heads, d], from [B, S, heads * d] (or [B, S, heads * 2d] gated), [B, S, heads, d] or
         [B, heads, S, d] (QK-norm after the transpose, as Gemma 3 does)."""
@@ -191,6 +196,14 @@ class QueryKeyProbe:
         q = self._row_queries(q, rotary, rows)
         keys = self._rotated_keys(k, rotary) if keys is None else keys
         return visual_attention(q, keys, rows, key_valid, visual, float(self.attention.scaling))
+
+    def plain_attention(self, rows: torch.Tensor, key_valid: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+        """[B, R, V] the attention of query rows `rows` [B, R] (sequence indices, -1: none) to the key slots `visual`
+        [B, V] (-1: none) as the layer would compute it without rotary and without a causal mask, the largest over
+        heads (`plain_attention_max`; each head with its KV group); padding (`key_valid` [B, S] False) excluded."""
+        q, k, _ = self._take(key_valid)
+        q = q.gather(1, rows.clamp(min=0)[:, :, None, None].expand(-1, -1, *q.shape[2:]))
+        return plain_attention_max(q, k, key_valid, visual, float(self.attention.scaling))
 
     def step_attention(self, keys: torch.Tensor, key_valid: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
         """[B, V] head-mean attention of the last token of this decoding step (its captured query, rotary applied)

@@ -112,7 +112,7 @@ class DecodeTimeSelection:
         """After a prefill with a cache: the state the decoding steps select with, left on the cache; one record
         per row (tokens_in: the visual tokens chosen among; tokens_out: what a selecting step keeps of them)."""
         stages = self.stages
-        first = state.views[0]
+        first = state.initial
         visual, counts = first.visual, list(first.visual_counts)
         trailer = getattr(stages.adapter, "video_run_trailer", 0)  # separators closing a run (OneVision's newline)
         if trailer:

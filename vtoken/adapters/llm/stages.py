@@ -12,6 +12,7 @@ after each drop layer hands the next layer the shorter hidden states; a hook aft
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -55,15 +56,17 @@ class LanguageModelStages:
         # hybrid LLMs (Qwen3.5): per-layer types, linear-attention layers holding a recurrent state, not keys
         self.layer_types = list(getattr(self.lm.config, "layer_types", None) or [])
         self.recurrent = {i for i, kind in enumerate(self.layer_types) if kind == "linear_attention"}
-        # the first attention layer's cache is never cut: transformers reads the cache length (and so the next
-        # position and mask size) from it (layer 0 unless the LLM is hybrid); recurrent layers have no such cache
-        first = min((i for i in range(len(self.layers)) if i not in self.recurrent), default=0)
-        self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i > first and i not in self.recurrent]
+        # transformers reads the cache length (and so the next position and mask size) from the first attention
+        # layer's cache (layer 0 unless the LLM is hybrid): its cut masks tokens out, and it always holds the whole
+        # prompt's length (`PrefillRun.finish`); recurrent layers have no such cache
+        self.first_attention = min((i for i in range(len(self.layers)) if i not in self.recurrent), default=0)
+        self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i not in self.recurrent]
         self.renumber = method.positions == "renumber"
         select_layer = method.select_layer(len(self.layers))  # decode-time selection (None: none)
         self.selection = None if select_layer is None else DecodeTimeSelection(self, select_layer)
         self.probes: dict[int, QueryKeyProbe] = {}
         self.row_probe: QueryKeyProbe | None = None
+        self.call_probes: dict[int, QueryKeyProbe] = {}  # mid-layer call points: the layer before each call
         # per call, one per thread (hooks run in the thread that called the model); what each layer's cache holds
         # is left on the cache itself (`remember_views`)
         self._calls = PerThread(LanguageModelCall)
@@ -82,12 +85,51 @@ class LanguageModelStages:
         """[B, C] the prompt column of every slot the last decoder layers ran on in this thread's last prefill."""
         return self.call.final_columns
 
+    @property
+    def follows_frames(self) -> bool:
+        """The method's call points follow the prompt's video frames (the call path notes the call's frames)."""
+        return "mid_layer" in self.method.calls
+
     # ----------------------------------------------------------------- install / remove
+    def check_call_points(self) -> None:
+        """A method with mid-layer call points needs every layer before the last to split at its residual (a
+        pre-norm decoder layer transformers' way, `hf.PRE_NORM_LAYERS`), softmax attention there (the attention
+        before a call is read), and no encoder-stage method changing which tokens a video's frames hold."""
+        name = self.method.name
+        if self.recurrent:
+            raise VTokenError(
+                f"{name} acts after every LLM layer's attention and reads it; this LLM's layers "
+                f"{sorted(self.recurrent)} are linear attention (a recurrent state, not softmax attention), which "
+                "it cannot act on (hybrid LLMs such as Qwen3.5 are not supported)"
+            )
+        for index, layer in enumerate(self.layers[:-1]):
+            if not hf.splits_at_residual(layer):
+                raise VTokenError(
+                    f"{name} acts inside each decoder layer (after its attention, before its MLP), which vtoken "
+                    f"does for the pre-norm layers it knows ({', '.join(sorted(hf.PRE_NORM_LAYERS))}); layer {index} "
+                    f"is a {type(layer).__name__}"
+                )
+            if "forward" in layer.__dict__:
+                raise VTokenError(
+                    f"{name} splits decoder layer {index}'s forward, which already has an instance-level forward "
+                    "(a device map's offloading hooks?); load the model on one device to use it"
+                )
+            QueryKeyProbe.check(getattr(layer, "self_attn", None), f"{type(layer).__name__} {index}")
+        videos = [m.name for m in self.adapter.methods if "encoder" in m.stages and "video" in m.modalities]
+        if videos:
+            raise VTokenError(
+                f"{name} merges the tokens at one place of consecutive frames inside the LLM; the encoder-stage "
+                f"method {videos[0]} changes which tokens a video's frames hold before it: combine {name} with an "
+                "image-only encoder-stage method, or use one of them"
+            )
+
     def install(self, hooks) -> None:
         """Register the hooks through the model's `HookOwner` (it removes them), checking every layer first."""
         unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"}) if self.recurrent else []
         if unknown:
             raise VTokenError(f"{self.method.name}: hybrid LLM with layer types {unknown} is not supported")
+        if self.follows_frames:
+            self.check_call_points()
         if "normed" in self.method.reads and not isinstance(getattr(self.lm, "norm", None), nn.Module):
             raise VTokenError(f"{self.method.name}: {type(self.lm).__name__} has no final `norm` to read")
         for index in self.drop_layers:  # every drop layer is checked before anything is registered
@@ -109,6 +151,10 @@ class LanguageModelStages:
         hooks.after_forward(self.lm, self._after_lm)
         for index, layer in enumerate(self.layers):
             hooks.before_forward(layer, functools.partial(self._layer_input, index))
+        if self.follows_frames:  # call point c inside layer c - 1, after its attention; its attention read then
+            for index, layer in enumerate(self.layers[:-1]):
+                self.call_probes[index] = QueryKeyProbe(layer.self_attn)
+                hooks.replace_forward(layer, SplitLayer(self, index))
         for index in self.drop_layers:
             scored = self._scored_layer(index)
             if scored is not None:  # the next layer is scored before it runs: replayed, not captured
@@ -121,11 +167,11 @@ class LanguageModelStages:
         return scored.get(drop)
 
     def remove_probes(self) -> None:
-        for probe in self.probes.values():
+        for probe in [*self.probes.values(), *self.call_probes.values()]:
             probe.remove()
         if self.row_probe is not None:
             self.row_probe.remove()
-        self.probes, self.row_probe = {}, None
+        self.probes, self.row_probe, self.call_probes = {}, None, {}
 
     def prefill_columns(self) -> torch.Tensor | None:
         """[B, C] prompt column of every slot of the sequence the decoder layers run on now (-1 = padding slot),
@@ -188,7 +234,15 @@ class LanguageModelStages:
         """Pre-hook of decoder layer `index`: the mask, positions and rotary tables of the sequence it runs on."""
         call = self.call
         if call.prefill is not None:
-            overrides = call.prefill.enter_layer(kwargs)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            overrides, moved = call.prefill.enter_layer(kwargs, hidden if index == 0 else None)
+            if moved is not hidden and moved is not None:  # call point 0 changed the LLM's input
+                if args:
+                    args = (moved, *args[1:])
+                else:
+                    kwargs = dict(kwargs, hidden_states=moved)
+                if overrides is None:
+                    return args, kwargs
         elif call.decode is not None:
             overrides = call.decode.overrides(index, kwargs.get("attention_mask"))
         else:
@@ -205,6 +259,12 @@ class LanguageModelStages:
             key = hf.CACHE_KWARG if hf.CACHE_KWARG in kwargs else "past_key_values"
             kwargs[key] = overrides.cache
         return args, kwargs
+
+    @eager
+    def call_point(self, point: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Call point `point` >= 1, inside layer point - 1 after its attention: the hidden states its MLP runs on."""
+        run = self.call.prefill
+        return hidden if run is None else run.call_point(point, hidden)
 
     @eager
     def _layer_output(self, index: int, module, args, output):
@@ -237,3 +297,25 @@ class LanguageModelStages:
         remember_views(run.cache, (views, call.prompt_length))
         self.adapter.add_records(records)
         call.final_columns = run.view.column
+
+
+class SplitLayer:
+    """Decoder layer `index`'s forward on this model instance while a method with mid-layer call points is patched:
+    the layer's own attention half, call point index + 1, its own MLP half (`hf.split_attention`, `hf.split_mlp`;
+    the halves equal the stock forward, a contract test checks it). A small class, not a closure: a patched model
+    deep-copies (the copy's forward is bound to the copy's stages) and pickles."""
+
+    def __init__(self, stages: LanguageModelStages, index: int):
+        self.stages = stages
+        self.index = index
+        layer = stages.layers[index]
+        names = list(inspect.signature(type(layer).forward).parameters)[1:]  # after `self`
+        self._positional = names[1:]  # the arguments after hidden_states, should a caller pass them by position
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            kwargs = dict(zip(self._positional, args, strict=False), **kwargs)
+        layer = self.stages.layers[self.index]
+        hidden = hf.split_attention(layer, hidden_states, **kwargs)
+        hidden = self.stages.call_point(self.index + 1, hidden)
+        return hf.split_mlp(layer, hidden)

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from vtoken.geometry.tables import on_device
 from vtoken.tokens import Merged
 
 
@@ -59,14 +58,17 @@ class Layout:
     text: list[int]
     right: bool
     runs: list[int]
+    after: list[int]
 
     @classmethod
     def read(cls, mask: torch.Tensor, visual: torch.Tensor, text: torch.Tensor) -> Layout:
         starts = visual & ~torch.nn.functional.pad(visual, (1, 0))[:, :-1]  # each placeholder run's first token
-        counts = torch.stack([mask.sum(1), visual.sum(1), text.sum(1), (mask[:, -1] == 0).long(), starts.sum(1)], 1)
+        after = text_after_visual(mask, visual)
+        counts = torch.stack([mask.sum(1), visual.sum(1), text.sum(1), (mask[:, -1] == 0).long(), starts.sum(1),
+                              after.sum(1)], 1)  # fmt: skip
         rows = counts.tolist()  # the prefill's one host read
-        lengths, seen, words, right, runs = (list(c) for c in zip(*rows, strict=True)) if rows else ([],) * 5
-        return cls(lengths, seen, words, any(right), runs)
+        lengths, seen, words, right, runs, late = (list(c) for c in zip(*rows, strict=True)) if rows else ([],) * 6
+        return cls(lengths, seen, words, any(right), runs, late)
 
     def frame_tokens(self, trailer: int) -> list[int]:
         """Visual tokens of every row less the `trailer` separators closing each of its placeholder runs."""
@@ -78,6 +80,11 @@ def text_after_image(mask: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
     return (mask != 0) & ~visual & (visual.long().cumsum(1) > 0)
 
 
+def text_after_visual(mask: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """[B, C] bool: real slots after each row's last visual slot (all of a row's real slots if it has none)."""
+    return (mask != 0) & (visual.long().flip(1).cumsum(1) == 0).flip(1)
+
+
 @dataclass
 class LayerView:
     """The sequence one group of decoder layers holds, relative to the L-column prompt the LLM received.
@@ -86,7 +93,8 @@ class LayerView:
     each slot's position in a renumbered view (None when positions stay the prompt's); visual: [B, C] bool;
     protected: [B, C] bool, visual tokens no drop may remove, or None; merged: [B, C] bool, tokens a method added
     (holding the column of a token dropped where they were made), or None. Host counts per row: lengths (real
-    tokens), visual_counts, lost (tokens dropped before this view; merged tokens count back).
+    tokens), visual_counts, lost (tokens dropped before this view; merged tokens count back). groups: [B, C] each
+    visual slot's group from an encoder stage (`LayerTokens.groups`; -1: none), or None.
     """
 
     column: torch.Tensor
@@ -98,6 +106,7 @@ class LayerView:
     lengths: list[int]
     visual_counts: list[int]
     lost: list[int]
+    groups: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -111,13 +120,6 @@ class LayerView:
     def visual_slots(self) -> torch.Tensor:
         """[B, V] each row's visual slots, ascending, right-padded with -1 (V = most visual tokens of a row)."""
         return packed(self.visual, max(self.visual_counts, default=0), self.visual_counts)
-
-    def lost_tensor(self) -> torch.Tensor:
-        """[B] `lost` on the device, made once per view (every decoding step reads it)."""
-        made = self.__dict__.get("_lost")
-        if made is None:
-            made = self.__dict__["_lost"] = on_device(self.lost, self.column.device)
-        return made
 
 
 def narrowed(
@@ -166,6 +168,7 @@ def narrowed(
     mask = (column >= 0).to(view.mask.dtype)
     visual = take(view.visual, None if merged is None else merged.valid, False)
     protected = None if view.protected is None else take(view.protected, no_merge, False)
+    groups = None if view.groups is None else take(view.groups, None if merged is None else no_merge.long() - 1, -1)
     was_merged = view.merged
     if merged is not None:
         was_merged = take(torch.zeros_like(keep) if was_merged is None else was_merged, merged.valid, False)
@@ -177,5 +180,5 @@ def narrowed(
         positions = (start + mask.cumsum(1) - 1).clamp(min=0)
         positions = positions.masked_fill(mask == 0, 0) if padded else positions
     lost = [was + held - now for was, held, now in zip(view.lost, view.lengths, lengths, strict=True)]
-    new = LayerView(column, mask, positions, visual, protected, was_merged, lengths, visual_counts, lost)
+    new = LayerView(column, mask, positions, visual, protected, was_merged, lengths, visual_counts, lost, groups)
     return new, sources
