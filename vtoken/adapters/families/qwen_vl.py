@@ -305,7 +305,7 @@ class QwenVLAdapter(Adapter):
             valid = None if left is None else left[index].view(frames, -1)  # the tower's dropped groups: invalid
             crops = VisualTokens(per_frame, grid, signals, torch.full((frames,), index, device=device), valid,
                                  valid_counts=None if left is None else [plan.counts[index]],
-                                 image_of_crop=[index] * frames)  # fmt: skip (the video's index on the host)
+                                 image_of_crop=[index] * frames)  # fmt: skip
             selection, timer = self.select(crops)
             self._state.family["new_grids"][modality.name].append(
                 resized_grid_thw(frames, selection.grid or grid, self.merge)
