@@ -477,6 +477,7 @@ def local_image_processor(source: str) -> Any:
     except Exception:  # noqa: BLE001 - no local preprocessor config
         return None
 
+
 # ----------------------------------------------------------------- a decoder layer split at its residual
 PRE_NORM_LAYERS = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer",
