@@ -3,8 +3,6 @@ import pytest
 import vtoken
 from vtoken.budget import tokens_to_keep
 from vtoken.errors import (
-    AlreadyPatchedError,
-    BudgetError,
     MissingSignalError,
     UnknownMethodError,
     UnsupportedModelError,
@@ -33,14 +31,6 @@ def test_tokens_to_keep_rounds_half_up(budget, n, k):
     assert tokens_to_keep(budget, n) == k
 
 
-@pytest.mark.parametrize("budget", [0, 0.0, 1.5, -3, -0.2, True, False, "half", None, float("nan"), [0.5]])
-def test_bad_budgets_name_the_value(budget):
-    with pytest.raises(BudgetError) as err:
-        vtoken.FasterVLM(budget=budget)
-    assert repr(budget)[:4] in str(err.value) or str(budget) in str(err.value)
-    assert "(0, 1]" in str(err.value)
-
-
 def _assert_untouched(model):
     assert vtoken.handle_of(model) is None
     assert "generate" not in model.__dict__
@@ -51,11 +41,6 @@ def _assert_untouched(model):
     "method, params, error, words",
     [
         ("no-such-method", {}, UnknownMethodError, ["no-such-method", "fastervlm", "random", "pool"]),
-        ("fastervlm", {"budget": 0}, BudgetError, ["budget=0", "(0, 1]"]),
-        ("fastervlm", {"budget": 1.5}, BudgetError, ["1.5"]),
-        ("fastervlm", {"budget": -3}, BudgetError, ["-3"]),
-        ("fastervlm", {"budget": True}, BudgetError, ["True"]),
-        ("fastervlm", {"budget": "half"}, BudgetError, ["half"]),
         ("pool", {"bogus": 1}, VTokenError, ["bogus", "budget"]),
         ([], {}, VTokenError, ["non-empty"]),
         (42, {}, VTokenError, ["42"]),
@@ -107,18 +92,6 @@ def test_cls_method_on_a_tower_without_cls_is_rejected(llava):
     _assert_untouched(model)
     vtoken.patch(model, "random", budget=0.25)  # a method that needs no signal still applies
     vtoken.unpatch(model)
-
-
-def test_patching_twice_is_a_clear_error(llava):
-    model = llava[0]
-    vtoken.patch(model, "random", budget=0.5)
-    with pytest.raises(AlreadyPatchedError, match="unpatch"):
-        vtoken.patch(model, "fastervlm", budget=0.25)
-    assert vtoken.handle_of(model).methods[0].name == "random"
-    vtoken.unpatch(model)
-    _assert_untouched(model)
-    with pytest.raises(VTokenError, match="not patched"):
-        vtoken.unpatch(model)
 
 
 def test_registries():

@@ -7,15 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
-    assert_batch_beams_and_restore,
-    assert_batch_equals_one_by_one,
     assert_greedy_matches,
-    assert_identity,
     feed_language_model,
     greedy,
     inputs_for,
     make_image,
-    video_inputs,
 )
 from test_qwen_vl import _prompt, _reference_generate
 
@@ -97,15 +93,6 @@ def test_llava_equals_brute_force_on_the_stock_tokens_and_the_llm_fed_by_hand(ll
     assert logits.shape == ref.shape and (logits - ref).abs().max() <= 1e-5
 
 
-def test_llava_identity_batch_beams_and_restore(llava, photos):
-    model, processor = llava
-    assert_identity(model, "divprune", inputs_for(processor, [photos["chelsea"]], ["what is it?"]))
-    questions = ["what is in the image?", "describe the image in detail."]
-    batched = inputs_for(processor, [photos["coffee"], photos["rocket"]], questions)
-    singles = [inputs_for(processor, [photos[p]], [q]) for p, q in zip(("coffee", "rocket"), questions, strict=True)]
-    assert_batch_beams_and_restore(model, "divprune", batched, singles)
-
-
 @pytest.mark.parametrize("size", [(800, 300), (300, 900)])
 def test_llava_next_selects_among_the_packed_tokens_newlines_included(size):
     model, processor = TINY_MODELS["tiny-llava-next"]()
@@ -144,43 +131,3 @@ def test_qwen2_vl_keeps_original_positions():
     ref_logits, *ref_greedy = _reference_generate(model, inputs, keep.nonzero().squeeze(1), stock[kept], steps=4)
     assert logits.shape == ref_logits.shape and (logits - ref_logits).abs().max() <= 1e-5
     assert_greedy_matches(generated, ref_greedy)
-
-
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
-def test_every_family_keeps_k_of_each_images_placed_tokens_and_the_identity(name):
-    model, processor = TINY_MODELS[name]()
-    images = [make_image(300, 400), make_image(200, 150, 1)]
-    prompt = build_prompt(processor, "compare.", num_images=2)
-    batch = [images] if type(processor).__name__ == "Gemma3Processor" else images
-    inputs = processor(images=batch, text=[prompt], return_tensors="pt")
-    seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["inputs_embeds"].shape[1]), with_kwargs=True
-    )
-    try:
-        with torch.no_grad(), vtoken.patched(model, vtoken.DivPrune(budget=0.2)) as handle:
-            model(**inputs)
-    finally:
-        hook.remove()
-    placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
-    assert sum(r.tokens_in for r in handle.records) == placeholders
-    assert all(r.tokens_out == vtoken.tokens_to_keep(0.2, r.tokens_in) for r in handle.records)
-    assert seen[-1] == inputs["input_ids"].shape[1] - placeholders + sum(r.tokens_out for r in handle.records)
-    assert_identity(model, vtoken.DivPrune(budget=1.0), inputs, max_new_tokens=2)
-
-
-@pytest.mark.parametrize("name", ["tiny-video-llava", "tiny-onevision", "tiny-qwen2.5-vl"])
-def test_a_video_is_one_item_and_a_batch_equals_its_rows(name):
-    model, processor = TINY_MODELS[name]()
-    inputs = video_inputs(processor, 4)
-    with torch.no_grad(), vtoken.patched(model, vtoken.DivPrune(budget=0.15)) as handle:
-        model(**inputs)
-        (record,) = handle.records
-        assert record.modality == "video"
-        assert record.tokens_in == int((inputs["input_ids"] == model.config.video_token_id).sum())
-        singles = [video_inputs(processor, 4, q) for q in ("what happens?", "describe it.")]
-        prompts = [build_prompt(processor, q, num_images=0, num_videos=1) for q in ("what happens?", "describe it.")]
-        from vtoken.images import example_clip
-
-        batched = processor(videos=[example_clip(4)] * 2, text=prompts, return_tensors="pt", padding=True)
-        assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=3)

@@ -138,15 +138,3 @@ def test_video_frames_use_the_single_crop_variant(name):
         model(**inputs)
     assert len(handle.records) == 4
     assert all(r.tokens_out == min(r.tokens_in, int(r.tokens_in * 0.2)) for r in handle.records)
-
-
-def test_identity_on_llava_and_batch_equals_one_by_one_on_llava_next(llava, photos):
-    from conftest import assert_batch_equals_one_by_one, assert_identity
-
-    model, processor = llava
-    assert_identity(model, "hired", inputs_for(processor, [photos["chelsea"]], ["what?"]))  # rate 1: all 576
-    model, processor = TINY_MODELS["tiny-llava-next"]()
-    images, questions = [make_image(800, 300), make_image(300, 500, 1)], ["what is it?", "what colour is the object?"]
-    with torch.no_grad(), vtoken.patched(model, "hired", rate=0.3):
-        singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
-        assert_batch_equals_one_by_one(model, inputs_for(processor, images, questions), singles)

@@ -15,7 +15,6 @@ from conftest import (
     assert_greedy_matches,
     feed_language_model,
     greedy,
-    make_image,
     video_inputs,
 )
 from test_fastvid import assert_frames_equal, qwen_block_query_keys, raster_order, sharpened_onevision
@@ -242,52 +241,12 @@ def test_qwen3_vl_merges_deepstack_levels_alike():
         torch.testing.assert_close(got, torch.stack([v for _, v in rows]).float(), atol=1e-5, rtol=1e-5)
 
 
-def test_padded_batch_equals_rows_alone_and_beams_run():
-    model, processor = TINY_MODELS["tiny-onevision"]()
-    prompts = [build_prompt(processor, q, num_images=0, num_videos=1) for q in ("what happens?", "describe it.")]
-    clips = [_clip(5, 1), _clip(5, 2)]
-    batched = processor(videos=clips, text=prompts, return_tensors="pt", padding=True)
-    singles = [processor(videos=[c], text=[p], return_tensors="pt") for c, p in zip(clips, prompts, strict=True)]
-    with torch.no_grad(), vtoken.patched(model, vtoken.HoliTom(budget=0.3, tau=0.3)) as handle:
-        assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=4)
-        model(**batched)
-        assert [(r.image, r.crop) for r in handle.records] == [(v, f) for v in range(2) for f in range(5)]
-        beams = model.generate(**batched, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
-    assert beams.shape[0] == 4
-
-
 @pytest.mark.parametrize("name", ["tiny-llava-next-video", "tiny-video-llava"])
 def test_clip_video_families_are_refused_with_the_reason(name):
     model, _ = TINY_MODELS[name]()
     with pytest.raises(vtoken.MissingSignalError, match="tower_attention.*last-layer attention"):
         vtoken.patch(model, "holitom")
     assert vtoken.handle_of(model) is None
-
-
-def test_images_are_refused_at_the_call_and_image_families_at_patch():
-    model, processor = TINY_MODELS["tiny-onevision"]()
-    image = processor(images=[make_image(300, 200)], text=[build_prompt(processor, "what?")], return_tensors="pt")
-    with vtoken.patched(model, "holitom"), pytest.raises(vtoken.InputError, match="holitom acts on video"):
-        model(**image)
-    image_only, _ = TINY_MODELS["tiny-llava-next"]()
-    with pytest.raises(vtoken.VTokenError, match="video inputs only"):
-        vtoken.patch(image_only, "holitom")
-
-
-APPLIES = {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5",
-           "tiny-qwen3.5-moe"}  # fmt: skip
-
-
-def test_applicable_methods_agree_with_the_docs_tables():
-    """docs/guide/methods.md and methods-encoder-3.md: both apply on LLaVA-OneVision and the Qwen-VL families, and
-    are refused with the reason elsewhere (image-only families: videos only; other video towers: their signal)."""
-    for name in TINY_MODELS:
-        model, _ = TINY_MODELS[name]()
-        verdicts = vtoken.applicable_methods(model)
-        for method in ("fastvid", "holitom"):
-            assert (verdicts[method] is None) == (name in APPLIES), (name, method, verdicts[method])
-            if verdicts[method] is not None:
-                assert "video inputs only" in verdicts[method] or "attention" in verdicts[method], verdicts[method]
 
 
 # --------------------------------------------------------------------------- the merge inside the LLM

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_batch_beams_and_restore, assert_identity, make_image, shortened_prompt, video_inputs
+from conftest import assert_identity, make_image, shortened_prompt, video_inputs
 
 import vtoken
 from vtoken.zoo import build_prompt, tiny_internvl
@@ -51,8 +51,8 @@ def kept_per_run(stock, records, runs):
     return out
 
 
-@pytest.mark.parametrize("method", ["random", "pool", "mmtok", "fourier", "fastervlm"])
-def test_identity_for_multi_image_prompts_and_video(ivl, method):
+def test_identity_for_multi_image_prompts_and_video(ivl):
+    method = "random"  # the family's own inputs with one method; every method: tests/test_contract.py's identity row
     model, processor = ivl
     assert_identity(model, method, _two_images(processor), max_new_tokens=3)
     assert_identity(model, method, video_inputs(processor, 3, "what?"), max_new_tokens=3)
@@ -108,15 +108,6 @@ def test_images_and_video_in_one_prompt(ivl):
     runs = [("image", 0, range(4)), ("video", 0, [0]), ("video", 0, [1])]
     ref = reference_logits(model, inputs["input_ids"], kept_per_run(stock, handle.records, runs))
     assert (logits - ref).abs().max() <= 1e-5
-
-
-def test_batch_beams_restore(ivl):
-    model, processor = ivl
-    texts = [build_prompt(processor, "what?"), build_prompt(processor, "describe the image in detail.")]
-    images = [make_image(800, 300), make_image(224, 224, 1)]  # 4 tiles and 1 tile: rows lose different counts
-    batched = processor(images=images, text=texts, return_tensors="pt", padding=True)
-    singles = [processor(images=[images[i]], text=[texts[i]], return_tensors="pt") for i in range(2)]
-    assert_batch_beams_and_restore(model, "mmtok", batched, singles, batch_tokens=4)
 
 
 def eager_cls_scores(model, pixel_values, layer):

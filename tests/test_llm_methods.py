@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from conftest import (
     DEEP_LAYERS,
     OTHER_TINY_MODELS,
-    assert_batch_equals_one_by_one,
     assert_identity,
     captured_llm_input,
     inputs_for,
@@ -492,31 +491,30 @@ def test_bad_parameters_fail_clearly(deep_llava):
 MROPE = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}
 
 
-def family_method(name: str, family: str, full: bool = False):
+def family_method(name: str, family: str):
     """The method at drop points that fit the tiny family's LLM (2 layers; Qwen3.5: 0 and 2 linear attention)."""
     hybrid = family.startswith("tiny-qwen3.5")
     positions = "original" if family in MROPE else "renumber"
     if name == "dart":
-        return vtoken.DART(layer=2 if hybrid else 1, keep=1.0 if full else 0.25, positions=positions)
+        return vtoken.DART(layer=2 if hybrid else 1, keep=0.25, positions=positions)
     if name == "pyramiddrop":
         layers = (3,) if hybrid else (1,)  # Qwen3.5: scored by full-attention layer 3, after layer 1's full cache
-        return vtoken.PyramidDrop(layers=layers, ratios=(1.0 if full else 0.25,), positions=positions)
+        return vtoken.PyramidDrop(layers=layers, ratios=(0.25,), positions=positions)
     return vtoken.SparseVLM(layers=(1 if hybrid else 0,), keep=(20,))
 
 
 @pytest.mark.parametrize("name", list(MAKERS))
 @pytest.mark.parametrize("family", [n for n in OTHER_TINY_MODELS if n != "tiny-gemma3"])  # Gemma 3: refused
 def test_on_every_family(family, name, photos):
-    """Identity at keep-all (DART, PyramidDrop), a padded batch (or a clip) equal to rows alone, and the records'
-    counts, on every family with an LLM stage; original positions under M-RoPE, where SparseVLM (which renumbers)
-    is refused at patch with the reason."""
+    """Each method's counts in its records, on a padded batch (or a clip) of every family with an LLM stage;
+    original positions under M-RoPE, where SparseVLM (which renumbers) is refused at patch with the reason.
+    (Identity, batches, beams, restore: tests/test_contract.py.)"""
     model, processor = TINY_MODELS[family]()
     if family == "tiny-video-llava":  # its tiny processor feeds the video path
-        batched, singles = video_inputs(processor), [video_inputs(processor)]
+        batched = video_inputs(processor)
     else:
         images, questions = [photos["coffee"], photos["rocket"]], ["what is this?", "describe the image please."]
         batched = inputs_for(processor, images, questions)
-        singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
     if name == "pyramiddrop" and family.startswith("tiny-qwen3.5"):
         for layers, message in (((1,), "first full-attention layer"), ((2,), "score with a full-attention layer")):
             with pytest.raises(vtoken.VTokenError, match=message):
@@ -526,11 +524,8 @@ def test_on_every_family(family, name, photos):
             vtoken.patch(model, family_method(name, family))
         assert vtoken.handle_of(model) is None
         return
-    if name != "sparsevlm":
-        assert_identity(model, family_method(name, family, full=True), batched)
     method = family_method(name, family)
     with vtoken.patched(model, method) as handle, torch.no_grad():
-        assert_batch_equals_one_by_one(model, batched, singles, max_new_tokens=4)
         model(**batched)
         records = [r for r in handle.records if r.stage.startswith("prefill")]
     assert len(records) == batched["input_ids"].shape[0]

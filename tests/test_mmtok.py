@@ -5,13 +5,12 @@ import itertools
 
 import pytest
 import torch
-from conftest import OTHER_TINY_MODELS, assert_batch_equals_one_by_one, assert_identity, inputs_for, make_image
+from conftest import inputs_for
 
 import vtoken
 from vtoken.methods.mmtok import coverage_matrix, greedy_max_coverage, keywords
 from vtoken.question import question_from_prompt
 from vtoken.tokens import TextQuery, VisualTokens
-from vtoken.zoo import TINY_MODELS, build_prompt
 
 SUFFIX = " Answer the question using a single word or phrase."
 
@@ -179,16 +178,6 @@ def test_llava_excludes_the_pad_to_square_border(llava, photos):
     assert handle.records[0].tokens_in == 576
 
 
-def test_llava_identity_and_batch(llava, photos):
-    model, processor = llava
-    assert_identity(model, "mmtok", inputs_for(processor, [photos["rocket"]], ["what is in the image?"]))
-    questions = ["what colour is the object?", "how many shapes are there? " + SUFFIX]
-    images = [photos["astronaut"], photos["coffee"]]
-    with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.1):
-        singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
-        assert_batch_equals_one_by_one(model, inputs_for(processor, images, questions), singles)
-
-
 def test_explicit_question_overrides_the_prompt(llava, photos):
     model, processor = llava
     inputs = inputs_for(processor, [photos["astronaut"]], ["describe the image in detail."])
@@ -203,29 +192,6 @@ def test_explicit_question_overrides_the_prompt(llava, photos):
         model(**inputs)
 
 
-@pytest.mark.parametrize("name", OTHER_TINY_MODELS)
-def test_every_family_keeps_its_budget_per_crop_and_the_identity(name):
-    model, processor = TINY_MODELS[name]()
-    inputs = processor(images=[make_image(800, 300)], text=[build_prompt(processor, "what?")], return_tensors="pt")
-    with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.2) as handle:
-        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
-    assert handle.records and all(r.tokens_out == vtoken.tokens_to_keep(0.2, r.tokens_in) for r in handle.records)
-    assert out.shape[1] == inputs["input_ids"].shape[1] + 3
-    assert_identity(model, "mmtok", inputs, max_new_tokens=3)
-
-
-@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-llava-next-video", "tiny-onevision", "tiny-video-llava"])
-def test_video_keeps_the_budget_per_frame(name):
-    from conftest import video_inputs
-
-    model, processor = TINY_MODELS[name]()
-    inputs = video_inputs(processor)
-    with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.25) as handle:
-        model(**inputs)
-    frames = [r for r in handle.records if r.modality == "video"]
-    assert len(frames) >= 2 and all(r.tokens_out == vtoken.tokens_to_keep(0.25, r.tokens_in) for r in frames)
-
-
 def test_a_model_without_a_known_tokenizer_fails_at_patch_time(llava):
     from transformers import LlavaForConditionalGeneration
 
@@ -235,19 +201,3 @@ def test_a_model_without_a_known_tokenizer_fails_at_patch_time(llava):
     assert vtoken.handle_of(bare) is None
     with pytest.raises(vtoken.VTokenError, match="text='words'"):
         vtoken.MMTok(text="words")
-
-
-def test_llava_next_official_layout_keeps_k_of_every_whole_crop():
-    model, processor = TINY_MODELS["tiny-llava-next"]()
-    inputs = processor(images=[make_image(800, 300)], text=[build_prompt(processor, "what?")], return_tensors="pt")
-    with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.2, layout="official") as handle:
-        model(**inputs)
-    assert len(handle.records) == 4 and all(r.tokens_in == 576 and r.tokens_out == 115 for r in handle.records)
-
-
-def test_qwen_batch_with_different_questions_equals_one_by_one():
-    model, processor = TINY_MODELS["tiny-qwen2.5-vl"]()
-    images, questions = [make_image(300, 200), make_image(200, 260, 1)], ["what is it?", "how many shapes are there?"]
-    with torch.no_grad(), vtoken.patched(model, "mmtok", budget=0.3):
-        singles = [inputs_for(processor, [i], [q]) for i, q in zip(images, questions, strict=True)]
-        assert_batch_equals_one_by_one(model, inputs_for(processor, images, questions), singles)

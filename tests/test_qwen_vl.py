@@ -32,8 +32,8 @@ def _clip(frames, seed=0):
     return [Image.fromarray(np.roll(base, 4 * i, axis=1)) for i in range(frames)]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_identity_at_full_budget(qwen, method):
+def test_identity_at_full_budget(qwen):
+    method = "random"  # the family's own inputs with one method; every method: tests/test_contract.py's identity row
     model, processor = qwen
     cases = [
         processor(images=[make_image(w, h, i)], text=[_prompt(processor, "what is in the image?")], return_tensors="pt")

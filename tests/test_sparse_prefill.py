@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import assert_identity, inputs_for, video_inputs
+from conftest import inputs_for, video_inputs
 from PIL import Image
 
 import vtoken
@@ -261,18 +261,6 @@ def a_shape_mask(padding, sink, window):
 def assert_rows_close(got, want, padding):
     real = padding.bool()
     assert (got[real] - want[real]).abs().max() <= 1e-5
-
-
-@pytest.mark.parametrize("family", ["llava", "qwen-image", "qwen-video", "llava-next-video"])
-def test_density_one_is_the_identity(family, llava, qwen, next_video, llava_batch):
-    if family == "llava":
-        model, inputs = llava[0], llava_batch
-    elif family == "llava-next-video":
-        model, inputs = next_video[0], video_inputs(next_video[1], frames=4)
-    else:
-        model, processor = qwen
-        inputs = qwen_image_inputs(processor) if family == "qwen-image" else qwen_video_inputs(processor)
-    assert_identity(model, vtoken.SparsePrefill(density=1.0, **SMALL), inputs, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen-image"])

@@ -32,7 +32,7 @@ head mean) and the frame's mean token. `variant=None` takes the model's official
 families, onevision on LLaVA-OneVision; `budget`/`tau` None take that form's official values (0.10 / 0.9,
 Qwen: 0.27 / 0.84). Families without either signal (CLIP towers: LLaVA-NeXT-Video, Video-LLaVA) are refused.
 
-Differences from the official code (docs/methods-encoder-3.md): every video of every row (the official: the first
+Differences from the official code (docs/methods-video-mergers.md): every video of every row (the official: the first
 video of a batch of one), fewer frames than c (the official's top-k raises: min(c - 1, F - 1) cuts), quotas capped
 at the tokens left, fewer than 4 candidates (k = their count), distances, similarities and merges in fp32 (the
 official: the model's dtype), seeded noise, ties to the lower index. GPU: frames (and videos of equal length)

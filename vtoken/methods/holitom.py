@@ -29,7 +29,7 @@ newline), the round(V * (1 - inner_ratio)) top tokens go on; every other token, 
 its most cosine-similar kept token (h_t <- (h_t + h_n) / 2, the closed form in fp32); kept tokens keep their
 positions (gaps), layers before K their whole cache.
 
-Differences from the official code (docs/methods-encoder-3.md): every video of every row; merges in fp32 (the
+Differences from the official code (docs/methods-video-mergers.md): every video of every row; merges in fp32 (the
 official: the model's dtype); seeded noise; ties to the lower index; the search is one device kernel (the
 official: an O(F^2) Python loop with `.item()` per step). GPU: frames (and videos of equal length) batched, a
 fixed number of ops besides the window search; one host sync per call sizes the output.

@@ -1,33 +1,17 @@
-"""VisionZip, VisPruner, DivPrune and VidCom2 wired into the rest of vtoken: the method x family table of
-docs/methods-encoder-2.md as `applicable_methods` verdicts on every tiny model, `planned_count` before the encoder,
-`vtoken eval` / lmms-eval model arguments and the CLI's budget flag."""
+"""Methods reach the tools by name: `vtoken eval` / lmms-eval model arguments and sweeps, the CLI's `--method`,
+`--budget` and `--param`, the demo's controls, `vtoken.select` on a bare tower, counts planned before the encoder,
+and the labelled variants `fitting_params` picks where an official signal is missing (VisionZip, VisPruner,
+DivPrune, VidCom2, CDPruner, HoloV). Where each method applies on each family: tests/test_contract.py."""
 
 import pytest
 
 import vtoken
-from vtoken.applicability import applicable_methods
-from vtoken.cli import method_params
+from vtoken.applicability import applicable_methods, fitting_params
+from vtoken.cli import main, method_params
+from vtoken.demo import controls
 from vtoken.eval.options import build_methods
 from vtoken.eval.sweep import settings
 from vtoken.zoo import TINY_MODELS
-
-NO_CLS = {"tiny-onevision", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5",
-          "tiny-qwen3.5-moe", "tiny-gemma3", "tiny-fastvlm"}  # fmt: skip
-IMAGES_ONLY = {"tiny-llava", "tiny-llava-next", "tiny-gemma3", "tiny-fastvlm"}
-
-
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
-def test_the_family_table(name):
-    model, _ = TINY_MODELS[name]()
-    verdicts = applicable_methods(model)
-    assert (verdicts["visionzip"] is None) == (name not in NO_CLS), verdicts["visionzip"]
-    assert (verdicts["vispruner"] is None) == (name not in NO_CLS), verdicts["vispruner"]
-    assert verdicts["divprune"] is None, verdicts["divprune"]
-    assert (verdicts["vidcom2"] is None) == (name not in IMAGES_ONLY), verdicts["vidcom2"]
-    if name in NO_CLS:
-        assert "cls_attention" in verdicts["visionzip"] and "cls_attention" in verdicts["vispruner"]
-    if name in IMAGES_ONLY:
-        assert "video inputs only" in verdicts["vidcom2"]
 
 
 def test_planned_counts_are_known_before_the_encoder_where_the_data_does_not_decide():
@@ -37,7 +21,7 @@ def test_planned_counts_are_known_before_the_encoder_where_the_data_does_not_dec
     assert vtoken.VidCom2().planned_count(196) is None  # frame budgets follow the frames' uniqueness
 
 
-def test_eval_and_cli_take_them_by_name():
+def test_visionzip_vispruner_divprune_vidcom2_reach_eval_and_the_cli():
     (zipped,) = build_methods("visionzip", {"dominant": 108, "contextual": 20}, [])
     assert (zipped.dominant, zipped.contextual) == (108, 20)
     pruner, fastv = build_methods("vispruner+fastv", {"budget": 128, "important_ratio": 0.25, "keep": 0.5}, [])
@@ -83,3 +67,53 @@ def test_the_functional_api_runs_them_on_a_bare_tower(llava, photos):
         vtoken.select(vtoken.VidCom2(), features)
     with pytest.raises(vtoken.InputError, match=r"signals\['keys'\].*\[B, N, d\]"):
         vtoken.select(vtoken.VisionZip(), features, signals={**signals, "keys": signals["cls_attention"]})
+
+
+QWEN_TOWERS = {"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5",
+               "tiny-qwen3.5-moe"}  # fmt: skip
+NO_CLS = QWEN_TOWERS | {"tiny-onevision", "tiny-gemma3", "tiny-fastvlm"}  # towers without a [CLS] token
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_cdpruner_and_holov_fit_their_labelled_variants_where_the_official_signal_is_missing(name):
+    """CDPruner-LLM (`relevance="llm"`) everywhere on the tiny models (their towers' width is not CLIP-L's, most
+    families have no CLIP text tower), HoloV's received attention on every tower without [CLS] whose attention
+    vtoken reads (not FastVLM's: HoloV is refused there, naming score='received'); the official CDPruner is
+    refused naming the variant. (Where each applies: tests/test_contract.py checks the docs' tables.)"""
+    model, _ = TINY_MODELS[name]()
+    assert fitting_params(model, "cdpruner") == {"relevance": "llm"}
+    assert fitting_params(model, "holov") == ({"score": "received"} if name in NO_CLS - {"tiny-fastvlm"} else {})
+    if name == "tiny-fastvlm":
+        verdict = applicable_methods(model)["holov"]
+        assert "cls_attention" in verdict and "score='received'" in verdict, verdict
+    with pytest.raises(vtoken.VTokenError, match="relevance='llm'"):  # the official default, refused with the way
+        vtoken.patch(model, "cdpruner")
+
+
+def test_cdpruner_and_holov_reach_eval_and_the_cli():
+    cdpruner, fastv = build_methods("cdpruner+fastv", {"budget": 128, "relevance": "llm", "keep": 0.5}, [])
+    assert (cdpruner.budget, cdpruner.relevance, fastv.keep) == (128, "llm", 0.5)
+    (holov,) = build_methods("holov", {"budget": 64, "chunks": "auto"}, [])
+    assert (holov.budget, holov.chunks) == (64, "auto")
+    points = settings(["cdpruner", "holov"], [64, 0.25], {})
+    assert [(p.method, p.budget) for p in points][1:] == [(m, b) for m in ("cdpruner", "holov") for b in (64, 0.25)]
+    for name in ("cdpruner", "holov"):
+        assert method_params(name, 0.1) == {f"{name}.budget": 0.1}
+    assert method_params("cdpruner", None, ["relevance=llm", "theta=0.5"]) == {
+        "cdpruner.budget": 0.25, "relevance": "llm", "theta": 0.5,
+    }  # fmt: skip
+
+
+def test_the_cli_runs_them_on_vtoken_mini(capsys):
+    assert main(["run", "--method", "holov", "--budget", "36"]) == 0
+    assert "holov" in capsys.readouterr().out
+    assert main(["run", "--method", "cdpruner", "--budget", "36", "--param", "relevance=llm"]) == 0
+
+
+def test_the_demo_offers_their_knobs():
+    specs = {(c.method, c.param): c.kind for c in controls.control_specs()}
+    assert specs[("cdpruner", "relevance")] == "choice" and specs[("holov", "score")] == "choice"
+    assert specs[("holov", "chunks")] == "count" and specs[("cdpruner", "budget")] == "budget"
+    model, _ = TINY_MODELS["tiny-qwen2.5-vl"]()
+    assert controls.default_params(model, "holov")["score"] == "received"
+    assert controls.default_params(model, "cdpruner")["relevance"] == "llm"
