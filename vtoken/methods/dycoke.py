@@ -16,8 +16,8 @@ Two stages in one method:
    that row, text and generated tokens]; otherwise this step attends to the whole cache (the official behaviour).
    The previous row is kept every step. The cache is never shrunk: the selection is a per-step mask.
 
-Differences from the official code (docs/methods-llm-baselines.md says each): videos of <= 4 frames (the official crashes)
-and odd frame counts (the official drops the last frame; here it keeps all its tokens) work; kept tokens are in
+Differences from the official code (docs/methods-llm-baselines.md says each): videos of <= 4 frames (the official
+crashes) and odd frame counts (the official drops the last frame; here it keeps all its tokens) work; kept tokens are in
 spatial order (the official: ascending similarity), ties go to the lower index; the state resets at every
 `generate` call and every new prompt (the official keeps it across calls); batches, padding and beam search work.
 """
