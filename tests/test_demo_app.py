@@ -349,6 +349,7 @@ def test_budget_controls_take_a_fraction_or_a_count_and_never_clamp():
     assert budget_controls and all(c.kind == "budget" for c in budget_controls)  # not SparseVLM's per-layer counts
     model, _ = app.get_model(MINI)
     starts = {c.method: controls.default_params(model, c.method)["budget"] for c in specs if c.param == "budget"}
+    assert starts.pop("tome") is None  # ToMe merges by its own r unless a budget is given
     assert set(starts.values()) == {DEFAULT_BUDGET}, starts
 
     fastervlm = next(c for c in specs if (c.method, c.param) == ("fastervlm", "budget"))
