@@ -355,7 +355,8 @@ def test_budget_controls_take_a_fraction_or_a_count_and_never_clamp():
     fastervlm = next(c for c in specs if (c.method, c.param) == ("fastervlm", "budget"))
     assert controls.control_value(fastervlm, "25") == (True, 25)
     assert controls.control_value(fastervlm, "0.25") == (True, 0.25)
-    for bad in ("1.5", "0", "abc", ""):
+    assert controls.control_value(fastervlm, "") == (False, None)  # left empty: the method's own default
+    for bad in ("1.5", "0", "abc"):
         with pytest.raises(vtoken.InputError, match="fastervlm budget"):
             controls.control_value(fastervlm, bad)
 

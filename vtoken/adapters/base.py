@@ -143,6 +143,8 @@ class Adapter:
         self.llm: LanguageModelStages | None = None  # made when installed
         self.sparse: SparseAttention | None = None  # made by `validate` (it checks the model), installed with the rest
         self.validate()
+        if self.llm_method is not None:  # after the family's own checks: every layer it acts on or reads
+            LanguageModelStages(self, self.llm_method).check()  # installs nothing
 
     # ----------------------------------------------------------------- what the call path keeps
     @property

@@ -123,8 +123,9 @@ class LanguageModelStages:
                 "image-only encoder-stage method, or use one of them"
             )
 
-    def install(self, hooks) -> None:
-        """Register the hooks through the model's `HookOwner` (it removes them), checking every layer first."""
+    def check(self) -> None:
+        """Refuse a model this method's stages cannot act on (layer types, call points, the layers it reads),
+        registering nothing: `vtoken.check` and `applicable_methods` say what `patch` would."""
         unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"}) if self.recurrent else []
         if unknown:
             raise VTokenError(f"{self.method.name}: hybrid LLM with layer types {unknown} is not supported")
@@ -143,6 +144,11 @@ class LanguageModelStages:
         if select is not None:
             read = self.layers[select - 1]
             QueryKeyProbe.check(getattr(read, "self_attn", None), f"{type(read).__name__} {select - 1}")
+
+    def install(self, hooks) -> None:
+        """Register the hooks through the model's `HookOwner` (it removes them), checking every layer first."""
+        self.check()
+        select = None if self.selection is None else self.selection.layer
         hooks.on_remove(self.remove_probes)
         if select is not None:  # the new token's row, after layer L - 1 ran
             self.row_probe = QueryKeyProbe(self.layers[select - 1].self_attn)
