@@ -43,6 +43,10 @@ KEEP_ALL: dict[str, dict[str, Any]] = {
     "fastvid": {"d": 0.0},  # every kept token salient, nothing merged
     "mustdrop": {"merge_threshold": 1.01, "individual_thr": 0.0},  # no window merges, the prefill filter drops none
     "sparse_prefill": {"density": 1.0},  # every causal block computed (its sparse path, not the model's own)
+    "pixelprune": {"threshold": -1.0},  # every unit differs from its prediction by more than a negative threshold
+    "tome": {"r": 0},  # no merge in any block
+    "prunevid": {"tau": 1.0, "cluster_ratio": 1.0, "layer": None},  # nothing static, a cluster per token, no cut
+    "framefusion": {"threshold": 1.0, "cost": 1.0},  # no pair similar enough to merge, no prune
 }
 # settings a pruning run adds to the demo's, to keep the table fast on CPU
 PRUNING: dict[str, dict[str, Any]] = {

@@ -71,6 +71,8 @@ def before_llm(records) -> list:
 BUGS = {
     "fastvid-tiny-onevision-video": "FastVID(budget=1.0, d=0.0), its keep-all setting, raises torch's 'selected "
     "index k out of range' in density_peak_scores on LLaVA-OneVision (every frame count): no token is left to merge",
+    "prunevid-tiny-onevision-video": "PruneVid(tau=1.0, cluster_ratio=1.0, layer=None), its keep-all setting, "
+    "changes LLaVA-OneVision's logits (max 0.14; the Qwen families' equal the unpatched model's): not found yet",
     **{
         f"pyramiddrop-{family}": "the docs say PyramidDrop applies on Qwen2-VL / Qwen2.5-VL with positions='original', "
         "but PyramidDrop.fit keeps its default 'renumber', so applicable_methods (and the demo) refuse it there"
@@ -122,8 +124,9 @@ def test_the_docs_tables_say_na_exactly_where_patch_refuses(method, family):
 
 
 # --------------------------------------------------------------------------- identity
+FAILS = (RuntimeError, AssertionError)  # how a known bug shows: raised inside torch, or outputs that differ
 IDENTITY = [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=BUGS[str(c)])) if str(c) in BUGS
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=FAILS, reason=BUGS[str(c)])) if str(c) in BUGS
     else c
     for c in native_cases()
     if c.method not in NO_KEEP_ALL
