@@ -258,8 +258,9 @@ ROWS = (
 
 
 def inputs(family: str, modality: str, rows: tuple[int, ...] = (0,)):
-    """Processor inputs of `rows` of ROWS (left-padded), one image or one clip each. Where the processor cannot
-    stack the rows' images (PerceptionLM's, of different tile counts), later rows take the first row's size."""
+    """Processor inputs of `rows` of ROWS (left-padded), one image or one clip each. PerceptionLM's processor tiles
+    a batch's images to one tile count (a row's prompt then differs from the row alone, even unpatched): there
+    every row takes the first row's size. Where a processor cannot stack the rows' images, likewise."""
     processor = tiny(family)[1]
     texts = [build_prompt(processor, ROWS[r]["question"], *((1, 0) if modality == "image" else (0, 1))) for r in rows]
     if modality == "video":
@@ -267,6 +268,9 @@ def inputs(family: str, modality: str, rows: tuple[int, ...] = (0,)):
         clips = [example_clip(*ROWS[r]["clip"]) for r in rows]
         return processor(text=texts, videos=clips, return_tensors="pt", padding=True, **extra)
     images = [image(*ROWS[r]["image"]) for r in rows]
+    if type(processor).__name__ == "PerceptionLMProcessor":
+        width, height, _ = ROWS[0]["image"]
+        images = [image(width, height, ROWS[r]["image"][2]) for r in rows]
     nest = type(processor).__name__ == "Gemma3Processor"  # one list of images per prompt
     try:
         return processor(text=texts, images=[[i] for i in images] if nest else images, return_tensors="pt",
@@ -355,7 +359,7 @@ def bad_values(spec: Param) -> list:
         values += [low - 1 if inner.interval[0] == "[" else low] if math.isfinite(low) else []
         values += [high + 1 if inner.interval[-1] == "]" else high] if math.isfinite(high) else [float("inf")]
     elif isinstance(inner, Choice):
-        values += ["no-such-choice", True]
+        values += ["no-such-choice"] + ([] if any(o is True for o in inner.options) else [True])  # a Flag takes True
     elif isinstance(inner, Layers):
         values += [(), (2, 1), (-1,), (True, 3), (2.0, 3), "2"]
     elif isinstance(inner, Texts):

@@ -179,7 +179,7 @@ def test_refusals_and_parameters():
     for family in ("qwen3-vl", "qwen3.5", "qwen2-vl", "qwen2.5-vl", "llava-1.5", "llava-next", "llava-onevision"):
         method.check_family(family)
     for family, why in (("internvl", "pixel-shuffles"), ("gemma3", "4x4"), ("fastvlm", "convolutional")):
-        with pytest.raises(VTokenError, match=f"pixelprune is refused on {family}: .*{why}"):
+        with pytest.raises(VTokenError, match=f"pixelprune \\(tower stage\\) is refused on {family}: .*{why}"):
             method.check_family(family)
     for bad in (dict(threshold=float("inf")), dict(metric="l2"), dict(anchored=0)):
         with pytest.raises(VTokenError, match="pixelprune"):

@@ -31,7 +31,8 @@ class ModelView:
     language_model: the decoder stack itself, for reading (e.g. a forward pre-hook measuring its input); do not
     change it. vision_width: the hidden size of the vision tower whose features encoder methods read, where the
     family has one such tower (the LLaVA families' CLIP; None elsewhere), e.g. for a method that pairs it with
-    another checkpoint of that width (CDPruner's CLIP).
+    another checkpoint of that width (CDPruner's CLIP). multi_axis_positions: the LLM numbers tokens on several
+    axes (Qwen's M-RoPE (t, h, w)), where a renumbering of kept tokens is not defined.
     """
 
     family: str
@@ -45,6 +46,7 @@ class ModelView:
     attention_layers: tuple[int, ...]
     language_model: nn.Module = field(repr=False, compare=False)
     vision_width: int | None = None
+    multi_axis_positions: bool = False
 
     def visual_tokens(self, input_ids: torch.Tensor) -> list[int]:
         """[B] visual tokens of each row of a prompt `input_ids` [B, L]: its image and video placeholders, which is
@@ -76,4 +78,5 @@ def model_view(model: nn.Module) -> ModelView:
         attention_layers=tuple(i for i, kind in enumerate(types) if kind != "linear_attention"),
         language_model=language_model,
         vision_width=getattr(getattr(getattr(adapter, "tower", None), "config", None), "hidden_size", None),
+        multi_axis_positions=bool(cls.multi_axis_positions),
     )

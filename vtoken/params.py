@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .budget import check_budget
-from .errors import VTokenError
+from .errors import BudgetError, VTokenError
 from .validation import integer, layer_indices, real, texts
 
 
@@ -59,7 +59,7 @@ class Kept(Param):
     def check(self, method: Any, name: str, value: Any) -> Any:
         value = check_budget(value, f"{method.name}: {name}")
         if not self.counts and isinstance(value, int):
-            raise VTokenError(f"{method.name}: the {name} is a rate, a fraction in (0, 1]; got the count {value!r}")
+            raise BudgetError(f"{method.name}: the {name} is a rate, a fraction in (0, 1]; got the count {value!r}")
         return value
 
     def text(self) -> str:

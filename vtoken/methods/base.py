@@ -576,7 +576,9 @@ class TowerMethod(Method):
         if family in self.families:
             return
         reason = self.refusals.get(family, f"it was not made for {family}'s vision tower")
-        raise VTokenError(f"{self.name} is refused on {family}: {reason}. It applies to: {', '.join(self.families)}")
+        raise VTokenError(
+            f"{self.name} (tower stage) is refused on {family}: {reason}. It applies to: {', '.join(self.families)}"
+        )
 
     def count_before_encoding(
         self, grids: list[tuple[int, ...]], pixels: torch.Tensor | None = None, tower: TowerShape | None = None

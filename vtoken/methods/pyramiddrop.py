@@ -47,14 +47,18 @@ class PyramidDrop(PrefillMethod):
     @classmethod
     def fit(cls, model) -> dict:
         """The official layers on a 32+-layer LLM, else scaled to its depth; each stage scored by the
-        softmax-attention layer it drops before, after the first one (a hybrid LLM reads its cache length there)."""
+        softmax-attention layer it drops before, after the first one (a hybrid LLM reads its cache length there);
+        positions='original' on multi-axis (M-RoPE) positions."""
         depth, attention, official = model.llm_layers, model.attention_layers, cls.defaults()
         if depth < 2:
             return {}
         first = min(attention, default=0)
         fits = [k for k in range(1, depth) if k in attention and k - 1 >= first]
         layers = nearest_layers(fits, official["layers"], depth) if fits else [1]
-        return {"layers": tuple(layers), "ratios": official["ratios"][: len(layers)]}
+        fitted = {"layers": tuple(layers), "ratios": official["ratios"][: len(layers)]}
+        if model.multi_axis_positions:  # M-RoPE: renumbering is not defined, the kept tokens keep their own
+            fitted["positions"] = "original"
+        return fitted
 
     def __post_init__(self) -> None:
         super().__post_init__()
