@@ -34,7 +34,8 @@ LOCAL_WHEELS ?= /opt/wheels
 # the vLLM plugin's shim that lets PyPI's (CUDA) torchvision import beside torch+cpu, where the plugin ships it
 VLLM_SHIM := $(wildcard scripts/torchvision_ops_shim.py)
 PYTEST_ARGS ?= -q
-# test processes (pytest-xdist): one per core; WORKERS=0 runs the suite in this process
+# test processes (pytest-xdist): one per core, each test module in one process (its module fixtures built once, its
+# tests in file order); WORKERS=0 runs the suite in this process
 WORKERS ?= auto
 # stamps are written as new files (rm, then touch): a venv may be a hard-linked copy of another, whose stamps touch
 # would update too
@@ -109,12 +110,12 @@ run: setup
 
 test: test-setup
 	$(BIN)/ruff check .
-	$(PY) -m pytest tests -n $(WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # the adapter and LLM-stage tests on the lowest supported transformers (CI runs it after `make test`)
 test-min: test-min-setup
 	@$(MIN_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
-	$(MIN_VENV)/bin/python -m pytest $(MIN_TESTS) -n $(WORKERS) $(PYTEST_ARGS)
+	$(MIN_VENV)/bin/python -m pytest $(MIN_TESTS) -n $(WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -173,6 +174,6 @@ compat:
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT_VENV)/bin/python -m pip install -q -r $(COMPAT_VENV)/requirements.txt
 	$(COMPAT_VENV)/bin/python -m pip install -q --no-deps -e .
-	-$(COMPAT_VENV)/bin/python -m pytest tests -n $(WORKERS) -p no:cacheprovider --continue-on-collection-errors \
+	-$(COMPAT_VENV)/bin/python -m pytest tests -n $(WORKERS) --dist loadscope -p no:cacheprovider --continue-on-collection-errors \
 		--junitxml=$(COMPAT_VENV)/junit.xml $(PYTEST_ARGS)
 	$(COMPAT_VENV)/bin/python tools/compat.py report $(COMPAT_VENV)/junit.xml --lock $(LOCK)
