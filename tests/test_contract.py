@@ -69,8 +69,6 @@ def before_llm(records) -> list:
 
 # behaviour bugs the table found (xfail, strict: fixing one makes its case pass and fail here until removed)
 BUGS = {
-    "fastvid-tiny-onevision-video": "FastVID(budget=1.0, d=0.0), its keep-all setting, raises torch's 'selected "
-    "index k out of range' in density_peak_scores on LLaVA-OneVision (every frame count): no token is left to merge",
     "prunevid-tiny-onevision-video": "PruneVid(tau=1.0, cluster_ratio=1.0, layer=None), its keep-all setting, "
     "changes LLaVA-OneVision's logits (max 0.14; the Qwen families' equal the unpatched model's): not found yet",
 }

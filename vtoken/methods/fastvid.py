@@ -142,8 +142,11 @@ def onevision_merge(
     positions = torch.arange(tokens, device=device)
     others = (positions + tokens * salient_flag).argsort(dim=-1)[..., :rest]  # [V, F, R] ascending
     candidates = x.gather(2, others[..., None].expand(-1, -1, -1, x.shape[-1]))
-    score, _ = density_peak_scores(candidates.flatten(0, 1), None, min(NEIGHBOURS, rest),
-                                   noise[None].expand(videos, -1, -1).gather(2, others).flatten(0, 1))  # fmt: skip
+    if rest:
+        score, _ = density_peak_scores(candidates.flatten(0, 1), None, min(NEIGHBOURS, rest),
+                                       noise[None].expand(videos, -1, -1).gather(2, others).flatten(0, 1))  # fmt: skip
+    else:  # every token salient (d = 0 at a budget of 1): nothing left to merge
+        score = candidates.new_zeros(videos * frames, 0)
     width = min(context * method.p, rest)  # a quota is at most C * p: (C * L) // ceil(L / p) <= C * p
     picked = score.view(videos, frames, rest).argsort(dim=-1, descending=True, stable=True)[..., :width]
     targets = others.gather(2, picked)  # positions, in descending score (the official top-k order)
