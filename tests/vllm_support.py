@@ -122,7 +122,7 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
 
     hook = model.model.language_model.register_forward_pre_hook(record, with_kwargs=True)
     selected = []  # what the encoder method was given, per `select` call: its margins are measured on these
-    if handle:
+    if handle and hasattr(handle.methods[0], "select"):  # an encoder method (a tower method selects no tokens)
         method = handle.methods[0]
 
         def select(tokens, select=method.select):
@@ -136,7 +136,9 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
                                  return_dict_in_generate=True)  # fmt: skip
     finally:
         hook.remove()
-    encoder = [r for r in handle.records if r.stage == "encoder"] if handle else []
+    records = list(handle.records) if handle else []
+    # the encoder stage's records; a tower method alone (PixelPrune): the tower's (its encoder stage records nothing)
+    encoder = [r for r in records if r.stage == "encoder"] or [r for r in records if r.stage == "tower"]
     dropped = sum(r.tokens_in - r.tokens_out for r in encoder)
     length = inputs["input_ids"].shape[1]
     ids, config = inputs["input_ids"], model.config
@@ -148,9 +150,7 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
         "llm_len": seen[0],
         "dropped": dropped,
         "uncounted": uncounted,
-        "kept": [None if r.kept is None else r.kept.tolist() for r in handle.records if r.stage == "encoder"]
-        if handle
-        else None,
+        "kept": [None if r.kept is None else r.kept.tolist() for r in encoder] if handle else None,
         "selected": selected,
         "ids": out.sequences[0, length:].tolist(),
         "logprobs": [torch.log_softmax(step[0].float(), -1) for step in out.logits],

@@ -28,6 +28,7 @@ from vtoken.stages.encoder import COMMON_SIGNALS, EncoderStage, SignalSources, c
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
+from . import tower
 from .config import ServingConfig, error, serving_config
 from .signals import QKVClsProbe
 
@@ -106,6 +107,7 @@ class LlavaFamily:
 
     def check(self, config: ServingConfig) -> None:
         """Refuse at start what this family cannot serve (signals, layout, counts decided by the data)."""
+        tower.check(config, self.name)  # a tower method: refused, naming why
         method = config.method
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
         check_signals_served(method, self.signals(method), self.name)
