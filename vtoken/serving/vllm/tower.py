@@ -12,8 +12,8 @@ embeddings and rotary of the kept rows (gathered from the full-grid tables vLLM 
 `cu_seqlens`. The tower's output is every image's kept groups' merged features, ascending (Qwen3-VL: with its
 DeepStack levels, computed from the pruned states, as on transformers).
 
-ToMe (merges inside CLIP's blocks) and a tower method composed with an encoder method are refused at start
-(`check`), naming why.
+ToMe on LLaVA-1.5 is `vtoken.serving.vllm.tome`. Elsewhere a tower method is refused at start (`check`), naming
+why, and so is a tower method composed with an encoder method (`config`).
 """
 
 from __future__ import annotations
@@ -31,16 +31,19 @@ from vtoken.stages.tower import TowerStage
 
 from .config import ServingConfig, error
 
-# the families whose vLLM towers the plugin runs a tower method in, and which one (acts = "input": PixelPrune)
-SERVED = {"qwen2.5-vl": "input", "qwen3-vl": "input"}
+# the families whose vLLM towers the plugin runs a tower method in, and how it acts there ("input": PixelPrune,
+# "layers": ToMe)
+SERVED = {"qwen2.5-vl": "input", "qwen3-vl": "input", "llava-1.5": "layers"}
 WHY_NOT = {
-    "layers": "it merges tokens inside the vision tower's blocks (ToMe: between each CLIP block's attention and its "
-    "MLP, with log(size) added to the attention logits), and vLLM's CLIP encoder layers run their attention through "
-    "`MMEncoderAttention`, whose backends take no additive bias or mask; the plugin does not replace vLLM's CLIP "
-    "blocks",
-    "input": "the plugin runs a tower on the kept rows only in vLLM's Qwen2.5-VL and Qwen3-VL towers (their forward "
-    "takes precomputed tables); vLLM's CLIP and SigLIP towers build their sequence from the whole image inside "
-    "their forward",
+    ("llava-1.5", "input"): "it would run vLLM's CLIP tower on [CLS] and each image's kept patches, a different "
+    "number per image, so a batch of images needs padding with a key mask, and vLLM's CLIP attention "
+    "(`MMEncoderAttention`) takes no mask; its tower builds every patch's embedding inside its forward",
+    ("llava-next", "input"): "it would run vLLM's CLIP tower on [CLS] and each crop's kept patches, a different "
+    "number per crop, so the crops need padding with a key mask, which vLLM's CLIP attention (`MMEncoderAttention`) "
+    "does not take",
+    ("llava-next", "layers"): "on LLaVA-NeXT its merged crops go to the LLM in the flat layout (base crop, then "
+    "grid crops, no unpadding or newlines), which the plugin's LLaVA-NeXT path (its official and native layouts) "
+    "does not pack yet; it is served on LLaVA-1.5",
 }
 
 
@@ -56,9 +59,10 @@ def check(config: ServingConfig, family: str) -> None:
         raise error(str(failure)) from None
     if SERVED.get(family) != method.acts:
         served = ", ".join(f"{f} ({'pixelprune' if a == 'input' else 'tome'})" for f, a in SERVED.items())
+        why = WHY_NOT.get((family, method.acts), "the plugin does not run it in this family's vLLM tower")
         raise error(
-            f"{method.name} is not served on {family} in vLLM: {WHY_NOT[method.acts]}. Tower methods served: "
-            f"{served}; use vtoken.patch on transformers for this one"
+            f"{method.name} is not served on {family} in vLLM: {why}. Tower methods served: {served}; use "
+            "vtoken.patch on transformers for this one"
         )
 
 
