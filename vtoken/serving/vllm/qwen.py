@@ -183,6 +183,13 @@ class QwenModelMixin:
         self.vtoken_family = QwenFamily(self.config, self.family_name)
         self._vtoken_picks: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # pixel key -> [k, D] kept
         self.vtoken_tower = None  # a tower method's `InputTower`
+        if self.vtoken is not None and getattr(vllm_config.compilation_config, "cudagraph_mm_encoder", False):
+            # vLLM's encoder CUDA graphs run the tower on the stock tables instead of `embed_multimodal`
+            raise error(
+                f"{self.vtoken.name} on {self.family_name} with compilation_config.cudagraph_mm_encoder=True: vLLM's "
+                "encoder CUDA graphs replay the whole-grid tower in place of the model's `embed_multimodal`, so the "
+                "placeholders sized for the kept tokens would not match; turn encoder CUDA graphs off"
+            )
         if self.vtoken is not None and self.vtoken.tower is not None:
             from vllm.transformers_utils.processor import cached_image_processor_from_config
 
