@@ -4,7 +4,8 @@ Front end (`LlavaProcessor`): each image's placeholder run is `count_before_enco
 patches outside a pad-to-square border, read from the processed pixels, for methods that exclude it; all N
 otherwise). Engine (`Llava.embed_multimodal`): vLLM's CLIP tower (built up to the feature layer) runs once with
 [CLS]-row probes on the layers the method reads; the features before the projector become `VisualTokens`, the
-method selects, and only the kept tokens are projected, as vtoken's transformers adapter does.
+method selects, and only the kept tokens are projected, as vtoken's transformers adapter does. ToMe (a tower
+method): the placeholders are N - sum r'_l, and the tower merges in its blocks (`vtoken.serving.vllm.tome`).
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ class LlavaFamily:
                 )
             if config.layout != "native":
                 raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
+            try:  # its schedule on this tower (an r list longer than the blocks up to the feature layer: refused)
+                config.tower.count_before_encoding([self.grid], None, self.tower_shape())
+            except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
+                raise error(str(err)) from None
             return
         method = config.method
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals

@@ -16,6 +16,10 @@ features). Images are pruned, and Qwen2.5-VL's videos (every frame keeps its bud
 DivPrune: its budget of the whole video); Qwen3-VL's videos pass through unchanged (its prompt puts a timestamp
 before every frame, a run per frame that this plugin does not resize yet).
 
+PixelPrune (a tower method) is `vtoken.serving.vllm.tower`: its kept groups follow from the processed pixels, so the
+processor sizes the placeholders, the positions are gathered at the kept groups as above, and vLLM's tower runs on
+the kept rows (`_process_image_input`); videos pass through unpruned.
+
 Text after a video continues where vLLM's own positions put it: after the video's largest (t, h, w) position, as
 the original Qwen2.5-VL code does. transformers 5's `get_rope_index` continues at max(h, w) past the video's
 start instead, which differs once the video's time positions reach further (tests use a clip where both agree).
