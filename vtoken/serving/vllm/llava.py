@@ -27,6 +27,7 @@ from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
 from vtoken.methods.base import TowerMethod, TowerShape
 from vtoken.stages.encoder import COMMON_SIGNALS, EncoderStage, SignalSources, check_signals, check_takes
+from vtoken.stages.tower import TowerStage
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
@@ -105,7 +106,7 @@ class LlavaFamily:
     def count(self, method, pixel_values: torch.Tensor) -> int:
         """Placeholders of one image [3, H, W] (known before the encoder; ToMe: N - sum r'_l, host integers)."""
         if isinstance(method, TowerMethod):
-            return method.count_before_encoding([self.grid], None, self.tower_shape())[0]
+            return TowerStage(method, self.tower_shape()).counts([self.grid])[0]
         valid = self.valid(method, pixel_values[None])
         n = self.side * self.side if valid is None else int(valid.sum())
         grid = (1, n) if EncoderStage(method).placed else self.grid  # placed: the image's run as the LLM gets it
@@ -128,7 +129,7 @@ class LlavaFamily:
             if config.layout != "native":
                 raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
             try:  # its schedule on this tower (an r list longer than the blocks up to the feature layer: refused)
-                config.tower.count_before_encoding([self.grid], None, self.tower_shape())
+                TowerStage(config.tower, self.tower_shape()).counts([self.grid])
             except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
                 raise error(str(err)) from None
             return

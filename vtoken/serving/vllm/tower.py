@@ -76,7 +76,8 @@ class InputTower:
     rescale: float
 
     def select(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> Selected:
-        """The kept units of images `grids` from their processed pixels [S, D] (`select_input`; on the CPU, where
+        """The kept units of images `grids` from their processed pixels [S, D] (the tower stage's `select`, the
+        method's `select_input`; on the CPU, where
         vLLM's processor leaves them, no device sync). vLLM's processor may leave the pixels raw (uint8: with
         `mm_device_do_normalize`, the tower's `input_norm` rescales and normalises them on the device): then the
         unit values are the rescaled bytes themselves (x * rescale, in [0, 1]), which is what vtoken de-normalises
@@ -85,7 +86,7 @@ class InputTower:
         if not pixels.is_floating_point():
             pixels = pixels.float() * self.rescale
             shape = replace(shape, mean=(0.0,) * shape.channels, std=(1.0,) * shape.channels)
-        return self.method.select_input(pixels, grids, shape)
+        return TowerStage(self.method, shape).select(pixels, grids)[0]
 
 
 def qwen_input_tower(method: TowerMethod, hf_config: Any, family: str, image_processor: Any) -> InputTower:
