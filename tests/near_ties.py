@@ -10,8 +10,8 @@ tolerance policy"):
   difference and fails. Steps after a near-tie have different contexts and are not compared; a test states
   how many steps it needs compared (`min_steps`), so a case that ties at once cannot pass having checked nothing;
 - kept tokens are equal unless the method's own margin at a decision (measured on the reference's scores by
-  `topk_margin`, `vispruner_margins`, `divprune_margin`) is within rounding; parity tests choose cases whose
-  margins are measured and asserted well above rounding, so their kept tokens must be equal.
+  `topk_margin`, `vispruner_margins`, `divprune_margin`, `tome_margin`) is within rounding; parity tests choose
+  cases whose margins are measured and asserted well above rounding, so their kept tokens must be equal.
 """
 
 from __future__ import annotations
@@ -87,6 +87,22 @@ def topk_margin(scores: torch.Tensor, k: int) -> float:
         return float("inf")
     top = scores.detach().float().flatten().topk(k + 1).values
     return float(top[k - 1] - top[k])
+
+
+def tome_margin(keys: torch.Tensor, heads: int, r: int, cls: bool) -> float:
+    """How far one ToMe block's bipartite matching of one crop is from changing, from its keys [T, heads * d]: the
+    smaller of the ranking gap (the r-th and (r+1)-th best scores of the A tokens) and, over the r merging A tokens,
+    the gap between their best and second-best B partner (cosines, fp32)."""
+    metric = keys.detach().float().view(keys.shape[0], heads, -1).mean(dim=1)
+    unit = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    scores = unit[0::2] @ unit[1::2].T  # [|A|, |B|]
+    if cls:
+        scores[0] = float("-inf")
+    top2 = scores.topk(2, dim=-1).values
+    ranking = topk_margin(top2[:, 0], r)
+    merging = top2[:, 0].argsort(descending=True, stable=True)[:r]
+    partner = float((top2[merging, 0] - top2[merging, 1]).min()) if r > 0 else float("inf")
+    return min(ranking, partner)
 
 
 def same_kept(got: Sequence[int], ref: Sequence[int], margin: float, tolerance: float, ordered: bool = True) -> bool:

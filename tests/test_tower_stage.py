@@ -362,9 +362,28 @@ def test_the_tools_know_the_tower_stage(llava, qwen25, capsys):
     assert "kept tokens (16x16 grid" in capsys.readouterr().out  # the tower's kept groups drawn
 
 
-def test_the_vllm_plugin_refuses_tower_methods_naming_why():
+def test_the_vllm_plugin_serves_tower_methods_where_its_tower_takes_them():
+    """PixelPrune on vLLM's Qwen2.5-VL / Qwen3-VL towers and ToMe on LLaVA-1.5's are served (a tower method alone:
+    every token it leaves reaches the LLM); elsewhere, and composed with an encoder method, refused naming why
+    (tests/test_vllm.py runs them in vLLM)."""
     from vtoken.serving.vllm import ServingConfigError, parse
+    from vtoken.serving.vllm.tower import check
 
-    for method in ("pixelprune", "tome", ["pixelprune", "random"]):
-        with pytest.raises(ServingConfigError, match="tower stage.*vision tower.*vtoken.patch on transformers"):
-            parse({"method": method})
+    for family, method in (("qwen2.5-vl", "pixelprune"), ("qwen3-vl", "pixelprune"), ("llava-1.5", "tome")):
+        config = parse({"method": method})
+        assert config.tower.name == method and config.name == method and config.method.name == "keep_all"
+        check(config, family)
+    refused = {
+        ("llava-1.5", "pixelprune"): "MMEncoderAttention.*mask",
+        ("llava-next", "pixelprune"): "MMEncoderAttention",
+        ("llava-next", "tome"): "flat layout.*served on LLaVA-1.5",
+        ("qwen2.5-vl", "tome"): "2x2.*pixelprune",
+        ("qwen3-vl", "tome"): "2x2.*pixelprune",
+    }
+    for (family, method), why in refused.items():
+        with pytest.raises(ServingConfigError, match=f"vtoken.*{method}.*{why}"):
+            check(parse({"method": method}), family)
+    with pytest.raises(ServingConfigError, match="pixelprune.*alone.*vtoken.patch on transformers"):
+        parse({"method": ["pixelprune", "random"]})
+    with pytest.raises(ServingConfigError, match="at most one per stage"):
+        parse({"method": ["pixelprune", "tome"]})

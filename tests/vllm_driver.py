@@ -34,6 +34,9 @@ SELECTIONS: list[list[list[int] | None]] = []  # per outermost `select` call in 
 # select calls that are no selection of a request's tokens: the Qwen plugin's plans made before the encoder (on
 # stand-in features), and a merge re-run on the DeepStack companion features
 DRY_RUNS = ("plan", "data_independent", "same_selection")
+# a tower method's selection of a request's images: the one its tower runs on (the processor's and the positions'
+# selections of the same pixels are the same call again)
+TOWER_RUNS = ("_process_image_input",)
 
 
 def record_selections() -> None:
@@ -68,6 +71,29 @@ def record_selections() -> None:
 
         return recorded
 
+    def in_tower_run() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name in TOWER_RUNS and frame.f_globals.get("__name__", "").startswith("vtoken."):
+                return True
+            frame = frame.f_back
+        return False
+
+    def wrap_input(select_input):
+        @functools.wraps(select_input)
+        def recorded(self, pixels, grids, tower):
+            selected = select_input(self, pixels, grids, tower)
+            if in_tower_run():  # per image, its kept units (the LLM-level tokens that reach the LLM)
+                SELECTIONS.append([selected.kept_of(i).tolist() for i in range(len(selected.counts))])
+            return selected
+
+        return recorded
+
+    from vtoken.methods.base import TowerMethod
+
+    for cls in TowerMethod.__subclasses__():
+        if "select_input" in cls.__dict__:
+            cls.select_input = wrap_input(cls.__dict__["select_input"])
     classes, seen = [EncoderMethod], set()
     while classes:
         cls = classes.pop()

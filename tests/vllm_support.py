@@ -122,7 +122,17 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
 
     hook = model.model.language_model.register_forward_pre_hook(record, with_kwargs=True)
     selected = []  # what the encoder method was given, per `select` call: its margins are measured on these
-    if handle:
+    if handle and hasattr(handle.methods[0], "merge_block"):  # ToMe: every merging block's keys and r, per crop
+        method = handle.methods[0]
+
+        def merge_block(h, keys, heads, block, state, merge=method.merge_block):
+            r = state.schedule[block] if block < len(state.schedule) else 0
+            if r > 0:
+                selected.extend((crop_keys, heads, r, state.cls) for crop_keys in keys)
+            return merge(h, keys, heads, block, state)
+
+        method.merge_block = merge_block  # this instance only
+    elif handle and hasattr(handle.methods[0], "select"):  # an encoder method (a tower method selects no tokens)
         method = handle.methods[0]
 
         def select(tokens, select=method.select):
@@ -136,7 +146,9 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
                                  return_dict_in_generate=True)  # fmt: skip
     finally:
         hook.remove()
-    encoder = [r for r in handle.records if r.stage == "encoder"] if handle else []
+    records = list(handle.records) if handle else []
+    # the encoder stage's records; a tower method alone (PixelPrune): the tower's (its encoder stage records nothing)
+    encoder = [r for r in records if r.stage == "encoder"] or [r for r in records if r.stage == "tower"]
     dropped = sum(r.tokens_in - r.tokens_out for r in encoder)
     length = inputs["input_ids"].shape[1]
     ids, config = inputs["input_ids"], model.config
@@ -148,9 +160,7 @@ def reference(model_dir: Path, family: str, method: str | None, params: dict, qu
         "llm_len": seen[0],
         "dropped": dropped,
         "uncounted": uncounted,
-        "kept": [None if r.kept is None else r.kept.tolist() for r in handle.records if r.stage == "encoder"]
-        if handle
-        else None,
+        "kept": [None if r.kept is None else r.kept.tolist() for r in encoder] if handle else None,
         "selected": selected,
         "ids": out.sequences[0, length:].tolist(),
         "logprobs": [torch.log_softmax(step[0].float(), -1) for step in out.logits],
@@ -171,9 +181,12 @@ def margins(method: str | None, params: dict, ref: dict) -> dict[str, float]:
     """How far the reference's selection is from flipping, per kind of decision ("score", "distance"), measured on
     what its method was given (`reference(...)["selected"]`, crop after crop, as its records' `kept`); {} for
     methods whose margins are not measured."""
-    from near_ties import divprune_margin, topk_margin, vispruner_margins
+    from near_ties import divprune_margin, tome_margin, topk_margin, vispruner_margins
 
     found: dict[str, float] = {}
+    if method == "tome":  # every merging block's matching, crop by crop (cosines: a "distance" kind of margin)
+        found["distance"] = min(tome_margin(*block) for block in ref["selected"])
+        return found
     if method not in ("fastervlm", "vispruner", "divprune"):
         return found
     kept = iter(ref["kept"])
@@ -197,8 +210,8 @@ def margins(method: str | None, params: dict, ref: dict) -> dict[str, float]:
 
 
 def assert_margins(method: str | None, params: dict, ref: dict) -> dict[str, float]:
-    """The reference's selection is well above rounding from flipping (`margins`), so the engines' kept tokens must
-    be equal; returns the margins."""
+    """The reference's selection is well above rounding from flipping (`margins`), so the engines' kept tokens (for
+    ToMe: its merges) must be equal; returns the margins."""
     measured = margins(method, params, ref)
     floor = {"score": SCORE_MARGIN, "distance": DISTANCE_MARGIN}
     for kind, value in measured.items():
@@ -253,6 +266,8 @@ CHECKPOINTS = {
     "llava-sharp": ("llava", {"query_scale": 30.0}),
     "llava-next-sharp": ("llava-next", {"query_scale": 30.0}),
     "llava-small-sharp": ("llava", {"query_scale": 30.0, "image_size": 112, "seed": 2}),
+    # the same checkpoint under another name: a second ToMe row (its variant) keyed by family and method
+    "llava-small-tome": ("llava", {"query_scale": 30.0, "image_size": 112, "seed": 2}),
 }
 
 

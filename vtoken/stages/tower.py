@@ -7,7 +7,8 @@ checks at `patch` (the method's families, its composition with an encoder-stage 
 does not act on when a call starts, its count before encoding (from host integers, or from the preprocessed pixels
 before any model compute), PixelPrune's selection of the units, and the records. The transformers side (ToMe's
 blocks, the Qwen tower run on the kept groups, CLIP's kept patches) is `vtoken.adapters.tower`; the vLLM plugin
-sizes its placeholders from `TowerStage.counts`.
+(`vtoken.serving.vllm.tower`, `.tome`) checks the family here, sizes its placeholders from `TowerStage.counts`
+(ToMe) or PixelPrune's `select` on the processor's pixels, and runs vLLM's towers on what it decided.
 
 Composition: tower -> encoder -> prefill/decode/sparse. The encoder method sees the tower's output as its crop:
 after a tower that keeps the grid (PixelPrune), the crop's full grid with the dropped units invalid, so its kept

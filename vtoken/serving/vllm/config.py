@@ -17,18 +17,14 @@ from typing import Any
 
 from vtoken.api import _resolve_methods
 from vtoken.errors import VTokenError
-from vtoken.methods.base import EncoderMethod, Method
+from vtoken.methods.base import EncoderMethod, Method, TowerMethod
 from vtoken.registry import make_method
+from vtoken.stages.tower import KeepAll
 
 OVERRIDE_KEY = "vtoken"
 KEYS = ("method", "layout")  # besides the methods' own parameters
 
 WHY_NOT_SERVED = {
-    "tower": "it acts before or inside the vision tower on some of its rows (PixelPrune's kept merge groups, with "
-    "their own rotary and position-embedding taps and per-image sequence lengths; ToMe's merges inside CLIP's "
-    "blocks, with log-size attention biases that vLLM's attention backends take no argument for), while vLLM's "
-    "Qwen-VL and CLIP towers build their tables from the whole grid inside their forward; the plugin does not run "
-    "a tower of its own yet",
     "prefill": "it drops tokens between LLM layers, inside vLLM's paged-attention forward, which a plugin cannot "
     "reach (vLLM schedules and caches every prompt token)",
     "decode": "it changes which KV-cache entries decoding attends to (evicting them, or masking them step by step), "
@@ -47,14 +43,16 @@ def error(message: str) -> ServingConfigError:
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The parsed entry: the encoder-stage method the plugin runs and the anyres layout."""
+    """The parsed entry: the encoder-stage method the plugin runs, the anyres layout, and a tower-stage method
+    (PixelPrune; then `method` is `KeepAll`: every token the tower leaves reaches the LLM)."""
 
     method: EncoderMethod
     layout: str = "native"
+    tower: TowerMethod | None = None
 
     @property
     def name(self) -> str:
-        return self.method.name
+        return self.method.name if self.tower is None else self.tower.name
 
 
 def _method_item(item: Any) -> str | Method:
@@ -88,6 +86,9 @@ def parse(raw: Any) -> ServingConfig | None:
         raise
     except VTokenError as failure:  # unknown method or parameter, bad budget: vtoken's own message
         raise error(f"{failure}; keys other than {list(KEYS)} are the method's parameters") from failure
+    towers = [m for m in methods if "tower" in m.stages]
+    if towers:
+        return _tower_config(towers, [m for m in methods if m not in towers], layout)
     for m in methods:
         later = [s for s in m.stages if s != "encoder"]
         if later:
@@ -103,6 +104,21 @@ def parse(raw: Any) -> ServingConfig | None:
     if not isinstance(layout, str):
         raise error(f"layout={layout!r}; expected 'native' or 'official'")
     return ServingConfig(methods[0], layout)
+
+
+def _tower_config(towers: list[Method], others: list[Method], layout: Any) -> ServingConfig:
+    """A tower-stage method served alone (the families check that their vLLM tower takes it)."""
+    if len(towers) > 1:
+        raise error(f"methods {[m.name for m in towers]} all act at the tower stage; combine at most one per stage")
+    if others:
+        raise error(
+            f"{towers[0].name} (tower stage) with {[m.name for m in others]}: the plugin serves a tower method alone "
+            "(composing it with an encoder-stage method, whose crop is what the tower left, is not wired into the "
+            "plugin yet); use vtoken.patch on transformers for the combination"
+        )
+    if not isinstance(layout, str):
+        raise error(f"layout={layout!r}; expected 'native' or 'official'")
+    return ServingConfig(KeepAll(), layout, towers[0])
 
 
 def serving_config(hf_config: Any) -> ServingConfig | None:

@@ -4,7 +4,8 @@ Front end (`LlavaProcessor`): each image's placeholder run is `count_before_enco
 patches outside a pad-to-square border, read from the processed pixels, for methods that exclude it; all N
 otherwise). Engine (`Llava.embed_multimodal`): vLLM's CLIP tower (built up to the feature layer) runs once with
 [CLS]-row probes on the layers the method reads; the features before the projector become `VisualTokens`, the
-method selects, and only the kept tokens are projected, as vtoken's transformers adapter does.
+method selects, and only the kept tokens are projected, as vtoken's transformers adapter does. ToMe (a tower
+method): the placeholders are N - sum r'_l, and the tower merges in its blocks (`vtoken.serving.vllm.tome`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ from vllm.model_executor.models.llava import (
 from vtoken.adapters.probes import RECEIVED, named_block, tower_signals
 from vtoken.geometry.kept import kept_rows
 from vtoken.geometry.llava import encoder_layer, outside_pad_border, token_grid
+from vtoken.methods.base import TowerMethod, TowerShape
 from vtoken.stages.encoder import COMMON_SIGNALS, EncoderStage, SignalSources, check_signals, check_takes
+from vtoken.stages.tower import TowerStage
 from vtoken.tokens import Selection, TextQuery, VisualTokens
 
 from . import question as questions
+from . import tower
 from .config import ServingConfig, error, serving_config
 from .signals import QKVClsProbe
+from .tome import MergingBlocks, llava_shape
 
 
 class LlavaFamily:
@@ -94,8 +99,14 @@ class LlavaFamily:
             return outside_pad_border(pixel_values, self.patch)
         return None
 
+    def tower_shape(self) -> TowerShape:
+        """The CLIP tower as a tower method (ToMe) reads it."""
+        return llava_shape(self.hf_config, self.name, self.feature_layer)
+
     def count(self, method, pixel_values: torch.Tensor) -> int:
-        """Placeholders of one image [3, H, W] (known before the encoder)."""
+        """Placeholders of one image [3, H, W] (known before the encoder; ToMe: N - sum r'_l, host integers)."""
+        if isinstance(method, TowerMethod):
+            return TowerStage(method, self.tower_shape()).counts([self.grid])[0]
         valid = self.valid(method, pixel_values[None])
         n = self.side * self.side if valid is None else int(valid.sum())
         grid = (1, n) if EncoderStage(method).placed else self.grid  # placed: the image's run as the LLM gets it
@@ -106,6 +117,22 @@ class LlavaFamily:
 
     def check(self, config: ServingConfig) -> None:
         """Refuse at start what this family cannot serve (signals, layout, counts decided by the data)."""
+        tower.check(config, self.name)  # ToMe served, PixelPrune refused naming why
+        if config.tower is not None:
+            if not self.has_cls:
+                raise error(
+                    f"{config.tower.name} on {self.name} merges after [CLS] and sends the feature layer's tokens "
+                    "without it (vision_feature_select_strategy='default', a feature layer inside the tower); this "
+                    f"config has {self.hf_config.vision_feature_select_strategy!r} at layer "
+                    f"{self.hf_config.vision_feature_layer}"
+                )
+            if config.layout != "native":
+                raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
+            try:  # its schedule on this tower (an r list longer than the blocks up to the feature layer: refused)
+                TowerStage(config.tower, self.tower_shape()).counts([self.grid])
+            except Exception as err:  # noqa: BLE001 - the plugin's errors name vtoken
+                raise error(str(err)) from None
+            return
         method = config.method
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
         check_signals_served(method, self.signals(method), self.name)
@@ -196,7 +223,7 @@ class PrunedImagePlaceholders(questions.QuestionProcessorMixin):
             if images is None or not isinstance(images, ImageProcessorItems):
                 return stock.replacement(item)  # image embeddings given: no encoder runs, nothing to prune
             return [hf_config.image_token_index] * self.kept_count(
-                hf_config, config.method, images, item, out_mm_kwargs
+                hf_config, config.tower or config.method, images, item, out_mm_kwargs
             )
 
         return [PromptReplacement(modality="image", target=stock.target, replacement=replacement)]
@@ -268,6 +295,8 @@ class Llava(PruningModel, LlavaForConditionalGeneration):
         pixel_values = image_input["pixel_values"]
         if isinstance(pixel_values, list):
             pixel_values = torch.stack(pixel_values)
+        if self.vtoken.tower is not None:
+            return self.merged(pixel_values)
         method, family = self.vtoken.method, LlavaFamily(self.config)
         features, signals = encode_crops(self, family, method, pixel_values)  # [B, N, Dv], before the projector
         stage = EncoderStage(method)
@@ -280,6 +309,17 @@ class Llava(PruningModel, LlavaForConditionalGeneration):
             sources = SignalSources(self.multi_modal_projector, self.text_query(asked, family.name))
             selection, _ = stage.select(tokens, sources)
             embeds = kept_embeddings(tokens, selection, self.multi_modal_projector)
+        check_counts(method, [len(e) for e in embeds], [family.count(method, p) for p in pixel_values], "image")
+        return tuple(embeds)
+
+    def merged(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """ToMe: vLLM's CLIP tower on images [B, 3, H, W], merging in its blocks -> per image [N', D] projected
+        tokens (every token leaving the tower reaches the LLM, in the method's order)."""
+        method, family = self.vtoken.tower, LlavaFamily(self.config)
+        layers = self.vision_tower.vision_model.encoder.layers
+        with MergingBlocks(method, layers, family.tower_shape()):
+            hidden = self.vision_tower(pixel_values, feature_select_strategy="default")  # [B, N', Dv], no [CLS]
+        embeds = list(self.multi_modal_projector(hidden))
         check_counts(method, [len(e) for e in embeds], [family.count(method, p) for p in pixel_values], "image")
         return tuple(embeds)
 

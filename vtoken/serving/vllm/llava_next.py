@@ -29,6 +29,7 @@ from vtoken.geometry.tables import on_device, repeated
 from vtoken.stages.encoder import EncoderStage, SignalSources
 from vtoken.tokens import VisualTokens
 
+from . import tower
 from .config import ServingConfig, error, serving_config
 from .llava import (
     LlavaFamily,
@@ -80,6 +81,7 @@ class LlavaNextFamily(LlavaFamily):
         return count
 
     def check(self, config: ServingConfig) -> None:
+        tower.check(config, self.name)  # a tower method: refused, naming why
         method, layout = config.method, config.layout
         check_modality(method, self.name)  # first: a method for videos only is refused for that, not its signals
         check_signals_served(method, self.signals(method), self.name)

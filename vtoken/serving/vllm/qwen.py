@@ -16,6 +16,10 @@ features). Images are pruned, and Qwen2.5-VL's videos (every frame keeps its bud
 DivPrune: its budget of the whole video); Qwen3-VL's videos pass through unchanged (its prompt puts a timestamp
 before every frame, a run per frame that this plugin does not resize yet).
 
+PixelPrune (a tower method) is `vtoken.serving.vllm.tower`: its kept groups follow from the processed pixels, so the
+processor sizes the placeholders, the positions are gathered at the kept groups as above, and vLLM's tower runs on
+the kept rows (`_process_image_input`); videos pass through unpruned.
+
 Text after a video continues where vLLM's own positions put it: after the video's largest (t, h, w) position, as
 the original Qwen2.5-VL code does. transformers 5's `get_rope_index` continues at max(h, w) past the video's
 start instead, which differs once the video's time positions reach further (tests use a clip where both agree).
@@ -38,6 +42,7 @@ from vtoken.stages.encoder import EncoderStage
 from vtoken.tokens import Selection, VisualTokens
 
 from . import question as questions
+from . import tower
 from .config import ServingConfig, error, serving_config
 from .llava import check_signals_served, why_counts
 
@@ -92,6 +97,11 @@ class QwenFamily:
         self.pruned = ("image", "video") if name == "qwen2.5-vl" else ("image",)
 
     def check(self, config: ServingConfig) -> None:
+        tower.check(config, self.name)  # PixelPrune served (images; videos pass through), ToMe refused
+        if config.tower is not None:
+            if config.layout != "native":
+                raise error(f"layout={config.layout!r} is not available for {self.name}; it has: native")
+            return
         method = config.method
         check_signals_served(method, SIGNALS, self.name, COMMON)
         if config.layout != "native":
@@ -145,15 +155,24 @@ class QwenProcessorMixin(questions.QuestionProcessorMixin):
             return updates
         family = QwenFamily(hf_config, self.family_name)
         tokens = {"image": hf_config.image_token_id, "video": hf_config.video_token_id}
+        pixel_tower = None
+        if config.tower is not None:  # PixelPrune: each image's count from its processed pixels (on the CPU)
+            processor = self.info.get_hf_processor().image_processor
+            pixel_tower = tower.qwen_input_tower(config.tower, hf_config, self.family_name, processor)
 
         def replacement(item: int, modality: str):
-            grid_thw = out_mm_kwargs[modality][item][family.GRID[modality]].data
+            data = out_mm_kwargs[modality][item]
+            grid_thw = data[family.GRID[modality]].data
+            if pixel_tower is not None:
+                selected = pixel_tower.select(data["pixel_values"].data, [tower.grid_of(grid_thw)])
+                return [tokens[modality]] * selected.counts[0]
             return [tokens[modality]] * family.count(config.method, grid_thw)
 
+        pruned = ("image",) if pixel_tower is not None else family.pruned  # PixelPrune: videos pass through
         return [
             PromptReplacement(modality=u.modality, target=u.target, replacement=partial(replacement,
                                                                                      modality=u.modality))
-            if u.modality in family.pruned else u
+            if u.modality in pruned else u
             for u in updates
         ]  # fmt: skip
 
@@ -163,10 +182,29 @@ class QwenModelMixin:
 
     family_name = "qwen"
 
-    def _vtoken_init(self) -> None:
+    def _vtoken_init(self, vllm_config: Any) -> None:
         self.vtoken = checker(self.family_name)(self.config)
         self.vtoken_family = QwenFamily(self.config, self.family_name)
         self._vtoken_picks: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # pixel key -> [k, D] kept
+        self.vtoken_tower = None  # a tower method's `InputTower`
+        if self.vtoken is not None and getattr(vllm_config.compilation_config, "cudagraph_mm_encoder", False):
+            # vLLM's encoder CUDA graphs run the tower on the stock tables instead of `embed_multimodal`
+            raise error(
+                f"{self.vtoken.name} on {self.family_name} with compilation_config.cudagraph_mm_encoder=True: vLLM's "
+                "encoder CUDA graphs replay the whole-grid tower in place of the model's `embed_multimodal`, so the "
+                "placeholders sized for the kept tokens would not match; turn encoder CUDA graphs off"
+            )
+        if self.vtoken is not None and self.vtoken.tower is not None:
+            from vllm.transformers_utils.processor import cached_image_processor_from_config
+
+            if self.use_data_parallel:
+                raise error(
+                    f"{self.vtoken.tower.name} with mm_encoder_tp_mode='data': vLLM shards the images over the ranks "
+                    "and runs its tower through its own data-parallel helper, which takes no kept rows; use the "
+                    "default tensor-parallel encoder"
+                )
+            processor = cached_image_processor_from_config(vllm_config.model_config)
+            self.vtoken_tower = tower.qwen_input_tower(self.vtoken.tower, self.config, self.family_name, processor)
 
     def _vtoken_placed_picks(self, feature: Any) -> torch.Tensor:
         """[k] offsets, in its run, of the tokens a method acting on the placed tokens (DivPrune) keeps of one image
@@ -202,7 +240,8 @@ class QwenModelMixin:
             offset, length = feature.mm_position.offset, feature.mm_position.length
             tokens += input_tokens[cursor:offset]
             columns += range(cursor + shift, offset + shift)
-            if feature.modality not in family.pruned:  # stock positions
+            pruned = ("image",) if self.vtoken_tower is not None else family.pruned  # PixelPrune: images only
+            if feature.modality not in pruned:  # stock positions
                 tokens += input_tokens[offset : offset + length]
                 columns += range(offset + shift, offset + length + shift)
                 features.append(_moved(feature, offset + shift, length))
@@ -210,7 +249,11 @@ class QwenModelMixin:
                 key = family.GRID[feature.modality]
                 grid_thw = feature.data[key].data
                 grid, frames = family.grid(grid_thw), int(grid_thw[0])
-                if placed:  # picks from the encoder's output: encoded now, kept for later
+                if self.vtoken_tower is not None:  # PixelPrune: the kept groups, from the image's pixels
+                    pixels = feature.data["pixel_values"].data
+                    selected = self.vtoken_tower.select(pixels, [tower.grid_of(grid_thw)])
+                    kept, smaller = torch.from_numpy(selected.kept_of(0)), None
+                elif placed:  # picks from the encoder's output: encoded now, kept for later
                     kept, smaller = self._vtoken_placed_picks(feature), None
                 else:
                     kept, smaller = plan(method, grid, frames)
@@ -234,7 +277,7 @@ class QwenModelMixin:
 
     def embed_multimodal(self, **kwargs: object):
         kwargs.pop(questions.FIELD, None)
-        if self.vtoken is None:
+        if self.vtoken is None or self.vtoken_tower is not None:  # PixelPrune: `_process_image_input`
             return super().embed_multimodal(**kwargs)
         parsed = self._parse_and_validate_multimodal_inputs(**kwargs)
         method, family, index = self.vtoken.method, self.vtoken_family, 0
@@ -278,6 +321,17 @@ class QwenModelMixin:
                 index += 1
         return tuple(embeddings)
 
+    def _process_image_input(self, image_input: Any) -> tuple[torch.Tensor, ...]:
+        """Under a tower method (PixelPrune), every image's kept groups through vLLM's tower, which runs on their
+        rows only: per image [kept, D'] (Qwen3-VL: with its DeepStack levels), in ascending group order."""
+        if self.vtoken_tower is None or image_input["type"] != "pixel_values":
+            return super()._process_image_input(image_input)
+        grids = [tower.grid_of(g) for g in image_input["image_grid_thw"]]
+        pixels = image_input["pixel_values"]
+        selected = self.vtoken_tower.select(pixels, grids)
+        features = tower.pruned_tower(self.visual, self.family_name, pixels, grids, selected)
+        return features.split(selected.counts)
+
 
 def _pixel_key(modality: str, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple:
     """An image's or video's identity for the picks made when its request was added: its grid and pixel bytes."""
@@ -306,7 +360,7 @@ def families() -> dict[str, tuple[type, dict[str, Any], Any]]:
 
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self._vtoken_init()
+            self._vtoken_init(vllm_config)
 
     class Qwen3VLProcessor(QwenProcessorMixin, qwen3_vl.Qwen3VLMultiModalProcessor):
         family_name = "qwen3-vl"
@@ -316,7 +370,7 @@ def families() -> dict[str, tuple[type, dict[str, Any], Any]]:
 
         def __init__(self, *, vllm_config, prefix: str = "model") -> None:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self._vtoken_init()
+            self._vtoken_init(vllm_config)
 
     return {
         "Qwen2_5_VLForConditionalGeneration": (
