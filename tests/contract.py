@@ -189,7 +189,7 @@ def native_cases() -> list[Case]:
 def refused_call_cases() -> list[Case]:
     """Inputs a family takes that an applicable method refuses at the call."""
     return [
-        Case(method, family, modality)
+        Case(method, family, modality, applicable_layouts(tiny(family)[0], method, **fitted(family, method))[0])
         for family in FAMILIES
         for method, why in verdicts(family).items()
         if why is None

@@ -213,6 +213,8 @@ def test_records_say_what_reached_the_llm(case):
         assert llm_visual == placeholders  # nothing dropped before the LLM
     elif case.layout == "official" or placeholders == kept_in:  # every visual token was the method's to keep
         assert llm_visual == kept_out, (llm_visual, kept_out)
+    elif encoder[0].stage == "tower":  # the tower's kept patches, then the native layout unpads and adds newlines
+        assert 0 < llm_visual <= placeholders, (llm_visual, placeholders)  # (tests/test_tower_stage.py: exact)
     else:  # separators the method does not choose among ([CLS] passed through, newlines: dropped with their rows)
         assert kept_out <= llm_visual <= kept_out + placeholders - kept_in, (llm_visual, kept_in, kept_out)
     for r in encoder:
@@ -336,7 +338,7 @@ CALLS = [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=BUGS[str(c)
 def test_a_refused_call_names_why_and_leaves_the_model_intact(case):
     model, _ = tiny(case.family)
     batch = inputs(case.family, case.modality)
-    with torch.no_grad(), vtoken.patched(model, pruning(case)) as handle:
+    with torch.no_grad(), vtoken.patched(model, pruning(case), layout=case.layout) as handle:
         patched = snapshot(model)
         for call in (lambda: model(**batch), lambda: model.generate(**batch, max_new_tokens=1)):
             with pytest.raises(vtoken.VTokenError, match=case.method):
