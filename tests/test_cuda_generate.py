@@ -38,12 +38,15 @@ GENERATE = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
 # the adapter's reads around an encoder selection on LLaVA-NeXT: the prompt's layout (which row holds which image)
 # and, for a native packing of crops, the newlines after the kept rows
 NEXT = {"prompt.py (read_layout)": 1, "anyres.py (pack)": 1}
-LAYOUT = {"views.py (read)": 1}  # an LLM stage's prefill reads the prompt's layout once
+# an LLM stage's prompt layout, read by the call path before anything runs (none in the prefill); a call that reads
+# before its encoder anyway (an encoder-stage method's `read_layout`) reads it there
+LAYOUT = {"calls.py (note_layout)": 1}
+ENCODER_LAYOUT = {"prompt.py (read_layout)": 1}
 READS: dict[str, dict[str, int]] = {
     "cdpruner": NEXT,
     "dart": {**LAYOUT, "dart.py (keep_mask)": 1},  # its pivots' visiting order
     "divprune": {"prompt.py (read_layout)": 1},
-    "dycoke": {**LAYOUT, "selection.py (select)": 2},  # each decoding step's re-selection (2 steps)
+    "dycoke": {**ENCODER_LAYOUT, "selection.py (select)": 2},  # each decoding step's re-selection (2 steps)
     "fastervlm": NEXT,
     "fastv": LAYOUT,
     "fastvid": {"fastvid.py (video_selection)": 1},  # the merged counts of every frame
@@ -52,7 +55,7 @@ READS: dict[str, dict[str, int]] = {
     "holitom": {"fastvid.py (video_selection)": 1},
     "holov": {**NEXT, "holov.py (select)": 1},  # how many of the image-wide top-k fall in each crop
     "mmtok": NEXT,
-    "mustdrop": {**LAYOUT, "mustdrop.py (plan_merge)": 1, "mustdrop.py (select)": 1, "prefill.py (drop)": 1},
+    "mustdrop": {**ENCODER_LAYOUT, "mustdrop.py (plan_merge)": 1, "mustdrop.py (select)": 1, "prefill.py (drop)": 1},
     "pool": NEXT,
     "prunevid": {"fastvid.py (video_selection)": 1},  # its merged counts and groups, one read
     "pyramiddrop": LAYOUT,

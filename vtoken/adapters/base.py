@@ -170,6 +170,9 @@ class Adapter:
     def groups_for(self, shape: tuple[int, int]) -> tuple[torch.Tensor, list[list[int]]] | None:
         return self.calls.groups_for(shape)
 
+    def layout_for(self, shape: tuple[int, int]) -> Any:
+        return self.calls.layout_for(shape)
+
     # ----------------------------------------------------------------- family-specific
     @classmethod
     def matches(cls, model: nn.Module) -> bool:

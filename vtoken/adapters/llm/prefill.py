@@ -4,10 +4,11 @@ on, the records) and does the three things a prefill does: at a method's drop po
 (gather what the method reads, score, keep, gather the hidden states, positions, rotary tables and the mask of the
 rest of the prefill), the output-aware KV cut when the prefill ends, and the records.
 
-The prompt's layout is read once, when the prefill starts (`Layout.read`: one host sync, right after the stock
-model's own placeholder check synced); from then on a method's budget says how many tokens each row keeps
-(`PrefillMethod.kept_counts`), so shapes never wait for the device. A threshold method (MustDrop) reads its counts
-back once per drop. Records are built when read (`records.py`).
+The prompt's layout (per row: real, visual and text tokens) comes from the call path, which reads it with the
+rest of what it reads before the encoder and follows the shrink on the host, so the prefill reads nothing (a prompt
+the call path did not see is read when the prefill starts: `Layout.read`, one host sync). From then on a method's
+budget says how many tokens each row keeps (`PrefillMethod.kept_counts`), so shapes never wait for the device. A
+threshold method (MustDrop) reads its counts back once per drop. Records are built when read (`records.py`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class PrefillRun:
             raise InputError(f"{method.name} needs the usual 2-D [batch, seq] attention_mask; got {mask.dim()}-D")
         visual = visual.to(device) & (mask != 0)
         text = text_after_image(mask, visual)
-        layout = Layout.read(mask, visual, text)  # the prefill's one host read
+        layout = stages.adapter.layout_for((batch, length))  # host counts the call path knows
+        if layout is None:  # a prompt the call path did not see: read here, the prefill's one host read
+            layout = Layout.read(mask, visual)
         if not any(layout.visual):
             return None
         positions = (mask.cumsum(1) - 1).clamp(min=0) if stages.renumber else None  # each row's own numbering
