@@ -156,3 +156,16 @@ def test_a_batch_reads_its_rows_once(llava):
                        return_tensors="pt", padding=True)  # fmt: skip
     net, glue = adapter_counts(model, inputs, "fastervlm", budget=0.25)
     assert glue.syncs == 1 and "read_layout" in glue.sync_sites[0], glue.sync_sites
+
+
+@pytest.mark.parametrize("name", [n for n in IMAGE if "question" in make_method(n).requires])
+def test_the_question_reaches_the_device_without_a_sync(llava, name):
+    """A method reading the prompt's question (MMTok, CDPruner's relevance) gets its words embedded on the model's
+    device from host token ids without a sync: no tensor made by the tokenizer (a table of host data), one
+    non-blocking copy from pinned memory on a GPU (`on_device`)."""
+    model, _ = llava
+    with vtoken.patched(model, make_method(name, **_params(name, 0.25))) as handle, torch.no_grad():
+        with count_launches() as counted:
+            embedded = handle.adapter.embed_text("what is in the image?")
+    assert counted.syncs == 0, counted.sync_sites
+    assert embedded.dim() == 2 and embedded.shape[0] > 0

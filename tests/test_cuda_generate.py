@@ -69,10 +69,10 @@ READS: dict[str, dict[str, int]] = {
 # methods refused at patch until the engine wires their stage (the tower stage, FrameFusion's mid-layer call): the
 # family tried; once one patches, its refusal test fails and it needs its row in READS
 PENDING = {"framefusion": "tiny-onevision", "pixelprune": "tiny-qwen2-vl", "tome": "tiny-llava"}
-# where a CPU count and a GPU differ: the question's token ids are host tensors (counted as tables made on the host
-# by the counter, at the tokenizer), copied to the GPU when embedded (one blocking copy there)
-QUESTION_CPU = {"tokenization_utils_base.py (as_tensor)": 2}
-QUESTION_CUDA = {"base.py (embed_text)": 1}
+# the question's token ids reach the device without a sync (host ints, one pinned non-blocking copy): nothing to
+# allow for a method reading the prompt's question, on the CPU counter or a GPU
+QUESTION_CPU: dict[str, int] = {}
+QUESTION_CUDA: dict[str, int] = {}
 
 
 def family(name: str) -> str:
