@@ -57,7 +57,7 @@ READS: dict[str, dict[str, int]] = {
     "mmtok": NEXT,
     "mustdrop": {**ENCODER_LAYOUT, "mustdrop.py (plan_merge)": 1, "mustdrop.py (select)": 1, "prefill.py (drop)": 1},
     "pool": NEXT,
-    "prunevid": {"fastvid.py (video_selection)": 1},  # its merged counts and groups, one read
+    "prunevid": {**ENCODER_LAYOUT, "fastvid.py (video_selection)": 1},  # its merged counts and groups, one read
     "pyramiddrop": LAYOUT,
     "random": NEXT,
     "sparse_prefill": {},

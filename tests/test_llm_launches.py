@@ -19,12 +19,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # method, its drop layers on both depths, the most kernels one drop may launch, the syncs one drop may force
 # (DART: its pivots' visiting order; MustDrop: its threshold counts), and the most kernels a decoding step adds
+# (after the first step of a cache: what does not change between steps is kept on the cache's views)
+STEP_KERNELS = 8
 METHODS = {
-    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, 10),
-    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, 10),
-    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 120, 0, 20),
-    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 230, 0, 20),
-    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 130, 1, 30),
+    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, STEP_KERNELS),
+    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, STEP_KERNELS),
+    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 120, 0, STEP_KERNELS),
+    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 230, 0, STEP_KERNELS),
+    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 130, 1, STEP_KERNELS),
 }
 # the prompt's layout: the call path knows it before the prefill (read with the rest of what a call reads before its
 # encoder, followed through the shrink on the host), so a prefill reads nothing
@@ -245,3 +247,24 @@ def test_an_llm_stage_adds_no_read_to_a_batch_an_encoder_stage_reads(photos):
 
     alone = syncs(vtoken.VisionZip(budget=0.3))
     assert syncs([vtoken.VisionZip(budget=0.3), vtoken.FastV(layer=0, keep=0.25)]) == alone
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_padded_batchs_decoding_step_adds_a_few_kernels(llava, name, photos):
+    """In a left-padded batch every view that needs a mask gets one in a decoding step: after the first step of a
+    cache, its mask over the view's prompt slots is held and the LLM's own new columns follow (one concatenation),
+    the renumbered positions' rotary rows are gathered from the LLM's own table (a subtraction, two gathers): at
+    most `STEP_KERNELS` more than the unpatched step, and no sync."""
+    model, _ = llava
+    processor = tiny_llava(text_layers=2)[1]
+    processor.tokenizer.padding_side = "left"
+    prompts = [build_prompt(processor, q) for q in ["what is it?", "what is in the image? answer in one word."]]
+    inputs = processor(images=[photos["chelsea"], photos["rocket"]], text=prompts, return_tensors="pt", padding=True)
+    inputs = inputs.to(DEVICE)
+    with torch.no_grad():
+        model(**inputs)
+    base = prefill_and_step(model, inputs)[1]
+    with vtoken.patched(model, METHODS[name][0]()):
+        step = prefill_and_step(model, inputs)[1]
+    assert step.syncs <= base.syncs, step.describe()
+    assert step.kernels - base.kernels <= STEP_KERNELS, step.describe()
