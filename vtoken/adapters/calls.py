@@ -286,10 +286,18 @@ class CallPath:
         state.visual = self._visual_of(ids)
 
     def _visual_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """[B, L] bool: the placeholders of every modality in `ids` [B, L]."""
-        visual = torch.zeros_like(ids, dtype=torch.bool)
+        """[B, L] bool: the placeholders of every modality in `ids` [B, L] (made once per ids tensor in a call: the
+        layout's read and the LLM stages read the same)."""
+        state = self.state
+        made = state.visual_of
+        if made is not None and made[0] is ids:
+            return made[1]
+        visual = None
         for modality in self.adapter.modalities:
-            visual |= ids == self.adapter.placeholder_id(modality)
+            found = ids == self.adapter.placeholder_id(modality)
+            visual = found if visual is None else visual | found
+        visual = torch.zeros_like(ids, dtype=torch.bool) if visual is None else visual
+        state.visual_of = ids, visual
         return visual
 
     def _note_frames(self, kwargs: dict[str, Any]) -> None:
@@ -415,7 +423,7 @@ class CallPath:
         """What the stock forward of a plain `model(...)` call gets: the shrunk prompt and pre-encoded features,
         new tokens on a cache mapped onto what the cache holds, or the call unchanged."""
         state = self.state
-        state.filled = state.layout = None
+        state.filled = state.layout = state.visual_of = None
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if past:  # decoding steps and later turns keep the records of the call that filled the cache
@@ -445,7 +453,7 @@ class CallPath:
         if self.adapter.llm is not None:
             kwargs = self._llm_generate_kwargs(kwargs)
         state = self.state
-        state.layout = None
+        state.layout = state.visual_of = None
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if not past:

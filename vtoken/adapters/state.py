@@ -74,6 +74,7 @@ class CallState:
         self.host: dict[str, Any] = {}
         self.tower: dict[Any, Any] = {}
         self.layout: Any = None
+        self.visual_of: Any = None  # (input_ids, [B, L] its placeholders): made once per ids tensor
 
 
 class PatchedGenerate:

@@ -81,7 +81,6 @@ class PrefillRun:
         if mask.dim() != 2:
             raise InputError(f"{method.name} needs the usual 2-D [batch, seq] attention_mask; got {mask.dim()}-D")
         visual = visual.to(device) & (mask != 0)
-        text = text_after_image(mask, visual)
         layout = stages.adapter.layout_for((batch, length))  # host counts the call path knows
         if layout is None:  # a prompt the call path did not see: read here, the prefill's one host read
             layout = Layout.read(mask, visual)
@@ -97,7 +96,7 @@ class PrefillRun:
         run = cls(stages, view, layout, cache)
         run.group_sizes = None if found is None else found[1]
         if method.query_rows == "chosen":
-            run.chosen = run._chosen_rows(embeds, text)
+            run.chosen = run._chosen_rows(embeds, text_after_image(mask, visual))
         if method.calls:
             run.calls = CallPoints.start(run, embeds)
         return run

@@ -82,13 +82,18 @@ def layout_counts(mask: torch.Tensor | None, visual: torch.Tensor) -> torch.Tens
     """[B, 6] the counts a `Layout` holds of a prompt with padding mask `mask` [B, L] (None: no padding) and visual
     tokens `visual` [B, L] bool, on the device (padding slots are never visual): real tokens, visual tokens, text
     after the first visual one, 1 where the last column is padding, placeholder runs, real tokens after the last
-    visual one."""
-    mask = torch.ones_like(visual, dtype=torch.long) if mask is None else mask
-    visual = visual & (mask != 0)
-    starts = visual & ~torch.nn.functional.pad(visual, (1, 0))[:, :-1]  # each placeholder run's first token
-    text, after = text_after_image(mask, visual), text_after_visual(mask, visual)
-    return torch.stack([(mask != 0).sum(1), visual.sum(1), text.sum(1), (mask[:, -1] == 0).long(), starts.sum(1),
-                        after.sum(1)], 1)  # fmt: skip
+    visual one. A fixed ~16 kernels: one running count of visual tokens answers "after the first" (count > 0) and
+    "after the last" (count == the row's total), one sum counts four flags at once."""
+    real = torch.ones_like(visual) if mask is None else mask != 0
+    visual = visual & real
+    seen = visual.long().cumsum(1)  # [B, L] visual tokens up to each slot
+    from_first = real & (seen > 0)  # the first visual token and every real one after it
+    from_last = real & (seen == seen[:, -1:])  # the last visual token and every real one after it (all: none)
+    flags = torch.stack([real, visual, from_first, from_last], 2).sum(1)  # [B, 4]
+    runs = (visual[:, 1:] & ~visual[:, :-1]).sum(1) + visual[:, 0]  # a run starts where a visual token follows none
+    lengths, seen_visual, first, last = flags.unbind(1)
+    has = (seen_visual > 0).long()
+    return torch.stack([lengths, seen_visual, first - seen_visual, (~real[:, -1]).long(), runs, last - has], 1)
 
 
 def text_after_image(mask: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
