@@ -228,6 +228,29 @@ def test_prefill_layout_is_the_call_paths(family, methods, side, beams, monkeypa
         assert host == read
 
 
+@pytest.mark.parametrize(
+    "methods",
+    [
+        lambda: vtoken.FastV(layer=0, keep=0.25),
+        lambda: [vtoken.VisionZip(budget=0.2), vtoken.FastV(layer=0, keep=0.25)],
+    ],
+)
+def test_generate_without_a_mask_reads_the_mask_it_infers(methods, monkeypatch, photos):
+    """A padded batch given to generate without its attention mask: generate infers one from the pad tokens, which
+    the call path never saw; the prefill then reads the layout of what the LLM gets (and agrees with it)."""
+    from vtoken.zoo import TINY_MODELS
+
+    model, processor = TINY_MODELS["tiny-llava"]()
+    processor.tokenizer.padding_side = "left"
+    prompts = [build_prompt(processor, q) for q in ["what is it?", "what is in the image? answer in one word."]]
+    inputs = processor(images=[photos["chelsea"], photos["rocket"]], text=prompts, return_tensors="pt", padding=True)
+    inputs.pop("attention_mask")
+    seen = _layout_checked(monkeypatch)
+    with vtoken.patched(model, methods()), torch.no_grad():
+        model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+    assert [host for host, _ in seen] == [None]
+
+
 def test_an_llm_stage_adds_no_read_to_a_batch_an_encoder_stage_reads(photos):
     """A padded batch under an encoder-stage method is read once before the encoder (which row holds which image);
     the LLM stage's layout rides on that read: the whole forward syncs as often with FastV as without."""

@@ -483,6 +483,8 @@ class CallPath:
                 kwargs["max_length"] = max_length - (caller_ids.shape[1] - kwargs["input_ids"].shape[1])
             if kwargs.get("streamer") is not None:  # the streamer sees the caller's prompt, as the result does
                 kwargs["streamer"] = CallersPrompt(kwargs["streamer"], caller_ids)
+        if kwargs.get("attention_mask") is None:  # generate infers one from pad tokens: the prefill reads it then
+            state.layout = None
         state.in_generate = True
         try:
             out = self.adapter.stock_generate(**kwargs)
