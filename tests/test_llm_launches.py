@@ -24,9 +24,10 @@ STEP_KERNELS = 8
 METHODS = {
     "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, STEP_KERNELS),
     "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, STEP_KERNELS),
-    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 120, 0, STEP_KERNELS),
-    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 230, 0, STEP_KERNELS),
-    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 130, 1, STEP_KERNELS),
+    # renumbered positions' rotary rows gathered from the LLM's own table at a drop (87 / 188 / 94 today)
+    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 90, 0, STEP_KERNELS),
+    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 190, 0, STEP_KERNELS),
+    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 96, 1, STEP_KERNELS),
 }
 # the prompt's layout: the call path knows it before the prefill (read with the rest of what a call reads before its
 # encoder, followed through the shrink on the host), so a prefill reads nothing

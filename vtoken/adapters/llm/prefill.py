@@ -193,9 +193,13 @@ class PrefillRun:
     def _overrides(self, hidden: torch.Tensor, view: LayerView, layer: int) -> Overrides:
         """Mask, positions and rotary tables of the layers running on `view` from `layer` on."""
         stages = self.stages
-        if stages.renumber:
+        if stages.renumber:  # positions count each row's real tokens from 0: rows of the LLM's own rotary table
             positions = view.positions
-            rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
+            table = stages.rotary_table(hidden, self.initial.width) if positions.dim() == 2 else None
+            if table is not None:
+                rotary = table[0][positions], table[1][positions]
+            else:
+                rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
         else:  # the prompt's own positions and tables, sliced
             positions = self.position_ids
             if positions is None:

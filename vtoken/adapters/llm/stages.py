@@ -67,7 +67,7 @@ class LanguageModelStages:
         # window, no recurrent state)
         self.full_attention = not self.recurrent and all(kind == "full_attention" for kind in self.layer_types)
         self.full_attention &= getattr(self.lm.config, "sliding_window", None) is None
-        self._rotary_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, dtype) -> cos, sin
+        self._rotary_tables: dict[tuple, tuple] = {}  # (device, dtype) -> (cos, sin); () where there is none
         select_layer = method.select_layer(len(self.layers))  # decode-time selection (None: none)
         self.selection = None if select_layer is None else DecodeTimeSelection(self, select_layer)
         self.probes: dict[int, QueryKeyProbe] = {}
@@ -87,9 +87,14 @@ class LanguageModelStages:
             return None
         key = (x.device, x.dtype)
         table = self._rotary_tables.get(key)
+        if table == ():  # its tables are not [positions, d] rows
+            return None
         if table is None or table[0].shape[0] < length:
             size = max(4096, 1 << max(length - 1, 1).bit_length())
             cos, sin = rotary(x, position_ids=torch.arange(size, device=x.device)[None])
+            if cos.shape != (1, size, cos.shape[-1]) or sin.shape != cos.shape:
+                self._rotary_tables[key] = ()
+                return None
             table = self._rotary_tables[key] = cos[0], sin[0]  # one assignment: other threads see old or new
         return table
 
