@@ -232,8 +232,7 @@ class CallPath:
 
     def _layout_counts(self, kwargs: dict[str, Any]) -> torch.Tensor:
         """[B, 6] the LLM prefill's `layout_counts` of the prompt in `kwargs`, on its device (not read here)."""
-        mask = kwargs.get("attention_mask")
-        return layout_counts(None if mask is None else mask.long(), self._visual_of(kwargs["input_ids"]))
+        return layout_counts(kwargs.get("attention_mask"), self._visual_of(kwargs["input_ids"]))
 
     @staticmethod
     def _shrunk_layout(counts: list[list[int]], shape: torch.Size, layout: HostLayout) -> tuple[Layout, tuple]:
