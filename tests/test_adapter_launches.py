@@ -57,6 +57,7 @@ def adapter_counts(model, inputs, name, **params):
     try:
         method = next(m for m in handle.methods if "encoder" in m.stages)
         adapter, selects, prepares = handle.adapter, [], []
+        llm_stage = adapter.llm is not None
         select, prepare = method.select, adapter.calls.prepare
 
         def counted_select(tokens):
@@ -86,6 +87,7 @@ def adapter_counts(model, inputs, name, **params):
         glue_sites.remove(site)
     glue = Launches(0, sum(p.syncs for p in prepares) - chosen.syncs)
     glue.sync_sites = glue_sites
+    glue.llm_stage = llm_stage  # the method acts in the LLM too: the prompt's layout is read in `prepare`
     return net, glue
 
 
@@ -145,7 +147,10 @@ def test_video_methods_glue_forces_no_sync(name):
     inputs = _inputs(processor, video=True)
     for budget in BUDGETS:
         _, glue = adapter_counts(model, inputs, name, **_params(name, budget))
-        assert glue.syncs == 0, glue.sync_sites
+        # a method acting in the LLM too (DyCoke's decoding steps) has the prompt's layout read once before the
+        # encoder, the read its LLM stage made in the prefill before
+        layout = ["read_layout"] if glue.llm_stage else []
+        assert [site.split("(")[-1].rstrip(")") for site in glue.sync_sites] == layout, glue.sync_sites
 
 
 def test_a_batch_reads_its_rows_once(llava):
@@ -156,3 +161,16 @@ def test_a_batch_reads_its_rows_once(llava):
                        return_tensors="pt", padding=True)  # fmt: skip
     net, glue = adapter_counts(model, inputs, "fastervlm", budget=0.25)
     assert glue.syncs == 1 and "read_layout" in glue.sync_sites[0], glue.sync_sites
+
+
+@pytest.mark.parametrize("name", [n for n in IMAGE if "question" in make_method(n).requires])
+def test_the_question_reaches_the_device_without_a_sync(llava, name):
+    """A method reading the prompt's question (MMTok, CDPruner's relevance) gets its words embedded on the model's
+    device from host token ids without a sync: no tensor made by the tokenizer (a table of host data), one
+    non-blocking copy from pinned memory on a GPU (`on_device`)."""
+    model, _ = llava
+    with vtoken.patched(model, make_method(name, **_params(name, 0.25))) as handle, torch.no_grad():
+        with count_launches() as counted:
+            embedded = handle.adapter.embed_text("what is in the image?")
+    assert counted.syncs == 0, counted.sync_sites
+    assert embedded.dim() == 2 and embedded.shape[0] > 0

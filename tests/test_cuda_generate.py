@@ -38,12 +38,15 @@ GENERATE = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
 # the adapter's reads around an encoder selection on LLaVA-NeXT: the prompt's layout (which row holds which image)
 # and, for a native packing of crops, the newlines after the kept rows
 NEXT = {"prompt.py (read_layout)": 1, "anyres.py (pack)": 1}
-LAYOUT = {"views.py (read)": 1}  # an LLM stage's prefill reads the prompt's layout once
+# an LLM stage's prompt layout, read by the call path before anything runs (none in the prefill); a call that reads
+# before its encoder anyway (an encoder-stage method's `read_layout`) reads it there
+LAYOUT = {"calls.py (note_layout)": 1}
+ENCODER_LAYOUT = {"prompt.py (read_layout)": 1}
 READS: dict[str, dict[str, int]] = {
     "cdpruner": NEXT,
     "dart": {**LAYOUT, "dart.py (keep_mask)": 1},  # its pivots' visiting order
     "divprune": {"prompt.py (read_layout)": 1},
-    "dycoke": {**LAYOUT, "selection.py (select)": 2},  # each decoding step's re-selection (2 steps)
+    "dycoke": {**ENCODER_LAYOUT, "selection.py (select)": 2},  # each decoding step's re-selection (2 steps)
     "fastervlm": NEXT,
     "fastv": LAYOUT,
     "fastvid": {"fastvid.py (video_selection)": 1},  # the merged counts of every frame
@@ -52,9 +55,9 @@ READS: dict[str, dict[str, int]] = {
     "holitom": {"fastvid.py (video_selection)": 1},
     "holov": {**NEXT, "holov.py (select)": 1},  # how many of the image-wide top-k fall in each crop
     "mmtok": NEXT,
-    "mustdrop": {**LAYOUT, "mustdrop.py (plan_merge)": 1, "mustdrop.py (select)": 1, "prefill.py (drop)": 1},
+    "mustdrop": {**ENCODER_LAYOUT, "mustdrop.py (plan_merge)": 1, "mustdrop.py (select)": 1, "prefill.py (drop)": 1},
     "pool": NEXT,
-    "prunevid": {"fastvid.py (video_selection)": 1},  # its merged counts and groups, one read
+    "prunevid": {**ENCODER_LAYOUT, "fastvid.py (video_selection)": 1},  # its merged counts and groups, one read
     "pyramiddrop": LAYOUT,
     "random": NEXT,
     "sparse_prefill": {},
@@ -66,10 +69,10 @@ READS: dict[str, dict[str, int]] = {
 # methods refused at patch until the engine wires their stage (the tower stage, FrameFusion's mid-layer call): the
 # family tried; once one patches, its refusal test fails and it needs its row in READS
 PENDING = {"framefusion": "tiny-onevision", "pixelprune": "tiny-qwen2-vl", "tome": "tiny-llava"}
-# where a CPU count and a GPU differ: the question's token ids are host tensors (counted as tables made on the host
-# by the counter, at the tokenizer), copied to the GPU when embedded (one blocking copy there)
-QUESTION_CPU = {"tokenization_utils_base.py (as_tensor)": 2}
-QUESTION_CUDA = {"base.py (embed_text)": 1}
+# the question's token ids reach the device without a sync (host ints, one pinned non-blocking copy): nothing to
+# allow for a method reading the prompt's question, on the CPU counter or a GPU
+QUESTION_CPU: dict[str, int] = {}
+QUESTION_CUDA: dict[str, int] = {}
 
 
 def family(name: str) -> str:

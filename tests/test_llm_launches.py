@@ -19,14 +19,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # method, its drop layers on both depths, the most kernels one drop may launch, the syncs one drop may force
 # (DART: its pivots' visiting order; MustDrop: its threshold counts), and the most kernels a decoding step adds
+# (after the first step of a cache: what does not change between steps is kept on the cache's views)
+STEP_KERNELS = 8
 METHODS = {
-    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, 10),
-    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, 10),
-    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 120, 0, 20),
-    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 230, 0, 20),
-    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 130, 1, 30),
+    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, STEP_KERNELS),
+    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, STEP_KERNELS),
+    # renumbered positions' rotary rows gathered from the LLM's own table at a drop (87 / 188 / 94 today)
+    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 90, 0, STEP_KERNELS),
+    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 190, 0, STEP_KERNELS),
+    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 96, 1, STEP_KERNELS),
 }
-PREFILL_READS = 1  # the prompt's layout, read once per prefill (after the stock model's own placeholder check)
+# the prompt's layout: the call path knows it before the prefill (read with the rest of what a call reads before its
+# encoder, followed through the shrink on the host), so a prefill reads nothing
+PREFILL_READS = 0
+CALL_READS = 1  # that read, for a one-row call of a fixed-size family (which reads nothing else before its encoder)
 
 
 @pytest.fixture(scope="module", params=[16, 32], ids=lambda n: f"{n}-layers")
@@ -71,7 +77,7 @@ def llm_segment(model):
     def stop(module, args, output):
         found[-1].__exit__(None, None, None)
 
-    hooks = [lm.register_forward_pre_hook(start, with_kwargs=True), lm.register_forward_hook(stop)]
+    hooks = [lm.register_forward_pre_hook(start, with_kwargs=True, prepend=True), lm.register_forward_hook(stop)]
     try:
         yield found
     finally:
@@ -170,4 +176,119 @@ def test_mustdrop_whole_forward_reads_only_what_its_thresholds_decide(llava):
                 model(**inputs)
             assert [r.stage for r in handle.records][:2] == ["encoder.merge", "encoder.keyset"]
     drops = len(make().drop_layers(model.config.text_config.num_hidden_layers))
-    assert patched.syncs - plain.syncs <= PREFILL_READS + 2 + drops, patched.describe()
+    assert patched.syncs - plain.syncs <= CALL_READS + 2 + drops, patched.describe()
+
+
+def _layout_checked(monkeypatch):
+    """Wrap `PrefillRun.start`: every prefill's layout from the call path (host counts) is compared with the one read
+    back from the device (what the prefill read before); returns the list of (host, read) pairs seen."""
+    from vtoken.adapters.llm.views import Layout
+
+    seen = []
+    start = prefill.PrefillRun.start.__func__
+
+    def checked(cls, stages, embeds, kwargs, visual, cache):
+        mask = kwargs.get("attention_mask")
+        batch, length = visual.shape
+        mask = torch.ones(batch, length, dtype=torch.long) if mask is None else mask.long()
+        seen.append((stages.adapter.layout_for((batch, length)), Layout.read(mask, visual.to(mask.device))))
+        return start(cls, stages, embeds, kwargs, visual, cache)
+
+    monkeypatch.setattr(prefill.PrefillRun, "start", classmethod(checked))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "family, methods, side, beams",
+    [
+        ("tiny-llava", lambda: vtoken.FastV(layer=0, keep=0.25), "left", 1),
+        ("tiny-llava", lambda: [vtoken.HiRED(budget=0.3), vtoken.FastV(layer=0, keep=0.25)], "right", 1),
+        ("tiny-llava", lambda: [vtoken.VisionZip(budget=0.2), vtoken.SparseVLM(keep=(40,), layers=(0,))], "left", 2),
+        ("tiny-llava-next", lambda: [vtoken.HiRED(budget=0.3), vtoken.PyramidDrop((1,), (0.5,))], "left", 1),
+        ("tiny-llava-next", lambda: [vtoken.HiRED(budget=0.3), vtoken.PyramidDrop((1,), (0.5,))], "right", 2),
+    ],
+)
+def test_prefill_layout_is_the_call_paths(family, methods, side, beams, monkeypatch, photos):
+    """The prefill's layout (real, visual and text tokens per row, padding side, runs) comes from the call path's host
+    counts, followed through the shrink (rows losing different numbers of tokens, re-padded), repeated for beams:
+    the same as reading the LLM's input back, which the prefill no longer does."""
+    from vtoken.zoo import TINY_MODELS
+
+    model, processor = TINY_MODELS[family]()
+    processor.tokenizer.padding_side = side
+    images = [photos["chelsea"], photos["rocket"]]
+    prompts = [build_prompt(processor, q) for q in ["what is it?", "what is in the image? answer in one word."]]
+    inputs = processor(images=images, text=prompts, return_tensors="pt", padding=True)
+    seen = _layout_checked(monkeypatch)
+    with vtoken.patched(model, methods()), torch.no_grad():
+        model(**inputs)
+        model.generate(**inputs, max_new_tokens=2, do_sample=False, num_beams=beams, num_return_sequences=beams)
+    assert len(seen) == 2
+    for host, read in seen:
+        assert host is not None
+        assert host == read
+
+
+@pytest.mark.parametrize(
+    "methods",
+    [
+        lambda: vtoken.FastV(layer=0, keep=0.25),
+        lambda: [vtoken.VisionZip(budget=0.2), vtoken.FastV(layer=0, keep=0.25)],
+    ],
+)
+def test_generate_without_a_mask_reads_the_mask_it_infers(methods, monkeypatch, photos):
+    """A padded batch given to generate without its attention mask: generate infers one from the pad tokens, which
+    the call path never saw; the prefill then reads the layout of what the LLM gets (and agrees with it)."""
+    from vtoken.zoo import TINY_MODELS
+
+    model, processor = TINY_MODELS["tiny-llava"]()
+    processor.tokenizer.padding_side = "left"
+    prompts = [build_prompt(processor, q) for q in ["what is it?", "what is in the image? answer in one word."]]
+    inputs = processor(images=[photos["chelsea"], photos["rocket"]], text=prompts, return_tensors="pt", padding=True)
+    inputs.pop("attention_mask")
+    seen = _layout_checked(monkeypatch)
+    with vtoken.patched(model, methods()), torch.no_grad():
+        model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+    assert [host for host, _ in seen] == [None]
+
+
+def test_an_llm_stage_adds_no_read_to_a_batch_an_encoder_stage_reads(photos):
+    """A padded batch under an encoder-stage method is read once before the encoder (which row holds which image);
+    the LLM stage's layout rides on that read: the whole forward syncs as often with FastV as without."""
+    from vtoken.zoo import TINY_MODELS
+
+    model, processor = TINY_MODELS["tiny-llava"]()
+    processor.tokenizer.padding_side = "left"
+    prompts = [build_prompt(processor, q) for q in ["what is it?", "what is in the image? answer in one word."]]
+    inputs = processor(images=[photos["chelsea"], photos["rocket"]], text=prompts, return_tensors="pt", padding=True)
+
+    def syncs(methods) -> int:
+        with vtoken.patched(model, methods), torch.no_grad():
+            model(**inputs)
+            with count_launches() as counted:
+                model(**inputs)
+        return counted.syncs
+
+    alone = syncs(vtoken.VisionZip(budget=0.3))
+    assert syncs([vtoken.VisionZip(budget=0.3), vtoken.FastV(layer=0, keep=0.25)]) == alone
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_padded_batchs_decoding_step_adds_a_few_kernels(llava, name, photos):
+    """In a left-padded batch every view that needs a mask gets one in a decoding step: after the first step of a
+    cache, its mask over the view's prompt slots is held and the LLM's own new columns follow (one concatenation),
+    the renumbered positions' rotary rows are gathered from the LLM's own table (a subtraction, two gathers): at
+    most `STEP_KERNELS` more than the unpatched step, and no sync."""
+    model, _ = llava
+    processor = tiny_llava(text_layers=2)[1]
+    processor.tokenizer.padding_side = "left"
+    prompts = [build_prompt(processor, q) for q in ["what is it?", "what is in the image? answer in one word."]]
+    inputs = processor(images=[photos["chelsea"], photos["rocket"]], text=prompts, return_tensors="pt", padding=True)
+    inputs = inputs.to(DEVICE)
+    with torch.no_grad():
+        model(**inputs)
+    base = prefill_and_step(model, inputs)[1]
+    with vtoken.patched(model, METHODS[name][0]()):
+        step = prefill_and_step(model, inputs)[1]
+    assert step.syncs <= base.syncs, step.describe()
+    assert step.kernels - base.kernels <= STEP_KERNELS, step.describe()

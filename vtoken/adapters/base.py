@@ -28,7 +28,7 @@ from torch import nn
 
 from vtoken.errors import InputError, VTokenError
 from vtoken.geometry.kept import flat_kept, output_places  # noqa: F401 - used by the family adapters
-from vtoken.geometry.tables import stack_padded
+from vtoken.geometry.tables import on_device, stack_padded
 from vtoken.methods.base import Method, TowerMethod
 from vtoken.question import prompt_questions, tokenizer_for
 from vtoken.records import Record
@@ -169,6 +169,9 @@ class Adapter:
 
     def groups_for(self, shape: tuple[int, int]) -> tuple[torch.Tensor, list[list[int]]] | None:
         return self.calls.groups_for(shape)
+
+    def layout_for(self, shape: tuple[int, int]) -> Any:
+        return self.calls.layout_for(shape)
 
     # ----------------------------------------------------------------- family-specific
     @classmethod
@@ -464,8 +467,9 @@ class Adapter:
         """[T, D] LLM input embeddings of `text`, tokenized without special tokens (by the tokenizer `validate`
         resolved for methods that require "question")."""
         embeddings = self.model.get_input_embeddings()
-        ids = self._tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        return embeddings(ids.to(embeddings.weight.device))
+        ids = self._tokenizer(text, add_special_tokens=False).input_ids  # host ints: no tensor made from host data
+        # one non-blocking copy from pinned memory on a GPU (a pageable copy would wait for the device's queue)
+        return embeddings(on_device(ids, embeddings.weight.device))
 
     # ----------------------------------------------------------------- install / remove
     # Every hook is a bound method of a picklable object: a patched model deep-copies (the copy's hooks are bound

@@ -27,11 +27,14 @@ from vtoken.records import LazyRecords, Record
 from . import hf
 from .compiled import eager
 from .conversation import Conversation, cached_length, forget, remember_prompt
+from .llm.views import Layout, layout_counts
 from .prompt import HostLayout, gather_columns, read_layout, shrink_prompt
 from .state import CallState, PerThread
 
 # names of the prompt's ids and mask among the values a call reads to the host (methods that read the question)
 PROMPT_IDS, PROMPT_MASK = "prompt.input_ids", "prompt.attention_mask"
+# the name of the LLM prefill's per-row prompt counts among them (`layout_counts`, read with the rest)
+PROMPT_LAYOUT = "prompt.llm_layout"
 
 # generate arguments (or generation-config fields) that switch on assisted decoding
 ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -115,6 +118,7 @@ class CallPath:
                 tower.check_call_modality(modality.name, modality.pixel_key)
         layout = self.read_call_layout(kwargs, present)
         state = self.state
+        counts = layout.values.pop(PROMPT_LAYOUT, None)  # [B][6] the LLM prefill's counts of the caller's prompt
         state.host, state.tower = layout.values, {}
         try:
             kwargs = self.adapter.before_shrinking(kwargs)
@@ -154,6 +158,7 @@ class CallPath:
                 early = offsets is not None  # (None: where they stay is known only after selecting)
                 if early:
                     compressed = shrink(offsets)
+                    kept_counts = offsets
                 encoded = self.adapter.encode(modality, pixel_values, **encoder_kwargs)
                 if placed:
                     encoded = self.adapter.select_placed(modality, encoded)
@@ -165,7 +170,8 @@ class CallPath:
                         )
                 else:
                     kept = encoded.keep_offsets
-                    compressed = shrink([len(f) for f in encoded.features] if kept is None else kept)
+                    kept_counts = [len(f) for f in encoded.features] if kept is None else kept
+                    compressed = shrink(kept_counts)
                 plan = state.tower.get(modality)
                 parts += [plan.records(), encoded.records] if plan is not None else [encoded.records]
                 if encoded.protected is not None:
@@ -178,6 +184,13 @@ class CallPath:
                 mm[modality.name] = self.adapter.encoder_output(encoded, features)
                 if compressed.changed:
                     changed = True
+                    if counts is not None and 0 in [k if isinstance(k, int) else len(k) for k in kept_counts]:
+                        counts = None  # an item kept nothing: where a row's text starts moved (read in the prefill)
+                    if counts is not None:  # the rows' real and visual tokens follow the shrink (host counts)
+                        for row, n, k in zip(runs.rows, runs.lengths, kept_counts, strict=True):
+                            k = k if isinstance(k, int) else len(k)
+                            counts[row][0] += k - n
+                            counts[row][1] += k - n
                     layout.padded = compressed.padded
                     kwargs["input_ids"] = compressed.input_ids
                     for key in ("attention_mask", "position_ids", "labels"):
@@ -197,6 +210,7 @@ class CallPath:
             for modality, flags in protected_parts.items():
                 state.protected |= scatter_into_placeholders(ids == self.adapter.placeholder_id(modality), flags)
         state.groups = self._row_groups(kwargs["input_ids"], group_parts) if group_parts else None
+        state.layout = None if counts is None else self._shrunk_layout(counts, kwargs["input_ids"].shape, layout)
         kwargs[hf.ENCODER_OUTPUTS] = mm
         return self.adapter.after_shrinking(kwargs), changed
 
@@ -211,8 +225,53 @@ class CallPath:
             values[PROMPT_IDS] = kwargs["input_ids"]
             if kwargs.get("attention_mask") is not None:
                 values[PROMPT_MASK] = kwargs["attention_mask"]
+        if self.adapter.llm is not None:  # the LLM prefill's counts, in the same read (none in the prefill)
+            values[PROMPT_LAYOUT] = self._layout_counts(kwargs)
         ids = sorted({self.adapter.placeholder_id(m) for m in present})
         return read_layout(kwargs["input_ids"], kwargs.get("attention_mask"), ids, values)
+
+    def _layout_counts(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        """[B, 6] the LLM prefill's `layout_counts` of the prompt in `kwargs`, on its device (not read here)."""
+        return layout_counts(kwargs.get("attention_mask"), self._visual_of(kwargs["input_ids"]))
+
+    @staticmethod
+    def _shrunk_layout(counts: list[list[int]], shape: torch.Size, layout: HostLayout) -> tuple[Layout, tuple]:
+        """(the LLM prefill's layout of the shrunk prompt of `shape` [B, L'], that shape) from the caller's
+        prompt's counts with every row's real and visual tokens already following the shrink: text never moves; a
+        row ends in padding where the batch is padded on the right and the row is shorter than the prompt."""
+        width = shape[1]
+        right = bool(layout.right_padded) if shape[0] > 1 else any(row[3] for row in counts)
+        for row in counts:
+            row[3] = int(right and row[0] < width) if shape[0] > 1 else row[3]
+        return Layout.from_counts(counts), tuple(shape)
+
+    def note_layout(self, kwargs: dict[str, Any]) -> None:
+        """A call with an LLM stage that `prepare` does not see (no encoder-stage method): the prefill's layout of
+        its prompt, read here, before anything of the call runs (the prefill then reads nothing)."""
+        state = self.state
+        state.layout = None
+        ids = kwargs.get("input_ids")
+        if self.adapter.llm is None or ids is None or not self.adapter.present(kwargs):
+            return
+        counts = self._layout_counts(kwargs).tolist()  # the call's one read, before its first kernel
+        state.layout = Layout.from_counts(counts), tuple(ids.shape)
+
+    def layout_for(self, shape: tuple[int, int]) -> Layout | None:
+        """The LLM prefill's layout of an input of `shape` [B, L] (rows repeated for beams / return sequences), from
+        the call's host counts; None where this call's prompt was not seen (the prefill reads it then)."""
+        found = self.state.layout
+        if found is None:
+            return None
+        layout, (batch, length) = found
+        if length != shape[1] or not batch or shape[0] % batch:
+            return None
+        times = shape[0] // batch
+
+        def each(values: list[int]) -> list[int]:
+            return [v for v in values for _ in range(times)]
+
+        return Layout(each(layout.lengths), each(layout.visual), each(layout.text), layout.right, each(layout.runs),
+                      each(layout.after))  # fmt: skip
 
     # ----------------------------------------------------------------- what the LLM stages read
     def _note_visual(self, kwargs: dict[str, Any]) -> None:
@@ -223,10 +282,22 @@ class CallPath:
         if self.adapter.llm is None or ids is None:
             state.visual = None
             return
-        visual = torch.zeros_like(ids, dtype=torch.bool)
+        state.visual = self._visual_of(ids)
+
+    def _visual_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, L] bool: the placeholders of every modality in `ids` [B, L] (made once per ids tensor in a call: the
+        layout's read and the LLM stages read the same)."""
+        state = self.state
+        made = state.visual_of
+        if made is not None and made[0] is ids:
+            return made[1]
+        visual = None
         for modality in self.adapter.modalities:
-            visual |= ids == self.adapter.placeholder_id(modality)
-        state.visual = visual
+            found = ids == self.adapter.placeholder_id(modality)
+            visual = found if visual is None else visual | found
+        visual = torch.zeros_like(ids, dtype=torch.bool) if visual is None else visual
+        state.visual_of = ids, visual
+        return visual
 
     def _note_frames(self, kwargs: dict[str, Any]) -> None:
         """The call's videos' frames, from the caller's inputs, for a stage that follows frames (sparse "grid", an
@@ -351,7 +422,7 @@ class CallPath:
         """What the stock forward of a plain `model(...)` call gets: the shrunk prompt and pre-encoded features,
         new tokens on a cache mapped onto what the cache holds, or the call unchanged."""
         state = self.state
-        state.filled = None
+        state.filled = state.layout = state.visual_of = None
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if past:  # decoding steps and later turns keep the records of the call that filled the cache
@@ -359,6 +430,7 @@ class CallPath:
         forget(cache)
         if not self.adapter.present(kwargs) or self.adapter.encoder_method is None:  # no images, or LLM stages only
             self.records, state.protected, state.groups = [], None, None
+            self.note_layout(kwargs)
             return kwargs
         caller_ids, caller_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         kwargs, _ = self.prepare(kwargs)
@@ -380,6 +452,7 @@ class CallPath:
         if self.adapter.llm is not None:
             kwargs = self._llm_generate_kwargs(kwargs)
         state = self.state
+        state.layout = state.visual_of = None
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if not past:
@@ -403,11 +476,14 @@ class CallPath:
             kwargs, changed = self.prepare(kwargs)
         else:
             self.records, state.protected, state.groups = [], None, None
+            self.note_layout(kwargs)
         if changed:
             if max_length is not None:  # max_length counts the caller's prompt
                 kwargs["max_length"] = max_length - (caller_ids.shape[1] - kwargs["input_ids"].shape[1])
             if kwargs.get("streamer") is not None:  # the streamer sees the caller's prompt, as the result does
                 kwargs["streamer"] = CallersPrompt(kwargs["streamer"], caller_ids)
+        if kwargs.get("attention_mask") is None:  # generate infers one from pad tokens: the prefill reads it then
+            state.layout = None
         state.in_generate = True
         try:
             out = self.adapter.stock_generate(**kwargs)

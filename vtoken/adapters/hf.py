@@ -11,6 +11,7 @@ Tested range: transformers `MIN_TESTED` to `MAX_TESTED` (both included); `warn_i
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -138,6 +139,21 @@ def causal_mask(
         allow_is_causal_skip=allow_is_causal_skip,
         **cache_kwargs(cache),
     )
+
+
+# rotary types whose tables are a fixed function of the position (a "dynamic" or "longrope" rotary rescales with the
+# call's length: its tables depend on the call)
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def position_rotary(rotary: Any) -> bool:
+    """`rotary` (a decoder's `rotary_emb`) maps positions alone to (cos, sin) with a fixed table: called as
+    `rotary(x, position_ids)` with a static rope type (no `layer_type` argument, as Gemma 3's has), so its rows for
+    positions 0..P-1 made at once equal the rows it makes for any of them (each is one product per frequency)."""
+    forward = getattr(type(rotary), "forward", None)
+    if forward is None or getattr(rotary, "rope_type", None) not in STATIC_ROPE_TYPES:
+        return False
+    return list(inspect.signature(forward).parameters) == ["self", "x", "position_ids"]
 
 
 def recurrent_mask(config: Any, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:

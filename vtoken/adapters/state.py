@@ -53,6 +53,8 @@ class CallState:
     `llm.stages.LanguageModelCall`.)
     host: while `prepare` runs, the call's inputs read to the host once (image sizes, the prompt's ids), by name.
     tower: while `prepare` runs, the tower stage's plan of each modality (`vtoken.adapters.tower.TowerPlan`).
+    layout: (the LLM prefill's `Layout` of the call's prompt as the LLM gets it, its [B, L] shape), host counts the
+    call path knows before the prefill starts, or None.
     """
 
     def __init__(self) -> None:
@@ -71,6 +73,8 @@ class CallState:
         self.family: dict[str, Any] = {}
         self.host: dict[str, Any] = {}
         self.tower: dict[Any, Any] = {}
+        self.layout: Any = None
+        self.visual_of: Any = None  # (input_ids, [B, L] its placeholders): made once per ids tensor
 
 
 class PatchedGenerate:

@@ -1,6 +1,13 @@
 """One decoding step on a cache a pruned prefill filled: a `DecodeStep` owns the step's per-layer masks and
 positions, built without a host sync (lengths and positions come from the views' host counts and the step's own
-inputs), and what a decode-time selection decided for the layers it restricts."""
+inputs), and what a decode-time selection decided for the layers it restricts.
+
+What does not change between steps is made once per cache and kept on its views: the tokens each view lost (one
+table for the views of a cache), the mask over each view's prompt slots (a one-token step's mask is that, then the
+LLM's own over the tokens since), and the rotary rows come from one table of the LLM's own (`rotary_table`): a
+one-token step adds a subtraction and two gathers for the positions of every renumbered view, and one
+concatenation per view that needs a mask.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ class DecodeGroup:
 
     view: LayerView
     renumbered: bool  # positions renumbered: the view's new tokens sit right after its own prompt
+    first: int = 0  # the first layer of the group
     overrides: Overrides | None = None
     built: bool = False
 
@@ -67,21 +75,22 @@ class DecodeStep:
                 f"every token since ({full} columns here, as generate() passes it); got {tuple(mask.shape)}"
             )
         positions = kwargs.get("position_ids")
-        if positions is None:
+        if positions is None and stages.selection is not None:  # a decode-time selection starts from them
             positions = torch.arange(past, full, device=embeds.device).expand(batch, -1)
         groups: dict[int, DecodeGroup] = {}
         made: dict[int, DecodeGroup] = {}
         for index, view in enumerate(views):
             if view is not None:
                 if id(view) not in made:
-                    made[id(view)] = DecodeGroup(view, stages.renumber)
+                    made[id(view)] = DecodeGroup(view, stages.renumber, index)
                 groups[index] = made[id(view)]
         return cls(stages, embeds, mask, positions, cache, prompt_length, groups)
 
-    def overrides(self, index: int, own_mask: Any) -> Overrides | None:
+    def overrides(self, index: int, own_mask: Any, own_positions: torch.Tensor | None = None) -> Overrides | None:
         """Layer `index`'s overrides in this step (None: the LLM's own); `own_mask`: the mask the LLM gives its
-        layers (None: nothing padded anywhere, so a view without padding slots needs none either). Every group is
-        built at the first layer that asks, renumbered positions' rotary tables in one call."""
+        layers (None: nothing padded anywhere, so a view without padding slots needs none either); `own_positions`:
+        the positions it gives them (used where the step's input named none). Every group is built at the first
+        layer that asks, renumbered positions' rotary tables for all at once."""
         selected = self.selected.get(index)
         if selected is not None:
             return selected
@@ -89,34 +98,83 @@ class DecodeStep:
         if group is None:
             return None
         if not group.built:  # a hybrid LLM's linear-attention layers get no mask in a one-token step: do not trust it
+            if self.positions is None:
+                self.positions = own_positions if own_positions is not None else self._counted_positions()
             self._build_groups(own_mask if not self.stages.recurrent else True)
         return group.overrides
+
+    def _counted_positions(self) -> torch.Tensor:
+        """[B, n] the new tokens' positions by the cache's length (what the LLM does without position_ids)."""
+        batch, steps = self.embeds.shape[:2]
+        full = self.mask.shape[1]
+        return torch.arange(full - steps, full, device=self.embeds.device).expand(batch, -1)
 
     def _build_groups(self, own_mask: Any) -> None:
         stages = self.stages
         groups = list({id(g): g for g in self.groups.values()}.values())
-        positions = [self.positions] * len(groups)
-        rotary = [None] * len(groups)
+        positions: list[Any] = [self.positions] * len(groups)
+        rotary: list[Any] = [None] * len(groups)
         renumbered = [k for k, g in enumerate(groups) if g.renumbered]
-        if renumbered:  # positions right after each view's own prompt: one subtraction, one rotary call for all
-            lost = stacked_lost([groups[k].view for k in renumbered], self.positions.device)  # [B, G]
-            width = self.positions.shape[-1]
-            shifted = self.positions.unsqueeze(-2) - lost.view(*[1] * (self.positions.dim() - 2), *lost.shape, 1)
-            cos, sin = stages.lm.rotary_emb(self.embeds, position_ids=shifted.flatten(-2))  # [..., B, G * n]
-            for n, k in enumerate(renumbered):
-                positions[k] = shifted[..., n, :]
-                rotary[k] = (cos[..., n * width : (n + 1) * width, :], sin[..., n * width : (n + 1) * width, :])
+        if renumbered:  # positions right after each view's own prompt: one subtraction, the rotary rows for all
+            views = [groups[k].view for k in renumbered]
+            for k, place, tables in zip(renumbered, *self._renumbered(views), strict=True):
+                positions[k], rotary[k] = place, tables
+        one_token = self.embeds.shape[1] == 1 and stages.full_attention
         for k, group in enumerate(groups):
             group.built = True
             view = group.view
-            first = min(i for i, g in self.groups.items() if g is group)
-            if own_mask is None and not view.padded:
-                mask = stages.mask(self.embeds, None, positions[k], self.cache, first)
+            mask = self._held_mask(view, own_mask) if one_token else None
+            if mask is not None:
+                pass
+            elif own_mask is None and not view.padded:
+                mask = stages.mask(self.embeds, None, positions[k], self.cache, group.first)
             else:
                 new_columns = self.mask[:, self.prompt_length :].to(view.mask.dtype)
                 view_mask = torch.cat([view.mask, new_columns], dim=1)
-                mask = stages.mask(self.embeds, view_mask, positions[k], self.cache, first)
+                mask = stages.mask(self.embeds, view_mask, positions[k], self.cache, group.first)
+                if one_token:
+                    self._hold_mask(view, own_mask, mask)
             group.overrides = None if mask is None and rotary[k] is None else Overrides(mask, positions[k], rotary[k])
+
+    def _renumbered(self, views: list[LayerView]) -> tuple[list[torch.Tensor], list[tuple]]:
+        """Per view of `views` (renumbered), the new tokens' positions [..., B, n] right after the view's own prompt
+        and their rotary tables: rows of the LLM's own table (`rotary_table`) for 1-D positions, else one call of
+        its rotary for all views."""
+        stages, own = self.stages, self.positions
+        lost = stacked_lost(views, own.device)  # [B, G]
+        width = own.shape[-1]
+        shifted = own.unsqueeze(-2) - lost.view(*[1] * (own.dim() - 2), *lost.shape, 1)  # [..., B, G, n]
+        table = stages.rotary_table(self.embeds, self.mask.shape[1]) if own.dim() == 2 else None
+        if table is not None:  # a 1-D position counts the real tokens before it (0 <= p < the cache's length)
+            cos, sin = table[0][shifted], table[1][shifted]  # [B, G, n, d]
+            tables = [(cos[:, g], sin[:, g]) for g in range(len(views))]
+        else:
+            cos, sin = stages.lm.rotary_emb(self.embeds, position_ids=shifted.flatten(-2))  # [..., B, G * n, d]
+            tables = [(cos[..., g * width : (g + 1) * width, :], sin[..., g * width : (g + 1) * width, :])
+                      for g in range(len(views))]  # fmt: skip
+        return [shifted[..., g, :] for g in range(len(views))], tables
+
+    def _held_mask(self, view: LayerView, own_mask: Any) -> torch.Tensor | None:
+        """A one-token step's mask of the layers holding `view`, from what an earlier one-token step of this cache
+        left on the view: its mask over the view's prompt slots, then the LLM's own over the tokens since (the new
+        token attends to every one it caches, so only padding masks). None: nothing held that fits."""
+        held = view.__dict__.get("_step_mask")
+        if held is None or held[0] != (own_mask is None):
+            return None
+        prompt = held[1]
+        if own_mask is None:  # nothing padded among the tokens since: all of them attended (a shared fill)
+            since = self.mask.shape[1] - self.prompt_length
+            # attended, in the mask's format: a boolean mask's True, a 2-D padding mask's 1, an additive mask's 0
+            allowed = True if prompt.dtype == torch.bool else 1 if prompt.dim() == 2 else 0
+            return torch.cat([prompt, prompt.new_full((*prompt.shape[:-1], since), allowed)], -1)
+        if not isinstance(own_mask, torch.Tensor) or own_mask.shape[:-1] != prompt.shape[:-1]:
+            return None
+        return torch.cat([prompt, own_mask[..., self.prompt_length :]], -1)
+
+    def _hold_mask(self, view: LayerView, own_mask: Any, mask: Any) -> None:
+        """Leave on `view` the part of a one-token step's `mask` over its prompt slots, for the steps after."""
+        if isinstance(mask, torch.Tensor) and mask.shape[-1] == view.width + self.mask.shape[1] - self.prompt_length:
+            view.__dict__["_step_mask"] = (own_mask is None, mask[..., : view.width])
 
 
 def stacked_lost(views: list[LayerView], device: torch.device) -> torch.Tensor:

@@ -4,10 +4,11 @@ on, the records) and does the three things a prefill does: at a method's drop po
 (gather what the method reads, score, keep, gather the hidden states, positions, rotary tables and the mask of the
 rest of the prefill), the output-aware KV cut when the prefill ends, and the records.
 
-The prompt's layout is read once, when the prefill starts (`Layout.read`: one host sync, right after the stock
-model's own placeholder check synced); from then on a method's budget says how many tokens each row keeps
-(`PrefillMethod.kept_counts`), so shapes never wait for the device. A threshold method (MustDrop) reads its counts
-back once per drop. Records are built when read (`records.py`).
+The prompt's layout (per row: real, visual and text tokens) comes from the call path, which reads it with the
+rest of what it reads before the encoder and follows the shrink on the host, so the prefill reads nothing (a prompt
+the call path did not see is read when the prefill starts: `Layout.read`, one host sync). From then on a method's
+budget says how many tokens each row keeps (`PrefillMethod.kept_counts`), so shapes never wait for the device. A
+threshold method (MustDrop) reads its counts back once per drop. Records are built when read (`records.py`).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class PrefillRun:
         if mask.dim() != 2:
             raise InputError(f"{method.name} needs the usual 2-D [batch, seq] attention_mask; got {mask.dim()}-D")
         visual = visual.to(device) & (mask != 0)
-        text = text_after_image(mask, visual)
-        layout = Layout.read(mask, visual, text)  # the prefill's one host read
+        layout = stages.adapter.layout_for((batch, length))  # host counts the call path knows
+        if layout is None:  # a prompt the call path did not see: read here, the prefill's one host read
+            layout = Layout.read(mask, visual)
         if not any(layout.visual):
             return None
         positions = (mask.cumsum(1) - 1).clamp(min=0) if stages.renumber else None  # each row's own numbering
@@ -94,7 +96,7 @@ class PrefillRun:
         run = cls(stages, view, layout, cache)
         run.group_sizes = None if found is None else found[1]
         if method.query_rows == "chosen":
-            run.chosen = run._chosen_rows(embeds, text)
+            run.chosen = run._chosen_rows(embeds, text_after_image(mask, visual))
         if method.calls:
             run.calls = CallPoints.start(run, embeds)
         return run
@@ -191,9 +193,13 @@ class PrefillRun:
     def _overrides(self, hidden: torch.Tensor, view: LayerView, layer: int) -> Overrides:
         """Mask, positions and rotary tables of the layers running on `view` from `layer` on."""
         stages = self.stages
-        if stages.renumber:
+        if stages.renumber:  # positions count each row's real tokens from 0: rows of the LLM's own rotary table
             positions = view.positions
-            rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
+            table = stages.rotary_table(hidden, self.initial.width) if positions.dim() == 2 else None
+            if table is not None:
+                rotary = table[0][positions], table[1][positions]
+            else:
+                rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
         else:  # the prompt's own positions and tables, sliced
             positions = self.position_ids
             if positions is None:

@@ -62,6 +62,12 @@ class LanguageModelStages:
         self.first_attention = min((i for i in range(len(self.layers)) if i not in self.recurrent), default=0)
         self.cut_layers = [i for i in method.cut_layers(self.drop_layers) if i not in self.recurrent]
         self.renumber = method.positions == "renumber"
+        # a one-token decoding step's mask of a layer group is the first step's over its prompt slots, then the
+        # LLM's own over the tokens since (`DecodeStep`): where every layer attends to all it caches (no sliding
+        # window, no recurrent state)
+        self.full_attention = not self.recurrent and all(kind == "full_attention" for kind in self.layer_types)
+        self.full_attention &= getattr(self.lm.config, "sliding_window", None) is None
+        self._rotary_tables: dict[tuple, tuple] = {}  # (device, dtype) -> (cos, sin); () where there is none
         select_layer = method.select_layer(len(self.layers))  # decode-time selection (None: none)
         self.selection = None if select_layer is None else DecodeTimeSelection(self, select_layer)
         self.probes: dict[int, QueryKeyProbe] = {}
@@ -70,6 +76,31 @@ class LanguageModelStages:
         # per call, one per thread (hooks run in the thread that called the model); what each layer's cache holds
         # is left on the cache itself (`remember_views`)
         self._calls = PerThread(LanguageModelCall)
+
+    def rotary_table(self, x: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([P, d] cos, [P, d] sin) of positions 0..P-1, P >= `length`, in x's dtype on x's device, made by the LLM's
+        own rotary module (its row for position p is what it makes for p alone); None for a rotary whose tables are
+        not a fixed function of the position (`hf.position_rotary`). Made once and doubled when a longer one is
+        asked for, per device and dtype: a decoding step then gathers its rows instead of calling the rotary."""
+        rotary = getattr(self.lm, "rotary_emb", None)
+        if rotary is None or not hf.position_rotary(rotary):
+            return None
+        key = (x.device, x.dtype)
+        table = self._rotary_tables.get(key)
+        if table == ():  # its tables are not [positions, d] rows
+            return None
+        if table is None or table[0].shape[0] < length:
+            size = max(4096, 1 << max(length - 1, 1).bit_length())
+            cos, sin = rotary(x, position_ids=torch.arange(size, device=x.device)[None])
+            if cos.shape != (1, size, cos.shape[-1]) or sin.shape != cos.shape:
+                self._rotary_tables[key] = ()
+                return None
+            table = self._rotary_tables[key] = cos[0], sin[0]  # one assignment: other threads see old or new
+        return table
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (deep copy, pickle) makes its own rotary tables."""
+        return dict(self.__dict__, _rotary_tables={})
 
     @property
     def call(self) -> LanguageModelCall:
@@ -250,7 +281,7 @@ class LanguageModelStages:
                 if overrides is None:
                     return args, kwargs
         elif call.decode is not None:
-            overrides = call.decode.overrides(index, kwargs.get("attention_mask"))
+            overrides = call.decode.overrides(index, kwargs.get("attention_mask"), kwargs.get("position_ids"))
         else:
             return None
         if overrides is None:

@@ -49,9 +49,11 @@ def packed(flags: torch.Tensor, width: int, counts: list[int], right: bool = Tru
 
 @dataclass
 class Layout:
-    """A prompt's shape per row, read from the device once per prefill (the one host sync a prefill stage makes,
-    right after the stock model's own placeholder check synced): real tokens, visual tokens, text tokens after
-    the row's first visual token, whether the batch is padded on the right, and placeholder runs per row."""
+    """A prompt's shape per row, on the host: real tokens, visual tokens, text tokens after the row's first visual
+    token, whether the batch is padded on the right, placeholder runs per row, and real tokens after the row's last
+    visual token. The call path knows them before the prefill starts (`CallPath` reads them in its one read before
+    the encoder and follows the shrink on the host: `from_counts`); a prefill it did not see reads them once
+    (`read`, one host sync)."""
 
     lengths: list[int]
     visual: list[int]
@@ -61,18 +63,37 @@ class Layout:
     after: list[int]
 
     @classmethod
-    def read(cls, mask: torch.Tensor, visual: torch.Tensor, text: torch.Tensor) -> Layout:
-        starts = visual & ~torch.nn.functional.pad(visual, (1, 0))[:, :-1]  # each placeholder run's first token
-        after = text_after_visual(mask, visual)
-        counts = torch.stack([mask.sum(1), visual.sum(1), text.sum(1), (mask[:, -1] == 0).long(), starts.sum(1),
-                              after.sum(1)], 1)  # fmt: skip
-        rows = counts.tolist()  # the prefill's one host read
+    def read(cls, mask: torch.Tensor, visual: torch.Tensor) -> Layout:
+        """The layout of `mask` [B, L] with visual tokens `visual` [B, L] bool, read back (one host sync)."""
+        return cls.from_counts(layout_counts(mask, visual).tolist())
+
+    @classmethod
+    def from_counts(cls, rows: list[list[int]]) -> Layout:
+        """The layout of per-row counts as `layout_counts` gives them ([B] lists of six)."""
         lengths, seen, words, right, runs, late = (list(c) for c in zip(*rows, strict=True)) if rows else ([],) * 6
         return cls(lengths, seen, words, any(right), runs, late)
 
     def frame_tokens(self, trailer: int) -> list[int]:
         """Visual tokens of every row less the `trailer` separators closing each of its placeholder runs."""
         return [max(n - runs * trailer, 0) for n, runs in zip(self.visual, self.runs, strict=True)]
+
+
+def layout_counts(mask: torch.Tensor | None, visual: torch.Tensor) -> torch.Tensor:
+    """[B, 6] the counts a `Layout` holds of a prompt with padding mask `mask` [B, L] (None: no padding) and visual
+    tokens `visual` [B, L] bool, on the device (padding slots are never visual): real tokens, visual tokens, text
+    after the first visual one, 1 where the last column is padding, placeholder runs, real tokens after the last
+    visual one. A fixed ~16 kernels: one running count of visual tokens answers "after the first" (count > 0) and
+    "after the last" (count == the row's total), one sum counts four flags at once."""
+    real = torch.ones_like(visual) if mask is None else mask != 0
+    visual = visual & real
+    seen = visual.long().cumsum(1)  # [B, L] visual tokens up to each slot
+    from_first = real & (seen > 0)  # the first visual token and every real one after it
+    from_last = real & (seen == seen[:, -1:])  # the last visual token and every real one after it (all: none)
+    flags = torch.stack([real, visual, from_first, from_last], 2).sum(1)  # [B, 4]
+    runs = (visual[:, 1:] & ~visual[:, :-1]).sum(1) + visual[:, 0]  # a run starts where a visual token follows none
+    lengths, seen_visual, first, last = flags.unbind(1)
+    has = (seen_visual > 0).long()
+    return torch.stack([lengths, seen_visual, first - seen_visual, (~real[:, -1]).long(), runs, last - has], 1)
 
 
 def text_after_image(mask: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
