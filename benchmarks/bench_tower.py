@@ -393,8 +393,8 @@ def main() -> None:
     parser.add_argument("--cpu-llm-layers", type=int, default=1, help="LLM layers of the TTFT models on a CPU")
     common.add_tiny(parser)
     args = parser.parse_args()
-    if args.tiny:  # the smoke run: the CLIP tower alone, one block, a small page (real widths; it measures nothing)
-        args.only, args.ttft, args.cpu_clip_layers, args.size = "clip", False, 1, 224
+    if args.tiny:  # the smoke run: the CLIP tower alone, two blocks (ToMe merges in the first), a small page
+        args.only, args.ttft, args.cpu_clip_layers, args.size = "clip", False, 2, 224
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

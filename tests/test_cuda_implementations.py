@@ -66,6 +66,10 @@ CASES = {
         ),
     ],  # fmt: skip
     "greedy_max_coverage": [((_t(5, 588, 576), _t(5, 576, dtype=torch.bool), _t(5, dtype=torch.int64), 144), {})],
+    "greedy_weighted_coverage": [
+        ((_t(5, 588, 576), weight, _t(5, 576, dtype=torch.bool), _t(5, dtype=torch.int64), 144), {})
+        for weight in (_t(5, 576), None)  # SCOPE's saliency weights; None: MMTok's unweighted gains
+    ],
     "max_min_diversity": [((_t(1, 2928, 4096), _t(1, 2928, dtype=torch.bool), _t(1, dtype=torch.int64), 732), {})],
     "dpp_greedy": [((_t(5, 576, 1024), _t(5, 576), _t(5, 576, dtype=torch.bool), 144, 1e-4), {})],
     "duplicate_removal": [
@@ -111,9 +115,9 @@ CASES = {
         )
     ],  # fmt: skip
 }
-# MMTok's greedy (vtoken/kernels/coverage.py) replays CUDA graphs in its CUDA implementation: reworked under issue 40
-# by another change; strict, so that this test starts holding it as soon as it can
-ELSEWHERE = {"greedy_max_coverage": "replays a CUDA graph (torch.cuda streams), which cannot run on meta tensors"}
+# ops whose CUDA implementation cannot run here, with the reason (strict xfails: none today; MMTok's greedy no longer
+# replays CUDA graphs, it launches its step kernel like SCOPE's)
+ELSEWHERE: dict[str, str] = {}
 
 
 def _ops() -> list[str]:

@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 GPU_BENCHMARKS = ["bench_methods", "bench_llava", "bench_llm_stages", "bench_sparse_prefill", "bench_families",
-                  "bench_qwen3_vl"]  # fmt: skip
+                  "bench_qwen3_vl", "bench_tower"]  # fmt: skip
 
 
 def _module(name):
