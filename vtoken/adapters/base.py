@@ -140,11 +140,12 @@ class Adapter:
         self.tower_site: TowerSite | None = None
         self.calls = CallPath(self)
         self.hooks = HookOwner(model)
-        self.llm: LanguageModelStages | None = None  # made when installed
+        self.llm: LanguageModelStages | None = None  # made and checked here, installed with the rest
         self.sparse: SparseAttention | None = None  # made by `validate` (it checks the model), installed with the rest
         self.validate()
         if self.llm_method is not None:  # after the family's own checks: every layer it acts on or reads
-            LanguageModelStages(self, self.llm_method).check()  # installs nothing
+            self.llm = LanguageModelStages(self, self.llm_method)
+            self.llm.check()  # installs nothing
 
     # ----------------------------------------------------------------- what the call path keeps
     @property
@@ -479,8 +480,7 @@ class Adapter:
         hooks.before_forward(model, self.calls.pre_forward)
         if self.stacked_features:
             hooks.before_forward(self.inner, self.calls.join_ragged)
-        if self.llm_method is not None:
-            self.llm = LanguageModelStages(self, self.llm_method)
+        if self.llm is not None:
             self.llm.install(hooks)
         hooks.after_forward(model, self.calls.post_forward)
         hooks.wrap_generate(PatchedGenerate(self))

@@ -177,8 +177,8 @@ class LanguageModelStages:
             QueryKeyProbe.check(getattr(read, "self_attn", None), f"{type(read).__name__} {select - 1}")
 
     def install(self, hooks) -> None:
-        """Register the hooks through the model's `HookOwner` (it removes them), checking every layer first."""
-        self.check()
+        """Register the hooks through the model's `HookOwner` (it removes them); `check` ran when the adapter was
+        made."""
         select = None if self.selection is None else self.selection.layer
         hooks.on_remove(self.remove_probes)
         if select is not None:  # the new token's row, after layer L - 1 ran
