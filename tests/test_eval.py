@@ -426,11 +426,9 @@ def test_sweep_plot_keeps_equal_lines_apart():
     assert list(a.get_ydata()) == list(b.get_ydata()) == [0.5, 0.5]
 
 
-@pytest.mark.parametrize("method", ["fastvid", "holitom", "prunevid"])
-def test_the_video_mergers_through_the_vtoken_model(method, cache):
-    """FastVID, HoliTom and PruneVid's encoder stage through lmms-eval's `vtoken` model (`method=...,budget=...`;
-    PruneVid: `layer=None`, no budget): two MP4 samples batched answer and count as each alone; every frame has its
-    record; the count follows the data (no planned count)."""
+def two_videos_batched_as_alone(method: str, params: dict) -> list:
+    """Two MP4 samples through lmms-eval's `vtoken` model on tiny OneVision, batched and one by one: the answers and
+    token counts must agree; returns the one-by-one results."""
     from vtoken.eval.lmms_model import VTokenLMM
 
     videos = [str(data.video_path(row)) for row in data.questions("video")[:2]]
@@ -440,13 +438,22 @@ def test_the_video_mergers_through_the_vtoken_model(method, cache):
         return [{"role": "user", "content": [item, {"type": "text", "text": "what happens?"}]}]
 
     docs = [{"i": 0}, {"i": 1}]
-    params = {"layer": None, "min_tokens": 6} if method == "prunevid" else {"budget": 0.3}
     lm = VTokenLMM(pretrained="tiny-onevision", method=method, batch_size=2, max_frames=4, **params)
     batched = lm.generate_until(requests_for(lm, docs, messages))
     lm.batch_size_per_gpu = 1
     alone = lm.generate_until(requests_for(lm, docs, messages))
     assert [r.text for r in batched] == [r.text for r in alone]
     assert [r.token_counts.stages for r in batched] == [r.token_counts.stages for r in alone]
+    return alone
+
+
+@pytest.mark.parametrize("method", ["fastvid", "holitom", "prunevid"])
+def test_the_video_mergers_through_the_vtoken_model(method, cache):
+    """FastVID, HoliTom and PruneVid's encoder stage through lmms-eval's `vtoken` model (`method=...,budget=...`;
+    PruneVid: `layer=None`, no budget): two MP4 samples batched answer and count as each alone; every frame has its
+    record; the count follows the data (no planned count)."""
+    params = {"layer": None, "min_tokens": 6} if method == "prunevid" else {"budget": 0.3}
+    alone = two_videos_batched_as_alone(method, params)
     assert all(r.token_counts.stages["encoder"] for r in alone)
 
 
@@ -454,21 +461,7 @@ def test_the_video_mergers_through_the_vtoken_model(method, cache):
 def test_the_video_reducers_inside_the_llm_through_the_vtoken_model(method, cache):
     """PruneVid with its cut inside the LLM (`layer=0` on the 2-layer tiny LLM) and FrameFusion through lmms-eval's
     `vtoken` model: two MP4 samples batched answer and count as each alone, with the LLM stage's records."""
-    from vtoken.eval.lmms_model import VTokenLMM
-
-    videos = [str(data.video_path(row)) for row in data.questions("video")[:2]]
-
-    def messages(doc):
-        item = {"type": "video", "url": videos[doc["i"]]}
-        return [{"role": "user", "content": [item, {"type": "text", "text": "what happens?"}]}]
-
-    docs = [{"i": 0}, {"i": 1}]
     params = {"layer": 0, "min_tokens": 6} if method == "prunevid" else {"cost": 0.5}
-    lm = VTokenLMM(pretrained="tiny-onevision", method=method, batch_size=2, max_frames=4, **params)
-    batched = lm.generate_until(requests_for(lm, docs, messages))
-    lm.batch_size_per_gpu = 1
-    alone = lm.generate_until(requests_for(lm, docs, messages))
-    assert [r.text for r in batched] == [r.text for r in alone]
-    assert [r.token_counts.stages for r in batched] == [r.token_counts.stages for r in alone]
+    alone = two_videos_batched_as_alone(method, params)
     prefix = "prefill.layer0" if method == "prunevid" else "prefill."
     assert all(any(s.startswith(prefix) for s in r.token_counts.stages) for r in alone)
