@@ -48,10 +48,11 @@ def record_selections() -> None:
     load_methods()
     depth = [0]
 
-    def dry_run() -> bool:
+    def called_from(names) -> bool:
+        """Whether a vtoken function named in `names` is on the stack above the wrapped call."""
         frame = sys._getframe(2)
         while frame is not None:
-            if frame.f_code.co_name in DRY_RUNS and frame.f_globals.get("__name__", "").startswith("vtoken."):
+            if frame.f_code.co_name in names and frame.f_globals.get("__name__", "").startswith("vtoken."):
                 return True
             frame = frame.f_back
         return False
@@ -64,26 +65,18 @@ def record_selections() -> None:
                 selection = select(self, tokens)
             finally:
                 depth[0] -= 1
-            if depth[0] == 0 and not dry_run():
+            if depth[0] == 0 and not called_from(DRY_RUNS):
                 unchanged = [selection.unchanged_of(c) for c in range(tokens.num_crops)]
                 SELECTIONS.append([None if u is None else u.tolist() for u in unchanged])
             return selection
 
         return recorded
 
-    def in_tower_run() -> bool:
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code.co_name in TOWER_RUNS and frame.f_globals.get("__name__", "").startswith("vtoken."):
-                return True
-            frame = frame.f_back
-        return False
-
     def wrap_input(select_input):
         @functools.wraps(select_input)
         def recorded(self, pixels, grids, tower):
             selected = select_input(self, pixels, grids, tower)
-            if in_tower_run():  # per image, its kept units (the LLM-level tokens that reach the LLM)
+            if called_from(TOWER_RUNS):  # per image, its kept units (the LLM-level tokens that reach the LLM)
                 SELECTIONS.append([selected.kept_of(i).tolist() for i in range(len(selected.counts))])
             return selected
 
