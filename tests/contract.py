@@ -45,7 +45,9 @@ KEEP_ALL: dict[str, dict[str, Any]] = {
     "sparse_prefill": {"density": 1.0},  # every causal block computed (its sparse path, not the model's own)
     "pixelprune": {"threshold": -1.0},  # every unit differs from its prediction by more than a negative threshold
     "tome": {"r": 0},  # no merge in any block
-    "prunevid": {"tau": 1.0, "cluster_ratio": 1.0, "layer": None},  # nothing static, a cluster per token, no cut
+    # nothing static, every group passes unclustered (cluster_ratio=1.0 keeps every token too, but emits a group's
+    # centres in density order, the official order: not the unpatched sequence), no cut
+    "prunevid": {"tau": 1.0, "min_tokens": 1 << 20, "layer": None},
     "framefusion": {"threshold": 1.0, "cost": 1.0},  # no pair similar enough to merge, no prune
 }
 # settings a pruning run adds to the demo's, to keep the table fast on CPU

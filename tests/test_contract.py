@@ -68,10 +68,7 @@ def before_llm(records) -> list:
 
 
 # behaviour bugs the table found (xfail, strict: fixing one makes its case pass and fail here until removed)
-BUGS = {
-    "prunevid-tiny-onevision-video": "PruneVid(tau=1.0, cluster_ratio=1.0, layer=None), its keep-all setting, "
-    "changes LLaVA-OneVision's logits (max 0.14; the Qwen families' equal the unpatched model's): not found yet",
-}
+BUGS: dict[str, str] = {}
 
 
 def _ids(cases) -> list[str]:

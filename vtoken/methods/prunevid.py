@@ -263,7 +263,11 @@ class PruneVid(EncoderMethod, PrefillMethod):
     """`tau`: the mean cosine similarity above which a position is static in its window; `segment_ratio`: frame
     clusters per frame (at least 1); `cluster_ratio`: density-peak centres per token of a group of more than
     `min_tokens`; `k`: the densities' nearest neighbours; `alpha`: the share of every group kept after layer
-    `layer` (None: no cut inside the LLM); `seed`: the densities' noise."""
+    `layer` (None: no cut inside the LLM); `seed`: the densities' noise.
+
+    Every token kept, the unpatched model exactly: `tau=1.0, min_tokens` >= the tokens per frame, `layer=None`
+    (`cluster_ratio=1.0` keeps every token too, in density order: on LLaVA-OneVision's contiguous positions that
+    is another sequence)."""
 
     tau: float = 0.8
     segment_ratio: float = 0.25
