@@ -273,8 +273,9 @@ def test_refusals_at_patch_leave_the_model_intact(llava, qwen25):
         vtoken.patch(flash, "tome")
     vtoken.patch(flash, vtoken.ToMe(prop_attn=False, weighted=False)).unpatch()  # LightCompress's: any attention
     onevision, _ = TINY_MODELS["tiny-onevision"]()
-    with pytest.raises(VTokenError, match="not wired for LLaVA-OneVision"):
+    with pytest.raises(VTokenError, match="native layout stitches.*layout='official'"):  # (test_llava_onevision.py)
         vtoken.patch(onevision, "pixelprune")
+    vtoken.patch(onevision, "pixelprune", layout="official").unpatch()
 
 
 def test_refusals_when_a_call_starts(llava, qwen25):
