@@ -378,6 +378,8 @@ def test_the_vllm_plugin_serves_tower_methods_where_its_tower_takes_them():
         ("llava-1.5", "pixelprune"): "MMEncoderAttention.*mask",
         ("llava-next", "pixelprune"): "MMEncoderAttention",
         ("llava-next", "tome"): "flat layout.*served on LLaVA-1.5",
+        ("llava-onevision", "tome"): "flat layout.*does not serve LLaVA-OneVision",
+        ("llava-onevision", "pixelprune"): "flat layout.*does not serve LLaVA-OneVision",
         ("qwen2.5-vl", "tome"): "2x2.*pixelprune",
         ("qwen3-vl", "tome"): "2x2.*pixelprune",
     }
