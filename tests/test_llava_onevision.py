@@ -266,3 +266,28 @@ def test_tower_methods_are_refused_where_the_flat_layout_does_not_hold(ov):
         *(("tower", c, 729, 729 - 3 * 16) for c in range(crops)),
         *(("encoder", c, 681, 341) for c in range(crops)),
     ]
+
+
+def test_the_flat_tower_stage_adds_no_sync_beyond_pixelprunes_one_read(ov):
+    """Invariant 10 (counted on CPU): ToMe's merges add no host sync and the same burst whatever r (shapes from the
+    host); PixelPrune at most its one read of the kept mask, before the tower."""
+    from vtoken.launches import count_launches
+
+    model, processor = ov
+    inputs = _image(processor, (800, 300))
+
+    def added(method) -> tuple[int, int]:
+        with torch.no_grad():
+            model(**inputs)
+            with count_launches(sites=False) as plain:
+                model(**inputs)
+            with vtoken.patched(model, method, layout="official"):
+                model(**inputs)
+                with count_launches() as patched:
+                    model(**inputs)
+        return patched.kernels - plain.kernels, patched.syncs - plain.syncs
+
+    merging = [added(vtoken.ToMe(r=r)) for r in (3, 6)]
+    # (fewer than the unpatched model's: its stitching reads the image sizes back, the flat layout reads none)
+    assert all(syncs <= 0 for _, syncs in merging) and merging[0] == merging[1]
+    assert added(vtoken.PixelPrune())[1] <= merging[0][1] + 1
