@@ -299,9 +299,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         tokens = VisualTokens(features, grid, signals, on_device(images, device), valid, on_device(crop_index, device),
                               image_of_crop=images, valid_counts=counts)  # fmt: skip
         selection, timer = self.select(tokens)
-        per_image = [0] * (images[-1] + 1 if images else 0)
-        for image, n in zip(images, selection.counts_per_crop(), strict=True):
-            per_image[image] += n
+        per_image = plan.item_counts(selection.counts_per_crop())  # host counts: crops concatenated per image
         records = self.encoder.crop_records(tokens, selection, timer, crop_index, images=images)
         return EncodedImages(list(self.kept_flat(tokens, selection).split(per_image)), None, records)
 
@@ -346,12 +344,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
                 return [None] * len(run_lengths)  # rows with newlines depend on which tokens are kept
             # flat after a tower method: every crop's count (what the tower leaves, then the encoder method's)
             per_crop = [self.encoder_method.planned_count(n) for n in plan.counts]
-            if None in per_crop:
-                return [None] * len(run_lengths)
-            out = [0] * len(run_lengths)
-            for image, n in zip(plan.images, per_crop, strict=True):
-                out[image] += n
-            return out
+            return [None] * len(run_lengths) if None in per_crop else plan.item_counts(per_crop)
         pooled = math.ceil(self.grid[0] / 2) ** 2
         whole = getattr(self.encoder_method, "video_count", None)  # a video's count from its frames (DyCoke)
         if whole is not None:
