@@ -179,6 +179,8 @@ def test_refusals_name_why_and_the_method_that_applies():
         (dict(r=(6, -1.0), order="raster"), False),
         (dict(r=8, prop_attn=False, weighted=False), False),  # LightCompress
         (dict(r=[10, 3, 7], prop_attn=True, weighted=False), True),  # SigLIP: no [CLS]
+        (dict(r=12, order="raster"), True),  # SigLIP, the official merges (LLaVA-OneVision's tower)
+        (dict(r=40), True),  # SigLIP above the cap: T // 2 per block (p = 0)
     ],
 )
 def test_tower_matches_the_reference(params, siglip):

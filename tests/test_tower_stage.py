@@ -273,8 +273,9 @@ def test_refusals_at_patch_leave_the_model_intact(llava, qwen25):
         vtoken.patch(flash, "tome")
     vtoken.patch(flash, vtoken.ToMe(prop_attn=False, weighted=False)).unpatch()  # LightCompress's: any attention
     onevision, _ = TINY_MODELS["tiny-onevision"]()
-    with pytest.raises(VTokenError, match="not wired for LLaVA-OneVision"):
+    with pytest.raises(VTokenError, match="native layout stitches.*layout='official'"):  # (test_llava_onevision.py)
         vtoken.patch(onevision, "pixelprune")
+    vtoken.patch(onevision, "pixelprune", layout="official").unpatch()
 
 
 def test_refusals_when_a_call_starts(llava, qwen25):
@@ -377,6 +378,8 @@ def test_the_vllm_plugin_serves_tower_methods_where_its_tower_takes_them():
         ("llava-1.5", "pixelprune"): "MMEncoderAttention.*mask",
         ("llava-next", "pixelprune"): "MMEncoderAttention",
         ("llava-next", "tome"): "flat layout.*served on LLaVA-1.5",
+        ("llava-onevision", "tome"): "flat layout.*does not serve LLaVA-OneVision",
+        ("llava-onevision", "pixelprune"): "flat layout.*does not serve LLaVA-OneVision",
         ("qwen2.5-vl", "tome"): "2x2.*pixelprune",
         ("qwen3-vl", "tome"): "2x2.*pixelprune",
     }

@@ -95,7 +95,8 @@ def patch(
     `method`: a registered name (see `available_methods()`) with its parameters as keywords, e.g.
     `patch(model, "fastervlm", budget=0.25)`, or a method object, or a list of them (stages compose).
     `layout`: how kept tokens are packed for anyres models: "native" (the model's own packing, the default) or
-    "official" (a seed method's own code layout, for paper reproduction; LLaVA-NeXT).
+    "official" (a seed method's own code layout, for paper reproduction; LLaVA-NeXT; on LLaVA-OneVision the tower
+    methods' flat layout, every crop alike, which they require there).
     The model's own `generate(...)` / `model(...)` keep working; `unpatch(model)` restores it exactly.
     Warns once per process if the installed transformers lies outside the tested range (`vtoken.adapters.hf`).
     """

@@ -124,6 +124,8 @@ class Adapter:
     tower_acts: ClassVar[tuple[str, ...]] = ()
     # why tower methods are not wired here (added to the refusal at `patch`)
     tower_note: ClassVar[str] = ""
+    # modality -> why tower methods do not act on it in this family (added to the refusal when a call passes it)
+    tower_refusals: ClassVar[dict[str, str]] = {}
     # tokens at the start of every video frame that are not patches (Video-LLaVA's [CLS]): no place in the frame
     frame_leading: ClassVar[int] = 0
 

@@ -115,7 +115,8 @@ class CallPath:
             if not frames:  # e.g. images given to a video method
                 self.adapter.encoder.check_call_modality(modality.name, modality.pixel_key)
             if tower is not None:  # a tower method on images only: videos refused before anything runs
-                tower.check_call_modality(modality.name, modality.pixel_key)
+                tower.check_call_modality(modality.name, modality.pixel_key,
+                                          self.adapter.tower_refusals.get(modality.name, ""))  # fmt: skip
         layout = self.read_call_layout(kwargs, present)
         state = self.state
         counts = layout.values.pop(PROMPT_LAYOUT, None)  # [B][6] the LLM prefill's counts of the caller's prompt

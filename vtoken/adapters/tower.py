@@ -476,10 +476,11 @@ class TowerPlan:
     def keeps_grid(self) -> bool:
         return self.site.stage.keeps_grid
 
-    def item_counts(self) -> list[int]:
-        """Tokens leaving the tower per image (its entries' counts summed), host ints."""
+    def item_counts(self, per_entry: list[int] | None = None) -> list[int]:
+        """Tokens leaving the tower per image (its entries' counts summed), host ints; `per_entry`: other counts of
+        the entries to sum per image instead (an encoder method's planned count of every crop)."""
         out = [0] * (max(self.images, default=-1) + 1)
-        for image, count in zip(self.images, self.counts, strict=True):
+        for image, count in zip(self.images, self.counts if per_entry is None else per_entry, strict=True):
             out[image] += count
         return out
 

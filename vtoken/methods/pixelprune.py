@@ -179,7 +179,8 @@ class PixelPrune(TowerMethod):
         "llava-1.5": "extension: one patch per unit, [CLS] kept, rows dropped after the embeddings",
         "llava-next": "extension: every crop alike; native layout: holes are invalid cells",
         "video-llava": "extension: images (the image tower)",
-        "llava-onevision": "extension: SigLIP images (no [CLS])",
+        "llava-onevision": "extension: SigLIP images (no [CLS]), layout='official' only: every crop's kept patches, "
+        "flat (the native packing downsamples the stitched grid after the tower)",
         "llava-next-video": "extension: images as LLaVA-NeXT",
     }
     refusals = {

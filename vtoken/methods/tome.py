@@ -222,7 +222,9 @@ class ToMe(TowerMethod):
         "llava-1.5": "official (LightCompress): CLIP, every block up to the feature layer",
         "llava-next": "extension: every crop alike, flat layout (base crop then grid crops, no unpad, no newline)",
         "video-llava": "extension: images (the image tower)",
-        "llava-onevision": "extension: SigLIP images (no [CLS]), flat layout (videos refused: pooled after the tower)",
+        "llava-onevision": "extension: SigLIP images (no [CLS], p = 0), layout='official' only: every crop alike, "
+        "flat (base view then grid crops, no unpadding, downsampling or newline); videos refused (2x2 pooling after "
+        "the tower)",
         "llava-next-video": "extension: images as LLaVA-NeXT (videos refused: 2x2 pooling after the tower)",
     }
     refusals: ClassVar[dict[str, str]] = {

@@ -106,12 +106,14 @@ class TowerStage:
                 f"({why}); after {self.name} it provides {sorted(available)}"
             )
 
-    def check_call_modality(self, modality: str, pixel_key: str) -> None:
-        """At a call's start: refuse inputs the method does not act on (videos), before anything runs."""
+    def check_call_modality(self, modality: str, pixel_key: str, why: str = "") -> None:
+        """At a call's start: refuse inputs the method does not act on (videos), before anything runs; `why`: the
+        family's reason, where it has one (OneVision: its frames are pooled after the tower)."""
         if modality not in self.method.modalities:
+            because = f" ({why})" if why else ""
             raise InputError(
                 f"{self.name} acts in the vision tower on {' and '.join(self.method.modalities)} inputs only; this "
-                f"call passes {modality}s (`{pixel_key}`): call the model without them, or unpatch for them"
+                f"call passes {modality}s (`{pixel_key}`){because}: call the model without them, or unpatch for them"
             )
 
     # ----------------------------------------------------------------- per call

@@ -131,10 +131,7 @@ class LlavaNextAdapter(LlavaAdapter):
         if plan is not None and self.flat_after_tower(plan):  # every crop's count, crops concatenated
             per_crop = [self.encoder_method.planned_count(n) for n in plan.counts]
             if None not in per_crop:
-                out = [0] * len(run_lengths)
-                for image, n in zip(plan.images, per_crop, strict=True):
-                    out[image] += n
-                return out
+                return plan.item_counts(per_crop)
         return [None] * len(run_lengths)  # newlines follow which rows keep tokens: known only after selection
 
     def flat_after_tower(self, plan: TowerPlan) -> bool:

@@ -8,6 +8,15 @@ stitched grid's kept tokens in raster order with `image_newline` after every row
 single newline after a base-only image). Videos: each frame's tokens are pooled bilinearly to 14 x 14 by the
 model, budgets apply per frame, and one newline follows the whole video.
 
+Tower stage (METHODS-4-tower.md, an extension: SigLIP has no [CLS], p = 0): the native packing stitches, unpads
+and bilinearly downsamples the grid crops after the tower, where a merged or dropped token has no cell, so tower
+methods take `layout="official"`, the flat layout (MustDrop's packing on LLaVA-NeXT): every crop of an image alike
+(the base view, then the grid crops, each of 27 x 27 patches before the tower), no unpadding, no downsampling, no
+newline. ToMe merges in the SigLIP blocks up to the feature layer (`ToMeTower`); PixelPrune runs the tower on every
+crop's kept patches (`KeptPatches`). The count leaving the tower is known before it runs, so the prompt is shrunk
+first; positions are renumbered. An encoder method composed with one selects per crop among what the tower left.
+Videos are refused: their frames are pooled 2x2 (bilinearly) on the token grid after the tower.
+
 Video signals (pooled like the tokens): "siglip_head_attention" / "siglip_head_pooled", SigLIP's attention-pooling
 head on the tower features (FastVID; the head comes from the method's `head` when the checkpoint lacks it, as
 Hugging Face OneVision checkpoints do), and "tower_attention", the feature layer's attention per token, mean over
@@ -29,7 +38,7 @@ from torch import nn
 from vtoken.errors import InputError, MissingSignalError, VTokenError
 from vtoken.geometry.anyres import AnyresGrid, onevision_grid, onevision_max_crops, pack, with_row_after
 from vtoken.geometry.kept import item_groups
-from vtoken.geometry.tables import padded_rows, repeated, stack_padded
+from vtoken.geometry.tables import on_device, padded_rows, repeated, stack_padded
 from vtoken.hub import hub_kwargs
 from vtoken.records import LazyRecords
 from vtoken.tokens import VisualTokens
@@ -64,12 +73,13 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         Modality("video", "pixel_values_videos", "video_token_id", FEATURE_KWARGS),
     )  # fmt: skip
     stacked_features = frozenset({"video"})
-    tower_acts = ()  # not wired: see tower_note
-    tower_note = (
-        "Tower methods (tome, pixelprune) are not wired for LLaVA-OneVision yet: its images' crops are stitched, "
-        "unpadded and bilinearly downsampled after the tower, so a dropped or merged token has no cell in that grid, "
-        "and the flat layout the spec gives them (every crop alike, no unpadding, no newline) is not offered here"
-    )
+    # "official": the tower methods' flat layout (every crop alike, no unpadding, downsampling or newline)
+    layouts = ("native", "official")
+    tower_acts = ("input", "layers")  # images only: PixelPrune's kept patches, ToMe's merging SigLIP blocks
+    tower_refusals = {
+        "video": "its video frames are pooled 2x2 (bilinearly) on the token grid after the tower, where a merged or "
+        "dropped token has no cell"
+    }
     video_run_trailer = 1  # a video's placeholder run ends with one image_newline, not a frame token
 
     @property
@@ -124,7 +134,28 @@ class LlavaOnevisionAdapter(LlavaAdapter):
                 f"{self.family} selects an anyres image's base view and its stitched grid apart (they are not "
                 "crops of one geometry); use scope='crop' (each keeps its budget)"
             )
+        tower = self.tower_method
+        if tower is not None and self.layout == "native":
+            raise VTokenError(
+                f"{tower.name} acts in the vision tower, and {self.family}'s native layout stitches, unpads and "
+                "bilinearly downsamples the grid crops after it, where a merged or dropped token has no cell; use "
+                "layout='official' (the flat layout: every crop alike, base view then the grid crops, no unpadding, "
+                "downsampling or newline)"
+            )
+        if tower is None and self.layout == "official":
+            raise VTokenError(
+                f"layout='official' on {self.family} is the flat layout of the tower methods (tome, pixelprune); no "
+                "encoder method has an official layout here: use layout='native'"
+            )
+        if tower is not None and method is not None and method.acts_on == "placed":
+            raise VTokenError(
+                f"{method.name} selects among the tokens as the model packs them (newlines included), which the flat "
+                f"layout of {tower.name} on {self.family} does not have; use {tower.name} alone or with a method "
+                "selecting per crop"
+            )
         super().validate()
+        if tower is not None:
+            self.check_tower_strategy(self.model.config.vision_feature_select_strategy, VTokenError)
         self._pooling_head = None
         method = self.encoder_method
         if method is not None and method.wants("siglip_head_attention"):
@@ -224,6 +255,54 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             for size, patch in zip(sizes, patching, strict=True)
         ]  # fmt: skip
 
+    # ----------------------------------------------------------------- the tower stage (images, flat)
+    def check_tower_strategy(self, strategy: str | None, error: type[VTokenError] = InputError) -> None:
+        """A tower method reads every SigLIP token as a patch (no [CLS], p = 0): the "full" feature strategy only
+        ("default" drops the tower's first token, a patch here, as if it were a [CLS]); `error`: what to raise (at
+        `patch`: `VTokenError`; a call's own strategy: `InputError`)."""
+        if strategy != "full":
+            raise error(
+                f"{self.tower_method.name} on {self.family}: vision_feature_select_strategy={strategy!r} drops the "
+                "SigLIP tower's first token, a patch (SigLIP has no [CLS]), which the tower stage keeps; use 'full' "
+                "(the OneVision checkpoints' own)"
+            )
+
+    def image_crops(
+        self, modality: Modality, pixel_values: torch.Tensor, image_sizes: Any = None, batch_num_images: Any = None,
+        vision_feature_select_strategy: str | None = None, **encoder_kwargs: Any,
+    ) -> tuple[torch.Tensor, list[int], list[int]] | None:  # fmt: skip
+        """Images: every image's crops [C, 3, H, W] as the model runs its tower on them (base view first, then the
+        grid crops; anyres only for single-image prompts), each crop's image and index within it (host ints)."""
+        if modality.name != "image":
+            return None
+        self.check_tower_strategy(vision_feature_select_strategy or self.model.config.vision_feature_select_strategy)
+        counts = self._crop_counts(image_sizes, batch_num_images)
+        if pixel_values.dim() == 5:
+            pixel_values = torch.cat([p[:n] for p, n in zip(pixel_values, counts, strict=True)])
+        images = [i for i, n in enumerate(counts) for _ in range(n)]
+        return pixel_values, images, [c for n in counts for c in range(n)]
+
+    def encode_flat(
+        self, modality: Modality, pixel_values: torch.Tensor, vision_feature_layer: Any = None, **encoder_kwargs: Any
+    ) -> EncodedImages:
+        """Images after a tower method: every crop's tokens as the tower left them (ToMe's N' merged tokens as a
+        1 x N' row; PixelPrune's kept patches, the dropped ones invalid cells of the crop's grid), projected, to the
+        encoder method per crop; its kept ones concatenated per image, crop after crop, no newline."""
+        plan = self.tower_plan(modality)
+        crops, images, crop_index = self.image_crops(modality, pixel_values, **encoder_kwargs)
+        layers = self._feature_layers(vision_feature_layer)
+        with plan.running(self.tower.encoder, hf.attention_implementation(self.tower)):
+            hidden = torch.cat(hf.hidden_states(self.tower, layers, crops), dim=-1)  # [C, K or N', Dv]
+        features = self.inner.multi_modal_projector(hidden)  # selection after the projector, as for native images
+        features, signals, grid, valid, counts = self.tower_tokens(plan, features, {})
+        device = features.device
+        tokens = VisualTokens(features, grid, signals, on_device(images, device), valid, on_device(crop_index, device),
+                              image_of_crop=images, valid_counts=counts)  # fmt: skip
+        selection, timer = self.select(tokens)
+        per_image = plan.item_counts(selection.counts_per_crop())  # host counts: crops concatenated per image
+        records = self.encoder.crop_records(tokens, selection, timer, crop_index, images=images)
+        return EncodedImages(list(self.kept_flat(tokens, selection).split(per_image)), None, records)
+
     def stitched_grid(self, image_size: Any, vision_aspect_ratio: str | None = None) -> tuple[int, int]:
         """(rows, cols) of the stitched grid the model packs for an anyres image: unpadded, then downsampled."""
         config = self.model.config
@@ -260,7 +339,12 @@ class LlavaOnevisionAdapter(LlavaAdapter):
 
     def planned_counts(self, modality: Modality, run_lengths: list[int]) -> list[int | None]:
         if modality.name == "image":
-            return [None] * len(run_lengths)  # rows with newlines depend on which tokens are kept
+            plan = self.tower_plan(modality)
+            if plan is None:
+                return [None] * len(run_lengths)  # rows with newlines depend on which tokens are kept
+            # flat after a tower method: every crop's count (what the tower leaves, then the encoder method's)
+            per_crop = [self.encoder_method.planned_count(n) for n in plan.counts]
+            return [None] * len(run_lengths) if None in per_crop else plan.item_counts(per_crop)
         pooled = math.ceil(self.grid[0] / 2) ** 2
         whole = getattr(self.encoder_method, "video_count", None)  # a video's count from its frames (DyCoke)
         if whole is not None:
@@ -326,6 +410,10 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             return EncodedImages(list(per_video), offsets, records, groups=groups, group_sizes=sizes)
 
         self.refuse_resized_grids("anyres images")
+        if self.tower_plan(modality) is not None:  # the tower stage's flat layout
+            return self.encode_flat(modality, pixel_values, vision_feature_layer, image_sizes=image_sizes,
+                                    batch_num_images=batch_num_images,
+                                    vision_feature_select_strategy=vision_feature_select_strategy)  # fmt: skip
         counts = self._crop_counts(image_sizes, batch_num_images)
         sizes = self.on_host("image_sizes", image_sizes)
         if pixel_values.dim() == 5:

@@ -44,6 +44,11 @@ WHY_NOT = {
     ("llava-next", "layers"): "on LLaVA-NeXT its merged crops go to the LLM in the flat layout (base crop, then "
     "grid crops, no unpadding or newlines), which the plugin's LLaVA-NeXT path (its official and native layouts) "
     "does not pack yet; it is served on LLaVA-1.5",
+    # OneVision's tower methods take the flat layout (every crop alike, no unpadding, downsampling or newline)
+    ("llava-onevision", "input"): "on LLaVA-OneVision its kept patches go to the LLM in the flat layout (every crop "
+    "alike, no unpadding, downsampling or newline), and the plugin does not serve LLaVA-OneVision at all yet",
+    ("llava-onevision", "layers"): "on LLaVA-OneVision its merged crops go to the LLM in the flat layout (every "
+    "crop alike, no unpadding, downsampling or newline), and the plugin does not serve LLaVA-OneVision at all yet",
 }
 
 
