@@ -438,3 +438,21 @@ def test_prunevid_and_framefusion_run_on_a_clip(tmp_path, capsys):
     assert quick_run(*args[:-1], "framefusion") == 0
     out = capsys.readouterr().out
     assert "all 785 kept; at the LLM's input:" in out, out
+
+
+@pytest.mark.parametrize("model", ["tiny-onevision", "tiny-llava-next"])
+def test_a_tower_method_runs_in_the_flat_layout_and_the_native_one_is_refused_before_any_run(model, capsys):
+    """`--layout official`: ToMe merges in the tower of a family that takes it only in the flat layout (its kept
+    count printed); the model's own layout is refused, naming the layout, before the unpatched answer is made."""
+    assert quick_run("--model", model, "--method", "tome", "--param", "tome.r=8", "--layout", "official") == 0
+    out = capsys.readouterr().out
+    assert "method:  tome(" in out and "[layout=official]" in out
+    assert quick_run("--model", model, "--method", "tome") == 2
+    captured = capsys.readouterr()
+    assert "layout" in captured.err and "answer (unpatched)" not in captured.out
+
+
+def test_an_unknown_layout_exits_2_naming_the_accepted(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        quick_run("--layout", "flat")
+    assert exit_.value.code == 2 and "native" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from typing import Any
 
 from .budget import DEFAULT_BUDGET, parse_number
 from .errors import InputError, VTokenError
+from .registry import LAYOUTS
 from .specs import build_methods, common_budget, method_names, parse_param
 from .timing import DEFAULT_REPEATS, summary, time_to_first_token
 
@@ -176,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(0)
     model, processor = load_model(args)
+    api.check(model, build(args), layout=args.layout)  # a method or layout the model refuses fails before any run
     expected = None
     if args.video:
         if getattr(processor, "video_processor", None) is None:  # its processor would drop the video silently
@@ -198,11 +200,12 @@ def run(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         base_answer = _answer(model, processor, inputs, args.max_new_tokens)
         methods = build(args)
-        with api.patched(model, methods) as handle, llm_input(model) as lengths:
+        with api.patched(model, methods, layout=args.layout) as handle, llm_input(model) as lengths:
             answer = _answer(model, processor, inputs, args.max_new_tokens)
             records = list(handle.records)
         timed = time_to_first_token(
-            model, inputs, {"unpatched": nullcontext, "patched": lambda: api.patched(model, build(args))},
+            model, inputs,
+            {"unpatched": nullcontext, "patched": lambda: api.patched(model, build(args), layout=args.layout)},
             repeats=args.repeats,
         )  # fmt: skip
 
@@ -210,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model:   {args.model} ({type(model).__name__}, {model.dtype}, {model.device})")
     print(f"input:   {args.video or args.image or 'generated example scene'}")
     print(f"prompt:  {args.prompt!r}")
-    print(f"method:  {' + '.join(describe_method(m) for m in methods)}")
+    layout = f" [layout={args.layout}]" if args.layout != "native" else ""
+    print(f"method:  {' + '.join(describe_method(m) for m in methods)}{layout}")
     print(f"visual tokens (the LLM's input): {visual.text()}")
     print(f"time to first token ({TIMING_RULE.format(n=args.repeats)}):")
     print("\n".join("  " + line for line in summary(timed, base="unpatched")))
@@ -276,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=parse_budget, default=None,
                    help=f"a fraction kept (0.25) or a token count (144, per crop or image as the method counts); "
                         f"default {DEFAULT_BUDGET} for every method with a budget, FastV's own keep")  # fmt: skip
+    p.add_argument("--layout", default="native", choices=LAYOUTS,
+                   help="how the kept tokens are packed: the model's own (native) or a seed method's (official: "
+                        "LLaVA-NeXT's and OneVision's flat crops, which the tower methods take there)")  # fmt: skip
     p.add_argument("--image", default=None, help="image file (default: a generated example scene and its question)")
     p.add_argument("--video", default=None, help="video file (GIF; MP4 and others with PyAV) instead of an image")
     p.add_argument("--frames", type=int, default=8, help="frames sampled uniformly from --video")
