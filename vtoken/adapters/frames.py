@@ -50,8 +50,10 @@ def host_placeholder_runs(rows: list[list[int]], placeholder_id: int) -> list[tu
 def video_frames(kwargs: dict[str, Any]) -> list[int] | None:
     """Frames (temporal units) of every video of a call's inputs, in order; None: no video."""
     grid = kwargs.get("video_grid_thw")
+    if isinstance(grid, torch.Tensor):  # one read (the model's own code reads it too)
+        return [int(t) for t in grid[:, 0].tolist()]
     if grid is not None:
-        return [int(t) for t in torch.as_tensor(grid)[:, 0].tolist()]
+        return [int(row[0]) for row in grid]
     pixels = kwargs.get("pixel_values_videos")
     if isinstance(pixels, torch.Tensor) and pixels.dim() == 5:
         return [pixels.shape[1]] * pixels.shape[0]
