@@ -27,6 +27,7 @@ from vtoken.records import LazyRecords, Record
 from . import hf
 from .compiled import eager
 from .conversation import Conversation, cached_length, forget, remember_prompt
+from .frames import Columns
 from .llm.views import LAYOUT_WIDTH, Layout, layout_counts
 from .prompt import HostLayout, gather_columns, read_layout, shrink_prompt
 from .state import CallState, PerThread
@@ -264,7 +265,7 @@ class CallPath:
             found = self.adapter.frame_columns([row[LAYOUT_WIDTH:] for row in rows], state.frames)
             state.frame_columns = found, tuple(ids.shape)
 
-    def frame_columns_for(self, shape: tuple[int, int]) -> Any:
+    def frame_columns_for(self, shape: tuple[int, int]) -> Columns | None:
         """Per row of an LLM input of `shape` [B, L] (rows repeated for beams / return sequences), per video, the
         (start, end) columns of its frames, from the call's read (`note_layout`); None where this call's prompt was
         not seen or holds no frames that match its videos (the prefill finds them then)."""

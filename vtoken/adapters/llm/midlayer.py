@@ -24,7 +24,7 @@ from vtoken.errors import InputError
 from vtoken.timing import Stopwatch
 from vtoken.tokens import MidLayerStep, MidLayerTokens
 
-from ..frames import slot_table
+from ..frames import Columns, slot_table
 from .records import Deferred, LazyRecord
 from .views import take_columns
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .prefill import PrefillRun
 
 
-def _read_frame_columns(adapter: Any, batch: int, length: int) -> Any:
+def _read_frame_columns(adapter: Any, batch: int, length: int) -> Columns | None:
     """The frames' columns of a prefill of [B, L] whose prompt the call path did not note (an encoder stage shrank
     it): read from its input_ids here, in one read (`Adapter.frame_read`); None where none match its videos."""
     state = adapter.calls.state
