@@ -51,14 +51,9 @@ READS: dict[str, dict[str, int]] = {
     "fastv": LAYOUT,
     "fastvid": {"fastvid.py (video_selection)": 1},  # the merged counts of every frame
     "fourier": {},
-    # the frames' slot table found on the host at every forward (placeholder runs), and how many tokens each merge
-    # call merged (data: the similarities decide it), read at every call point of the prefill
-    "framefusion": {
-        **LAYOUT,
-        "frames.py (placeholder_runs)": 5,
-        "frames.py (slot_table)": 5,
-        "framefusion.py (step)": 2,
-    },  # fmt: skip
+    # where the frames sit comes with the layout's read (its slot table built on the host, copied once); how many
+    # tokens a merge call flags (data: the similarities decide it) is read at each merge call (2 on the tiny LLM)
+    "framefusion": {**LAYOUT, "framefusion.py (step)": 2},
     "hiprune": NEXT,
     "pixelprune": {"pixelprune.py (select_input)": 1},  # the kept units' count, read before the tower runs
     "scope": NEXT,

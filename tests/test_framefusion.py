@@ -2,17 +2,23 @@
 references (the ratio P over random lists and depths, a merge call's chains in both branches, the prune with ties),
 a whole prefill driven call by call on a stand-in LLM (hidden states that move between call points, attention rows
 from them) against the reference re-enacting the spec row by row, in a batch of rows with different videos and
-non-candidates (text, a newline), the slot table of the families' frame layouts, the syncs a call costs, and the
-refusal of image-only models. Through `vtoken.patch` on real models: tests/test_video_llm_wiring.py."""
+non-candidates (text, a newline), the slot table of the families' frame layouts (found on the host from the
+call's one layout read), the syncs a call and a whole generate cost, and the refusal of image-only models. Through
+`vtoken.patch` on real models: tests/test_video_llm_wiring.py."""
 
+import os
 import random
+import re
+from collections import Counter
 
 import pytest
 import torch
+from conftest import video_inputs
 from video_references import framefusion_merge, framefusion_prune, framefusion_ratio
 
 import vtoken
-from vtoken.adapters.frames import slot_table
+from vtoken.adapters.frames import placeholder_runs, run_edges, runs_of_edges, slot_table
+from vtoken.applicability import fitting_params
 from vtoken.launches import count_launches
 from vtoken.methods.framefusion import (
     chain_merge,
@@ -78,6 +84,32 @@ def test_the_slot_table_follows_the_frames():
     assert row[:3] == [-1] * 3 and row[3:7] == [0, 1, 2, 3] and row[15] == -1  # text, a frame, the newline
     assert videos[0, 16].item() == 1 and slots[0, 16:21].tolist() == [0, 1, 2, 3, 4]
     assert (slots[1, 15:] == -1).all()
+
+
+def test_the_slot_table_is_built_on_the_host_and_copied_once():
+    spans, length = layout([[(3, 4), (2, 5)], [(4, 3)]])
+    pairs = [[[tuple(frame) for frame in video.tolist()] for video in row] for row in spans]
+    with count_launches() as counted:
+        slots, videos, counts = slot_table(pairs, 2, length, "cpu")
+    assert counted.syncs == 0 and counted.kernels <= 1, counted.describe()
+    want = slot_table(spans, 2, length, "cpu")
+    assert torch.equal(slots, want[0]) and torch.equal(videos, want[1]) and counts == want[2] == [22, 12]
+
+
+def test_the_runs_read_with_the_layout_equal_the_prompts_runs():
+    """`run_edges` (on the device, no sync) read to the host gives `placeholder_runs`; a row with more runs than
+    the width the call's videos make matches none."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        mask = torch.rand(3, 17, generator=g) < torch.rand(1, generator=g)
+        runs = placeholder_runs(mask)
+        most = max([sum(1 for r, _, _ in runs if r == row) for row in range(3)])
+        with count_launches() as counted:
+            edges = run_edges(mask, most + 1)
+        assert counted.syncs == 0, counted.describe()
+        assert runs_of_edges(edges.tolist()) == runs
+        if most:
+            assert runs_of_edges(run_edges(mask, most - 1).tolist()) is None
 
 
 @pytest.mark.parametrize("threshold, u", [(0.6, 0.9), (0.6, 0.05), (-1.0, 0.4)])
@@ -260,6 +292,31 @@ def test_a_merge_call_reads_the_device_once_and_a_prune_not_at_all():
         step = method.step(run, MidLayerTokens(1, hidden, order, chain, order, counts, attention))
     assert counted.syncs == 0, counted.describe()
     assert step.keep.sum(1).tolist() == step.kept and run.done
+
+
+def _site(site: str) -> str:
+    """'file (function)' of a counter's 'op at path:line (function)'."""
+    match = re.match(r"(?:.* at )?(.*):\d+ \((.*)\)$", site)
+    return f"{os.path.basename(match.group(1))} ({match.group(2)})" if match else site
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_a_generate_reads_the_layout_once_and_each_merge_call_once(beams):
+    """A patched generate of 3 tokens on the tiny OneVision (2 layers: 2 merge calls) reads the device at the
+    call's layout read (where the frames sit comes with it) and once per merge call, nowhere else: no forward or
+    decoding step reads the prompt's frames (rows repeated for beams too)."""
+    model, processor = TINY_MODELS["tiny-onevision"]()
+    inputs = video_inputs(processor, 4)
+    generate = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, num_beams=beams)
+    method = vtoken.make_method("framefusion", **fitting_params(model, "framefusion"))
+    with torch.no_grad(), vtoken.patched(model, method) as handle:
+        model.generate(**inputs, **generate)  # warm: per-shape caches
+        with count_launches() as counted:
+            model.generate(**inputs, **generate)
+        merges = [r for r in handle.records if r.stage.startswith("prefill.merge")]
+    ours = Counter(_site(s) for s in counted.sync_sites if f"vtoken{os.sep}" in s.split(" at ")[-1])
+    assert ours == Counter({"calls.py (note_layout)": 1, "framefusion.py (step)": 2}), counted.describe()
+    assert len({r.stage for r in merges}) == 2
 
 
 def test_parameters_and_the_refusal_of_image_only_models():

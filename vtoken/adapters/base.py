@@ -525,3 +525,19 @@ class Adapter:
         if not counts or video is None:
             return None
         return frames.frame_spans(input_ids == self.placeholder_id(video), counts, self.frame_runs)
+
+    def frame_read(self, input_ids: torch.Tensor, counts: list[int] | None) -> torch.Tensor | None:
+        """[B, K] int64 on the prompt's device, made without a sync: what `frame_columns` needs of `input_ids` [B, L]
+        on the host, read with the call's layout (`CallPath.note_layout`); None: no video to find. Here every row's
+        video placeholder runs (`frames.run_edges`), as many as the call's videos make (`counts`: their frames)."""
+        video = next((m for m in self.modalities if m.name == "video"), None)
+        if not counts or video is None:
+            return None
+        width = sum(counts) if self.frame_runs else len(counts)  # the runs the call's videos make, batch-wide
+        return frames.run_edges(input_ids == self.placeholder_id(video), width)
+
+    def frame_columns(self, rows: list[list[int]], counts: list[int] | None) -> frames.Columns | None:
+        """Per row, per video, the (start, end) columns of its frames, on the host, from the rows of `frame_read`
+        read to the host; None when the prompt's video runs do not match `counts` (as `frame_spans`)."""
+        runs = frames.runs_of_edges(rows) if counts else None
+        return None if runs is None else frames.frame_columns(runs, len(rows), counts, self.frame_runs)

@@ -27,7 +27,8 @@ from vtoken.records import LazyRecords, Record
 from . import hf
 from .compiled import eager
 from .conversation import Conversation, cached_length, forget, remember_prompt
-from .llm.views import Layout, layout_counts
+from .frames import Columns
+from .llm.views import LAYOUT_WIDTH, Layout, layout_counts
 from .prompt import HostLayout, gather_columns, read_layout, shrink_prompt
 from .state import CallState, PerThread
 
@@ -248,14 +249,34 @@ class CallPath:
 
     def note_layout(self, kwargs: dict[str, Any]) -> None:
         """A call with an LLM stage that `prepare` does not see (no encoder-stage method): the prefill's layout of
-        its prompt, read here, before anything of the call runs (the prefill then reads nothing)."""
+        its prompt, read here, before anything of the call runs (the prefill then reads nothing); for a stage that
+        follows frames, where they sit (`Adapter.frame_read`) in the same read."""
         state = self.state
-        state.layout = None
+        state.layout = state.frame_columns = None
         ids = kwargs.get("input_ids")
         if self.adapter.llm is None or ids is None or not self.adapter.present(kwargs):
             return
-        counts = self._layout_counts(kwargs).tolist()  # the call's one read, before its first kernel
-        state.layout = Layout.from_counts(counts), tuple(ids.shape)
+        counts = self._layout_counts(kwargs)
+        extra = self.adapter.frame_read(ids, state.frames) if self.adapter.llm.follows_frames else None
+        if extra is not None:
+            counts = torch.cat([counts, extra.to(counts.device, counts.dtype)], 1)
+        rows = counts.tolist()  # the call's one read, before its first kernel
+        state.layout = Layout.from_counts([row[:LAYOUT_WIDTH] for row in rows]), tuple(ids.shape)
+        if extra is not None:
+            found = self.adapter.frame_columns([row[LAYOUT_WIDTH:] for row in rows], state.frames)
+            state.frame_columns = found, tuple(ids.shape)
+
+    def frame_columns_for(self, shape: tuple[int, int]) -> Columns | None:
+        """Per row of an LLM input of `shape` [B, L] (rows repeated for beams / return sequences), per video, the
+        (start, end) columns of its frames, from the call's read (`note_layout`); None where this call's prompt was
+        not seen or holds no frames that match its videos (the prefill finds them then)."""
+        found = self.state.frame_columns
+        if found is None or found[0] is None:
+            return None
+        columns, (batch, length) = found
+        if length != shape[1] or not batch or shape[0] % batch:
+            return None
+        return [row for row in columns for _ in range(shape[0] // batch)]
 
     def layout_for(self, shape: tuple[int, int]) -> Layout | None:
         """The LLM prefill's layout of an input of `shape` [B, L] (rows repeated for beams / return sequences), from
@@ -423,7 +444,7 @@ class CallPath:
         """What the stock forward of a plain `model(...)` call gets: the shrunk prompt and pre-encoded features,
         new tokens on a cache mapped onto what the cache holds, or the call unchanged."""
         state = self.state
-        state.filled = state.layout = state.visual_of = None
+        state.filled = state.layout = state.visual_of = state.frame_columns = None
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if past:  # decoding steps and later turns keep the records of the call that filled the cache
@@ -453,7 +474,7 @@ class CallPath:
         if self.adapter.llm is not None:
             kwargs = self._llm_generate_kwargs(kwargs)
         state = self.state
-        state.layout = state.visual_of = None
+        state.layout = state.visual_of = state.frame_columns = None
         cache = hf.cache_in(kwargs)
         past = cached_length(cache)
         if not past:

@@ -55,6 +55,8 @@ class CallState:
     tower: while `prepare` runs, the tower stage's plan of each modality (`vtoken.adapters.tower.TowerPlan`).
     layout: (the LLM prefill's `Layout` of the call's prompt as the LLM gets it, its [B, L] shape), host counts the
     call path knows before the prefill starts, or None.
+    frame_columns: (per row, per video, the (start, end) columns of its frames or None where they do not match the
+    videos, the [B, L] shape), read with `layout` for a stage that follows frames, or None.
     """
 
     def __init__(self) -> None:
@@ -74,6 +76,7 @@ class CallState:
         self.host: dict[str, Any] = {}
         self.tower: dict[Any, Any] = {}
         self.layout: Any = None
+        self.frame_columns: Any = None
         self.visual_of: Any = None  # (input_ids, [B, L] its placeholders): made once per ids tensor
 
 

@@ -9,17 +9,20 @@ arguments: a table of any length costs a fixed few launches.
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 
 import torch
 
 
-def on_device(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """[len(values)] int64 on `device` from host integers without a host sync (on a CUDA GPU: one non-blocking copy
-    from pinned host memory; on the CPU: the host buffer itself; elsewhere, e.g. `meta`: a plain copy)."""
+def on_device(values: Sequence[int] | array.array, device: torch.device | str) -> torch.Tensor:
+    """[len(values)] int64 on `device` from host integers (a list, or an int64 `array.array` used as it is) without a
+    host sync (on a CUDA GPU: one non-blocking copy from pinned host memory; on the CPU: the host buffer itself;
+    elsewhere, e.g. `meta`: a plain copy)."""
     device = torch.device(device)
-    if not values:
+    if not len(values):
         return torch.zeros(0, dtype=torch.long, device=device)
-    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    buffer = values if isinstance(values, array.array) and values.typecode == "q" else array.array("q", values)
+    host = torch.frombuffer(buffer, dtype=torch.int64)
     if device.type == "cpu":
         return host
     if device.type == "cuda":

@@ -40,7 +40,7 @@ from .. import hf
 from ..base import Adapter, EncodedImages, Modality, flat_kept
 from ..calls import PROMPT_IDS
 from ..flat_features import FlatFeatures
-from ..frames import host_placeholder_runs
+from ..frames import Columns, host_placeholder_runs
 from ..probes import RECEIVED, ClsAttentionProbe, ColumnAttentionProbe, tower_blocks, tower_signals
 
 FRAME_LABEL = re.compile(r"Frame(\d+):\s*(?:<img>)?\s*$")  # the text the processor puts before a video frame
@@ -167,6 +167,18 @@ class InternVLAdapter(FlatFeatures, Adapter):
         videos = [(row, runs) for kind, row, runs in self.items(input_ids) if kind == "video"]
         for row, runs in videos:
             spans[row].append(torch.tensor(runs))
+        return spans if videos else None
+
+    def frame_read(self, input_ids: torch.Tensor, frames: list[int] | None) -> torch.Tensor:
+        """The prompt's ids themselves: its frames are the runs whose "FrameN:" labels the tokenizer reads."""
+        return input_ids.long()
+
+    def frame_columns(self, rows: list[list[int]], frames: list[int] | None) -> Columns | None:
+        """Per row, per video, the (start, end) columns of its frames (each frame a run), from the host ids."""
+        spans: Columns = [[] for _ in rows]
+        videos = [(row, runs) for kind, row, runs in self.items(rows) if kind == "video"]
+        for row, runs in videos:
+            spans[row].append(list(runs))
         return spans if videos else None
 
     def before_shrinking(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,10 @@ Where the calls run: call 0 in the pre-hook of layer 0 (`PrefillRun.enter_layer`
 forward the stages split at its residual (`hf.split_attention` / `hf.split_mlp`, `stages.SplitLayer`): its MLP and
 every later layer run on the shorter sequence, so the caches of the layers after the call hold it. A call that
 drops nothing changes no view. Each call is a fixed burst of kernels on the device; the method's own reads (how
-many tokens a threshold flags) are its documented syncs. Where the frames sit is read once per prefill from the
-prompt (`Adapter.frame_spans`: one host read of the prompt's placeholder runs).
+many tokens a threshold flags) are its documented syncs. Where the frames sit comes from the call's one read of
+its prompt's layout (`CallPath.note_layout` reads `Adapter.frame_read` with it): the slot table is built on the
+host once per prefill and copied to the device once (`frames.slot_table`); decoding steps never touch it. A prompt
+the call path did not note (shrunk by an encoder stage) reads its frames here, once.
 """
 
 from __future__ import annotations
@@ -22,12 +24,22 @@ from vtoken.errors import InputError
 from vtoken.timing import Stopwatch
 from vtoken.tokens import MidLayerStep, MidLayerTokens
 
-from ..frames import slot_table
+from ..frames import Columns, slot_table
 from .records import Deferred, LazyRecord
 from .views import take_columns
 
 if TYPE_CHECKING:
     from .prefill import PrefillRun
+
+
+def _read_frame_columns(adapter: Any, batch: int, length: int) -> Columns | None:
+    """The frames' columns of a prefill of [B, L] whose prompt the call path did not note (an encoder stage shrank
+    it): read from its input_ids here, in one read (`Adapter.frame_read`); None where none match its videos."""
+    state = adapter.calls.state
+    if state.ids is None or tuple(state.ids.shape) != (batch, length):
+        return None
+    found = adapter.frame_read(state.ids, state.frames)
+    return None if found is None else adapter.frame_columns(found.tolist(), state.frames)
 
 
 class CallPoints:
@@ -53,14 +65,14 @@ class CallPoints:
 
     @classmethod
     def start(cls, prefill: PrefillRun, embeds: torch.Tensor) -> CallPoints:
-        """The call points of a prefill of `embeds` [B, L, D]: the frames' slots from the prompt (one host read),
-        the method's run and order. A call whose prompt holds no video is refused (the method acts on videos)."""
+        """The call points of a prefill of `embeds` [B, L, D]: the frames' slots from the call's host columns, the
+        method's run and order. A call whose prompt holds no video is refused (the method acts on videos)."""
         stages, method = prefill.stages, prefill.method
         adapter = stages.adapter
         batch, length = embeds.shape[:2]
-        state = adapter.calls.state
-        ids = state.ids if state.ids is not None and tuple(state.ids.shape) == (batch, length) else None
-        spans = None if ids is None else adapter.frame_spans(ids, state.frames)
+        spans = adapter.calls.frame_columns_for((batch, length))  # read with the call's layout, before it ran
+        if spans is None:
+            spans = _read_frame_columns(adapter, batch, length)
         if spans is None or not any(spans):
             raise InputError(
                 f"{method.name} acts on videos (the tokens at one place of consecutive frames), and this call's "
@@ -69,7 +81,7 @@ class CallPoints:
             )
         lead = adapter.frame_leading  # a frame's first tokens that are not patches (Video-LLaVA's [CLS])
         if lead:
-            spans = [[torch.stack([s[:, 0] + lead, s[:, 1]], 1) for s in row] for row in spans]
+            spans = [[[(start + lead, end) for start, end in video] for video in row] for row in spans]
         slots, videos, counts = slot_table(spans, batch, length, embeds.device)
         order, chain = method.candidate_order(slots, videos, counts)
         run = method.start(batch, len(stages.layers))

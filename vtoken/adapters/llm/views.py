@@ -78,6 +78,9 @@ class Layout:
         return [max(n - runs * trailer, 0) for n, runs in zip(self.visual, self.runs, strict=True)]
 
 
+LAYOUT_WIDTH = 6  # the counts per row `layout_counts` gives (a read may carry more columns after them)
+
+
 def layout_counts(mask: torch.Tensor | None, visual: torch.Tensor) -> torch.Tensor:
     """[B, 6] the counts a `Layout` holds of a prompt with padding mask `mask` [B, L] (None: no padding) and visual
     tokens `visual` [B, L] bool, on the device (padding slots are never visual): real tokens, visual tokens, text
