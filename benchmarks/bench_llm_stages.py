@@ -32,7 +32,7 @@ what random attention maps make them drop, so the token columns matter as much a
 
     python benchmarks/bench_llm_stages.py                  # CPU, cut shapes
     python benchmarks/bench_llm_stages.py --device cuda    # GPU, real shapes
-    python benchmarks/bench_llm_stages.py --video-only     # only the DyCoke table
+    python benchmarks/bench_llm_stages.py --video-only     # only the video methods table
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
         "framefusion (official: cost 0.3)": lambda: vtoken.FrameFusion(),
         "oracle (first tokens of each frame)": lambda: first_k(retention),
     }
-    runs, contexts, selection, tokens = {}, {}, {}, {}
+    runs, contexts, selection, tokens, held = {}, {}, {}, {}, {}
 
     def generate(count: int):
         return lambda: model.generate(**inputs, max_new_tokens=count, min_new_tokens=count, do_sample=False)
@@ -297,7 +297,11 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
             with vtoken.patched(model, make()) as handle:
                 yield
                 selection.setdefault(name, []).append(sum(r.seconds for r in handle.records))
-                tokens[name] = sum(r.tokens_out for r in handle.records if r.stage == "encoder")
+                records = list(handle.records)
+                encoder = [r for r in records if r.stage == "encoder"]
+                tokens[name] = sum(r.tokens_out for r in encoder) if encoder else total  # an LLM-stage method's: all
+                inside = [r for r in records if r.stage.startswith("prefill")]  # in layer order: the last holds
+                held[name] = inside[-1].tokens_out if inside else tokens[name]
 
         return patched if make else nullcontext
 
@@ -310,14 +314,14 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
     layers = model.config.text_config.num_hidden_layers
     lines = [
         "",
-        f"DyCoke on a LLaVA-OneVision-7B shape: a {frames}-frame video, {total} frame tokens + 1 newline; tower "
+        f"Video methods on a LLaVA-OneVision-7B shape: a {frames}-frame video, {total} frame tokens + 1 newline; tower "
         f"{model.config.vision_config.num_hidden_layers} layer(s) x {model.config.vision_config.hidden_size}, LLM "
         f"{layers} layers x {model.config.text_config.hidden_size}; {steps} decode tokens. Selection: the encoder "
         "and decode records' seconds of a generate (wall clock).",
         "",
-        "| config | visual tokens entering the LLM | TTFT ms (median, min-max) | TTFT speedup | decode tok/s | "
-        "decode speedup | selection ms (generate) | selection / generate |",
-        "|---|---:|---:|---|---:|---|---:|---:|",
+        "| config | visual tokens entering the LLM | after the LLM's drops and merges | TTFT ms (median, min-max) | "
+        "TTFT speedup | decode tok/s | decode speedup | selection ms (generate) | selection / generate |",
+        "|---|---:|---:|---:|---|---:|---|---:|---:|",
     ]
 
     def decode_timing(name: str) -> Timing:
@@ -331,13 +335,14 @@ def dycoke_table(device, dtype, repeats: int, clock, frames: int, steps: int) ->
         spent = sorted(selection.get(f"{name}/generate", [0.0]))
         seconds = spent[len(spent) // 2]
         generate_s = timed[f"{name}/generate"]["timing"].median
-        row.update(visual_tokens=tokens.get(f"{name}/ttft", total), decode_tokens_per_s=steps / decode.median,
+        row.update(visual_tokens=tokens.get(f"{name}/ttft", total), visual_tokens_held=held.get(f"{name}/ttft", total),
+                   decode_tokens_per_s=steps / decode.median,
                    decode_speedup=compare(base_decode, decode).to_dict(), selection_ms=seconds * 1e3,
                    selection_share=seconds / generate_s)  # fmt: skip
         results[name] = row
         first = name == "unpatched"
         lines.append(
-            f"| {name} | {row['visual_tokens']} | {common.ttft_cell(row)} | "
+            f"| {name} | {row['visual_tokens']} | {row['visual_tokens_held']} | {common.ttft_cell(row)} | "
             f"{'(baseline)' if first else row['speedup_text']} | {row['decode_tokens_per_s']:.1f} | "
             f"{'(baseline)' if first else compare(base_decode, decode)} | "
             + ("| |" if first else f"{row['selection_ms']:.1f} | {row['selection_share']:.1%} |")
@@ -364,8 +369,8 @@ def main() -> None:
     parser = common.ttft_parser(__doc__, "unused: the CPU shapes are fixed (see the docstring)")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--skip-equal-average", action="store_true", help="only the MustDrop/FastV table")
-    parser.add_argument("--video-only", action="store_true", help="only the DyCoke table")
-    parser.add_argument("--skip-video", action="store_true", help="no DyCoke table")
+    parser.add_argument("--video-only", action="store_true", help="only the video methods table")
+    parser.add_argument("--skip-video", action="store_true", help="no video methods table")
     parser.add_argument("--batches", default=None, help="batch sizes of the batch table (default: 1,8,32 on a GPU, "
                         "1,2 on a CPU); 'none' skips it")  # fmt: skip
     parser.add_argument("--frames", type=int, default=None, help="video frames (default: 32 on a GPU, 8 on a CPU)")
