@@ -142,7 +142,9 @@ class PrefillRun:
             if max(counts, default=0) == 0:  # no row has visual tokens left
                 keep_visual, kept = tokens.valid, list(counts)
             else:
-                keep_visual = method.keep_mask(tokens).bool() & tokens.valid
+                keep_visual = method.keep_mask(tokens).bool()
+                if any(n != slots.shape[1] for n in counts):  # padding entries stay dropped
+                    keep_visual = keep_visual & tokens.valid
                 kept = method.kept_counts(tokens)
                 if tokens.protected is not None:
                     keep_visual |= tokens.protected
@@ -152,10 +154,7 @@ class PrefillRun:
             if kept is None:  # a threshold decided: the drop's one host read
                 kept = keep_visual.sum(1).tolist()
             added = merged.counts if merged is not None else None
-        width = view.width
-        marked = torch.where(keep_visual, slots, width)
-        keep = torch.zeros(slots.shape[0], width + 1, dtype=torch.bool, device=slots.device).scatter_(1, marked, True)
-        keep = keep[:, :width] | ((view.mask != 0) & ~view.visual)
+        keep = kept_slots(view, slots, keep_visual)
         now = [k + (added[row] if added else 0) for row, k in enumerate(kept)]
         lengths = [n - v + k for n, v, k in zip(view.lengths, counts, now, strict=True)]
         if updated is not None:  # kept tokens that others were merged into take their new states
@@ -167,9 +166,7 @@ class PrefillRun:
             hidden = torch.cat([hidden, merged.features.to(hidden.dtype)], 1)
         new_view, sources = narrowed(view, keep, lengths, now, self.layout.right, self.stages.renumber, merged,
                                      merged_columns)  # fmt: skip
-        hidden = take_columns(hidden, sources, 1)
-        if new_view.padded:
-            hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
+        hidden = gathered(hidden, sources, new_view.padded)
         compute = kept_ranks(self.initial.visual, view.column, view.merged, slots, keep_visual)
         timer.stop()
         self.records += prefill_records(method.name, layer, counts, kept, added, compute, timer)
@@ -183,9 +180,7 @@ class PrefillRun:
         `lengths`, `visual_counts`) from layer `layer` on: the next view, its overrides, and (the hidden states
         [B, C', D] gathered, [B, C'] the source slot of each new slot)."""
         new_view, sources = narrowed(self.view, keep, lengths, visual_counts, self.layout.right, self.stages.renumber)
-        hidden = take_columns(hidden, sources, 1)
-        if new_view.padded:
-            hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
+        hidden = gathered(hidden, sources, new_view.padded)
         self.view = new_view
         self.overrides = self._overrides(hidden, new_view, layer)
         return hidden, sources
@@ -196,7 +191,9 @@ class PrefillRun:
         if stages.renumber:  # positions count each row's real tokens from 0: rows of the LLM's own rotary table
             positions = view.positions
             table = stages.rotary_table(hidden, self.initial.width) if positions.dim() == 2 else None
-            if table is not None:
+            if table is not None and not view.padded:  # positions 0..C-1 in every row: the table's first rows
+                rotary = tuple(t[None, : view.width].expand(positions.shape[0], -1, -1) for t in table)
+            elif table is not None:
                 rotary = table[0][positions], table[1][positions]
             else:
                 rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
@@ -205,8 +202,8 @@ class PrefillRun:
             if positions is None:
                 first = self.initial.mask
                 positions = (first.cumsum(1) - 1).clamp(min=0)
-            positions = take_columns(positions, view.column, positions.dim() - 1)
-            rotary = tuple(take_columns(t, view.column, 1) for t in self.rotary)
+            positions = take_columns(positions, view.column, positions.dim() - 1, view.padded)
+            rotary = tuple(take_columns(t, view.column, 1, view.padded) for t in self.rotary)
         mask = stages.mask(hidden, view.mask if view.padded else None, positions, self.cache, layer)
         return Overrides(mask, positions, rotary)
 
@@ -218,7 +215,7 @@ class PrefillRun:
         slots: [B, V] each row's visual slots (-1: padding)."""
         stages, view, method = self.stages, self.view, self.method
         reads = method.reads
-        key_valid = view.mask != 0
+        key_valid = view.real
         valid = slots >= 0
         rows = row_valid = attention = keys = None
         if "attention" in reads or "next_attention" in reads:
@@ -406,6 +403,24 @@ def check_cache(method: PrefillMethod, cache: Any, recurrent: set[int]) -> None:
             f"{type(cache).__name__} with "
             + (f"layers without keys/values ({', '.join(odd)})" if odd else "no per-layer caches")
         )
+
+
+def kept_slots(view: LayerView, slots: torch.Tensor, keep_visual: torch.Tensor) -> torch.Tensor:
+    """[B, C] bool: the slots of `view` a drop keeps: every real one that is not visual, and the visual slots
+    `slots` [B, V] (-1: padding) where `keep_visual` [B, V]. One scatter of `keep_visual` over the real slots (the
+    visual ones overwritten); padding entries write into a spare column."""
+    width = view.width
+    if not any(n != slots.shape[1] for n in view.visual_counts):  # no padding entry: every slot is a visual one
+        return view.real.scatter(1, slots, keep_visual)
+    spare = torch.cat([view.real, view.real.new_zeros(slots.shape[0], 1)], 1)
+    return spare.scatter(1, torch.where(slots >= 0, slots, width), keep_visual)[:, :width]
+
+
+def gathered(hidden: torch.Tensor, sources: torch.Tensor, padded: bool) -> torch.Tensor:
+    """hidden [B, C, D] gathered by `sources` [B, C'] (-1: a padding slot, zeroed when `padded`)."""
+    index = sources.clamp(min=0) if padded else sources
+    out = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    return out.masked_fill((sources < 0)[:, :, None], 0.0) if padded else out
 
 
 def replace_columns(hidden: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ what the device needs (which slot holds which prompt column), and shapes come fr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,25 +27,34 @@ class Overrides:
     cache: Any = None  # the cache the layers get instead (a decode-time selection's gathered view of it)
 
 
-def take_columns(x: torch.Tensor, column: torch.Tensor, dim: int) -> torch.Tensor:
+def take_columns(x: torch.Tensor, column: torch.Tensor, dim: int, padded: bool = True) -> torch.Tensor:
     """x with its sequence axis `dim` (batch axis just before it, maybe broadcast) gathered by column [B, C]
-    (-1 reads column 0: mask it where it matters)."""
+    (-1 reads column 0: mask it where it matters; `padded=False`: column holds no -1)."""
     x = x.expand(*x.shape[: dim - 1], column.shape[0], *x.shape[dim:])
-    index = column.clamp(min=0).view(*[1] * (dim - 1), *column.shape, *[1] * (x.dim() - dim - 1))
+    index = column.clamp(min=0) if padded else column
+    index = index.view(*[1] * (dim - 1), *column.shape, *[1] * (x.dim() - dim - 1))
     return x.gather(dim, index.expand(*x.shape[: dim - 1], *column.shape, *x.shape[dim + 1 :]))
 
 
 def packed(flags: torch.Tensor, width: int, counts: list[int], right: bool = True, extra: int = 0) -> torch.Tensor:
     """[B, width] indices of each row's set `flags` [B, C] in ascending order, padded with -1 on the right (or the
-    left: `right=False`); `counts`: the set flags per row (host), width >= max(counts). A scatter, not a sort."""
+    left: `right=False`); `counts`: the set flags per row (host), width >= max(counts). A scatter, not a sort: each
+    set flag goes to its 1-based rank, every other one to a spare slot 0 (dropped); 4 kernels when no row is
+    padded."""
     batch, length = flags.shape
-    rank = flags.long().cumsum(1) - 1
-    if not right and any(n != width for n in counts):
-        rank = rank + (width - flags.sum(1, keepdim=True))
-    target = rank.masked_fill(~flags, width)
-    slots = torch.full((batch, width + 1), -1, dtype=torch.long, device=flags.device)
+    target = flags.cumsum(1, dtype=torch.long)  # 1-based rank among the set flags
+    padded = any(n != width for n in counts)
+    if not right and padded:
+        target = target + (width - flags.sum(1, keepdim=True))
+    target = target * flags
+    slots = flags.new_full((batch, width + 1), -1, dtype=torch.long) if padded else _spare(flags, batch, width)
     source = torch.arange(length, device=flags.device).expand(batch, -1)
-    return slots.scatter_(1, target, source)[:, :width]
+    return slots.scatter_(1, target, source)[:, 1:]
+
+
+def _spare(like: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+    """[B, 1 + width] int64 for a scatter that fills every slot after the spare slot 0 (no fill needed)."""
+    return torch.empty(batch, width + 1, dtype=torch.long, device=like.device)
 
 
 @dataclass
@@ -133,6 +143,11 @@ class LayerView:
     def width(self) -> int:
         return self.column.shape[1]
 
+    @functools.cached_property
+    def real(self) -> torch.Tensor:
+        """[B, C] bool: the real slots (`mask` != 0); made once per view (a narrowed view is given it)."""
+        return self.mask != 0
+
     @property
     def padded(self) -> bool:
         """Some row holds fewer real tokens than the view is wide (host-known)."""
@@ -160,7 +175,8 @@ def narrowed(
     batch, length = keep.shape
     width = max(lengths, default=0)
     device = keep.device
-    rank = keep.long().cumsum(1) - 1
+    padded = any(n != width for n in lengths)
+    rank = keep.cumsum(1, dtype=torch.long)  # 1-based among the kept slots
     flags = keep
     if merged is not None:
         count = merged.valid.shape[1]
@@ -169,24 +185,25 @@ def narrowed(
         after = slot > last_visual
         rank = rank + after * merged.valid.sum(1, keepdim=True)
         before = (keep & ~after).sum(1, keepdim=True)  # kept slots up to the last visual one
-        rank = torch.cat([rank, before + torch.arange(count, device=device)], 1)
+        rank = torch.cat([rank, before + 1 + torch.arange(count, device=device)], 1)
         flags = torch.cat([keep, merged.valid], 1)
-    if not right and any(n != width for n in lengths):
+    if not right and padded:
         rank = rank + (width - flags.sum(1, keepdim=True))
-    target = rank.masked_fill(~flags, width)
-    sources = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
-    sources = sources.scatter_(1, target, torch.arange(flags.shape[1], device=device).expand(batch, -1))[:, :width]
-    padded = any(n != width for n in lengths)
+    target = rank * flags  # the others to the spare slot 0, dropped
+    sources = keep.new_full((batch, width + 1), -1, dtype=torch.long) if padded else _spare(keep, batch, width)
+    sources = sources.scatter_(1, target, torch.arange(flags.shape[1], device=device).expand(batch, -1))[:, 1:]
+    index = sources.clamp(min=0) if padded else sources
 
     def take(x: torch.Tensor | None, extra: torch.Tensor | None, fill) -> torch.Tensor:
         if merged is not None:
             x = torch.cat([x, extra], 1)
-        out = x.gather(1, sources.clamp(min=0))
+        out = x.gather(1, index)
         return out.masked_fill(sources < 0, fill) if padded else out
 
     no_merge = None if merged is None else torch.zeros_like(merged.valid)
     column = take(view.column, merged_columns, -1)
-    mask = (column >= 0).to(view.mask.dtype)
+    real = column >= 0
+    mask = real.to(view.mask.dtype)
     visual = take(view.visual, None if merged is None else merged.valid, False)
     protected = None if view.protected is None else take(view.protected, no_merge, False)
     groups = None if view.groups is None else take(view.groups, None if merged is None else no_merge.long() - 1, -1)
@@ -196,10 +213,12 @@ def narrowed(
     elif was_merged is not None:
         was_merged = take(was_merged, None, False)
     positions = None
-    if renumber:  # contiguous from each row's first real position
-        start = view.positions.gather(1, view.mask.argmax(1, keepdim=True))
-        positions = (start + mask.cumsum(1) - 1).clamp(min=0)
-        positions = positions.masked_fill(mask == 0, 0) if padded else positions
+    if renumber:  # contiguous from 0 (each row's first real token's position in a renumbered view)
+        if padded:
+            positions = (mask.cumsum(1) - 1).clamp(min=0).masked_fill(~real, 0)
+        else:
+            positions = torch.arange(width, device=device).expand(batch, -1)
     lost = [was + held - now for was, held, now in zip(view.lost, view.lengths, lengths, strict=True)]
     new = LayerView(column, mask, positions, visual, protected, was_merged, lengths, visual_counts, lost, groups)
+    new.real = real
     return new, sources
