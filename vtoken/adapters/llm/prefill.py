@@ -96,7 +96,7 @@ class PrefillRun:
         run = cls(stages, view, layout, cache)
         run.group_sizes = None if found is None else found[1]
         if method.query_rows == "chosen":
-            run.chosen = run._chosen_rows(embeds, text_after_image(mask, visual))
+            run.chosen = run._chosen_rows(embeds, text_after_image(mask != 0, visual))
         if method.calls:
             run.calls = CallPoints.start(run, embeds)
         return run
@@ -238,24 +238,30 @@ class PrefillRun:
             keys = stages.probes[layer].keys(key_valid, self._cached_keys(layer, view.width), shifted)  # [B, S, H*d]
         normed = stages.lm.norm(hidden) if "normed" in reads else None
         index = text = None
+        safe = slots if all(n == slots.shape[1] for n in view.visual_counts) else slots.clamp(min=0)
         if keys is not None or normed is not None:
-            first = view.column.gather(1, view.mask.argmax(1, keepdim=True))
-            index = view.column - first  # each slot's index in its row's unpadded LLM input
+            # each slot's index in its row's unpadded LLM input: from the row's first real slot (slot 0 unpadded)
+            first = view.column[:, :1] if not view.padded else view.column.gather(1, view.mask.argmax(1, keepdim=True))
+            index = view.column - first
             counts = self.layout.text
-            text_slots = packed(text_after_image(view.mask, view.visual), max(counts, default=0), counts)
-            text_valid, text_slots = text_slots >= 0, text_slots.clamp(min=0)
-            text_keys = None if keys is None else take_columns(keys, text_slots, 1)
-            text_normed = None if normed is None else take_columns(normed, text_slots, 1)
+            width = max(counts, default=0)
+            text_slots = view.text_slots(counts, width)
+            text_valid = text_slots >= 0
+            text_slots = text_slots if all(n == width for n in counts) else text_slots.clamp(min=0)
+            text_keys = None if keys is None else take_columns(keys, text_slots, 1, False)
+            text_normed = None if normed is None else take_columns(normed, text_slots, 1, False)
             text = TextTokens(text_valid, index.gather(1, text_slots), text_keys, text_normed, known=counts)
-            index = index.gather(1, slots.clamp(min=0))
+            index = index.gather(1, safe)
 
         def visual_part(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else take_columns(x, slots, 1)
+            return None if x is None else take_columns(x, safe, 1, False)
 
-        protected = view.protected.gather(1, slots.clamp(min=0)) & valid if view.protected is not None else None
+        protected = None if view.protected is None else view.protected.gather(1, safe)
+        if protected is not None and safe is not slots:  # padding entries are never protected
+            protected = protected & valid
         hidden_visual = visual_part(hidden) if "hidden" in reads else None
         received = self.initial.visual_counts
-        groups = None if view.groups is None else view.groups.gather(1, slots.clamp(min=0)).masked_fill(~valid, -1)
+        groups = None if view.groups is None else view.groups.gather(1, safe).masked_fill(~valid, -1)
         return LayerTokens(layer, attention, row_valid, valid, protected, received, index, visual_part(keys),
                            visual_part(normed), hidden_visual, text, known=view.visual_counts, groups=groups,
                            group_sizes=None if groups is None else self.group_sizes)  # fmt: skip
@@ -269,9 +275,9 @@ class PrefillRun:
                                   device=view.column.device)  # fmt: skip
             return view.mask.sum(1, keepdim=True) - 1
         if rows == "after_visual":  # every real token after the row's last visual one (never dropped)
-            return packed(text_after_visual(view.mask, view.visual), max(max(layout.after, default=0), 1),
+            return packed(text_after_visual(view.real, view.visual), max(max(layout.after, default=0), 1),
                           layout.after)  # fmt: skip
-        text = packed(text_after_image(view.mask, view.visual), max(max(layout.text, default=0), 1), layout.text)
+        text = view.text_slots(layout.text, max(max(layout.text, default=0), 1))
         if rows == "chosen":  # text tokens are never dropped: the chosen ones keep their place among them
             return text.masked_fill(~self.chosen, -1)
         return text
@@ -323,13 +329,14 @@ class PrefillRun:
             if id(held) not in cut_views:
                 cut = LayerView(final.column, final.mask, final.positions, final.visual, final.protected,
                                 final.merged, final.lengths, final.visual_counts, held.lost)  # fmt: skip
-                cut_views[id(held)] = cut, slots_of_columns(held, final.column, prompt_length)
+                slots = slots_of_columns(held, final.column, prompt_length, final.padded)
+                cut_views[id(held)] = cut, slots.clamp(min=0) if final.padded else slots
             views[index], slots = cut_views[id(held)]
             layer_cache = hf.cache_layers(self.cache)[index]
             for name in ("keys", "values"):
                 tensor = getattr(layer_cache, name)
-                index_ = slots.clamp(min=0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
-                setattr(layer_cache, name, tensor.gather(2, index_))
+                setattr(layer_cache, name, tensor.gather(2, slots[:, None, :, None].expand(
+                    -1, tensor.shape[1], -1, tensor.shape[-1])))  # fmt: skip
         rows = range(len(final.lengths))
         before = [sum(self.views[i].visual_counts[row] for i in cut_layers) for row in rows]
         after = [final.visual_counts[row] * len(cut_layers) for row in rows]
@@ -432,10 +439,18 @@ def replace_columns(hidden: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
     return spare.scatter(1, target[..., None].expand(-1, -1, dim), rows.to(hidden.dtype))[:, :width]
 
 
-def slots_of_columns(view: LayerView, columns: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """[B, R] slots of `view` holding prompt columns `columns` [B, R] (-1: padding, or not held)."""
+def slots_of_columns(view: LayerView, columns: torch.Tensor, prompt_length: int, padded: bool = True) -> torch.Tensor:
+    """[B, R] slots of `view` holding prompt columns `columns` [B, R] (-1: padding, or not held). `padded=False`:
+    `columns` holds no padding and every one of them is held (a later view's columns): a lookup table with no fill
+    and no mask."""
     batch = view.column.shape[0]
-    lookup = torch.full((batch, prompt_length + 1), -1, dtype=torch.long, device=view.column.device)
-    slots = torch.arange(view.width, device=view.column.device).expand(batch, -1)
+    device = view.column.device
+    if padded:
+        lookup = torch.full((batch, prompt_length + 1), -1, dtype=torch.long, device=device)
+    else:
+        lookup = torch.empty(batch, prompt_length + 1, dtype=torch.long, device=device)
+    slots = torch.arange(view.width, device=device).expand(batch, -1)
     lookup.scatter_(1, view.column + 1, slots)
+    if not padded:
+        return lookup[:, 1:].gather(1, columns)
     return lookup.gather(1, columns + 1).masked_fill(columns < 0, -1)

@@ -251,7 +251,8 @@ class QueryKeyProbe:
             cos, sin = (t.expand(k.shape[0], *t.shape[1:]) for t in rotary)
             cos, sin = (t.gather(1, first.expand(-1, -1, t.shape[-1])) for t in (cos, sin))  # [B, 1, d]
             k = self._rotary(k, k, cos, -sin)[1]  # R(-p) R(p + i) = R(i)
-        k = k.repeat_interleave(self.heads // k.shape[1], dim=1)
+        if self.heads != k.shape[1]:
+            k = k.repeat_interleave(self.heads // k.shape[1], dim=1)
         return k.transpose(1, 2).flatten(2)
 
 

@@ -36,14 +36,14 @@ def take_columns(x: torch.Tensor, column: torch.Tensor, dim: int, padded: bool =
     return x.gather(dim, index.expand(*x.shape[: dim - 1], *column.shape, *x.shape[dim + 1 :]))
 
 
-def packed(flags: torch.Tensor, width: int, counts: list[int], right: bool = True, extra: int = 0) -> torch.Tensor:
+def packed(flags: torch.Tensor, width: int, counts: list[int], right: bool = True, exact: bool = False) -> torch.Tensor:
     """[B, width] indices of each row's set `flags` [B, C] in ascending order, padded with -1 on the right (or the
     left: `right=False`); `counts`: the set flags per row (host), width >= max(counts). A scatter, not a sort: each
-    set flag goes to its 1-based rank, every other one to a spare slot 0 (dropped); 4 kernels when no row is
-    padded."""
+    set flag goes to its 1-based rank, every other one to a spare slot 0 (dropped). `exact`: `counts` are exactly
+    the flags set (not an upper bound), so when every row fills the width nothing needs a fill: 4 kernels."""
     batch, length = flags.shape
     target = flags.cumsum(1, dtype=torch.long)  # 1-based rank among the set flags
-    padded = any(n != width for n in counts)
+    padded = not exact or any(n != width for n in counts)
     if not right and padded:
         target = target + (width - flags.sum(1, keepdim=True))
     target = target * flags
@@ -106,14 +106,18 @@ def layout_counts(mask: torch.Tensor | None, visual: torch.Tensor) -> torch.Tens
     return torch.stack([lengths, seen_visual, first - seen_visual, (~real[:, -1]).long(), runs, last - has], 1)
 
 
-def text_after_image(mask: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
-    """[B, C] bool: real, non-visual slots after each row's first visual slot."""
-    return (mask != 0) & ~visual & (visual.long().cumsum(1) > 0)
+def text_after_image(real: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """[B, C] bool: real, non-visual slots after each row's first visual slot (`real` [B, C] the real slots,
+    `visual` [B, C] the visual ones, all real)."""
+    return (real ^ visual) & (visual.cumsum(1, dtype=torch.long) > 0)
 
 
-def text_after_visual(mask: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
-    """[B, C] bool: real slots after each row's last visual slot (all of a row's real slots if it has none)."""
-    return (mask != 0) & (visual.long().flip(1).cumsum(1) == 0).flip(1)
+def text_after_visual(real: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """[B, C] bool: real slots after each row's last visual slot (all of a row's real slots if it has none); `real`
+    and `visual` as `text_after_image` takes them. A slot is after the last visual one where the running count of
+    visual slots is already the row's total, and it is not visual itself."""
+    seen = visual.cumsum(1, dtype=torch.long)
+    return (real ^ visual) & (seen == seen[:, -1:])
 
 
 @dataclass
@@ -155,7 +159,26 @@ class LayerView:
 
     def visual_slots(self) -> torch.Tensor:
         """[B, V] each row's visual slots, ascending, right-padded with -1 (V = most visual tokens of a row)."""
-        return packed(self.visual, max(self.visual_counts, default=0), self.visual_counts)
+        return packed(self.visual, max(self.visual_counts, default=0), self.visual_counts, exact=True)
+
+    def text_slots(self, counts: list[int], width: int) -> torch.Tensor:
+        """[B, width] each row's real, non-visual slots after its first visual one, ascending, right-padded with -1
+        (`counts`: per row, host; width >= max(counts)). Made once per view and width; a narrowed view gets its
+        source's moved (text is never dropped: its slots only shift), two kernels instead of nine."""
+        made = self.__dict__.setdefault("_text_slots", {})
+        if width in made:
+            return made[width][0]
+        target, source = self.__dict__.get("_narrowed_from", (None, None))
+        held = None if source is None else source.__dict__.get("_text_slots", {}).get(width)
+        if held is not None:  # where the source's text slots went: `target` - 1 of the slot each was in
+            slots, padded = held
+            slots_now = target.gather(1, slots.clamp(min=0) if padded else slots) - 1
+            made[width] = (slots_now.masked_fill(slots < 0, -1) if padded else slots_now), padded
+        else:
+            slots = packed(text_after_image(self.real, self.visual), width, counts)
+            # -1 entries: rows short of the width, or (after a drop) rows whose first image may have gone
+            made[width] = slots, any(n != width for n in counts) or any(self.lost)
+        return made[width][0]
 
 
 def narrowed(
@@ -221,4 +244,5 @@ def narrowed(
     lost = [was + held - now for was, held, now in zip(view.lost, view.lengths, lengths, strict=True)]
     new = LayerView(column, mask, positions, visual, protected, was_merged, lengths, visual_counts, lost, groups)
     new.real = real
+    new.__dict__["_narrowed_from"] = target, view  # each source slot's new slot + 1 (0: dropped), for text_slots
     return new, sources
