@@ -182,9 +182,17 @@ class SparseVLM(PrefillMethod):
         return rater_mask(visual, visual_valid, text, text_valid)
 
     def scores(self, tokens: LayerTokens) -> torch.Tensor:
-        """[B, V] the raters' mean attention to each visual token (-inf where invalid)."""
+        """[B, V] the raters' mean attention to each visual token (-inf where invalid); made once per drop (kept on
+        `tokens`: `keep_mask` and `merge` both read it)."""
+        made = tokens.__dict__.get("_sparsevlm_scores")
+        if made is not None:
+            return made
         raters = tokens.row_valid.sum(1, keepdim=True).clamp(min=1)
-        return (tokens.attention.float().sum(1) / raters).masked_fill(~tokens.valid, float("-inf"))
+        scores = tokens.attention.float().sum(1) / raters
+        if any(n != scores.shape[1] for n in tokens.counts):  # padding entries
+            scores = scores.masked_fill(~tokens.valid, float("-inf"))
+        tokens.__dict__["_sparsevlm_scores"] = scores
+        return scores
 
     def kept_counts(self, tokens: LayerTokens) -> list[int]:
         k = self.counts[self.layers.index(tokens.layer)]
@@ -207,8 +215,9 @@ class SparseVLM(PrefillMethod):
         counts, clusters = [p[0] for p in plans], [p[1] for p in plans]
         if max(clusters, default=0) == 0:
             return None
-        scores = self.scores(tokens).masked_fill(~(tokens.valid & ~keep), float("-inf"))
-        best = torch.sort(-scores, dim=1, stable=True).indices[:, : max(counts)]  # dropped, best first
+        scores = self.scores(tokens).masked_fill(keep, float("-inf"))  # the dropped ones (padding is -inf already)
+        # dropped, best first (a stable descending sort: ties to the lower index)
+        best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : max(counts)]
         noise = self._noise(max(counts), scores.device)
         hidden = tokens.hidden.gather(1, best[:, :, None].expand(-1, -1, tokens.hidden.shape[-1]))
         merged, centres = dpc_knn_merge_rows(hidden, counts, clusters, noise)
