@@ -57,6 +57,7 @@ class PrefillRun:
         self.layout = layout
         self.cache = cache
         self.chosen = chosen
+        self._unchosen: torch.Tensor | None = None  # ~chosen, made once
         self.rotary: Any = None
         self.position_ids: Any = None
         self.initial = view  # the prompt as the LLM received it
@@ -161,11 +162,16 @@ class PrefillRun:
             hidden = replace_columns(hidden, slots, updated, keep_visual)
         merged_columns = None
         if merged is not None:
-            anchors = slots.gather(1, merged.anchors.clamp(min=0)).clamp(min=0)
-            merged_columns = view.column.gather(1, anchors).masked_fill(~merged.valid, -1)
+            if any(n != slots.shape[1] for n in counts):  # padding entries (-1) among the slots
+                anchors = slots.gather(1, merged.anchors.clamp(min=0)).clamp(min=0)
+            else:
+                anchors = slots.gather(1, merged.anchors)
+            merged_columns = view.column.gather(1, anchors)
+            if any(n != merged.valid.shape[1] for n in added):  # rows with fewer merged tokens
+                merged_columns = merged_columns.masked_fill(~merged.valid, -1)
             hidden = torch.cat([hidden, merged.features.to(hidden.dtype)], 1)
         new_view, sources = narrowed(view, keep, lengths, now, self.layout.right, self.stages.renumber, merged,
-                                     merged_columns)  # fmt: skip
+                                     merged_columns, slots)  # fmt: skip
         hidden = gathered(hidden, sources, new_view.padded)
         compute = kept_ranks(self.initial.visual, view.column, view.merged, slots, keep_visual)
         timer.stop()
@@ -279,7 +285,9 @@ class PrefillRun:
                           layout.after)  # fmt: skip
         text = view.text_slots(layout.text, max(max(layout.text, default=0), 1))
         if rows == "chosen":  # text tokens are never dropped: the chosen ones keep their place among them
-            return text.masked_fill(~self.chosen, -1)
+            if self._unchosen is None:
+                self._unchosen = ~self.chosen
+            return text.masked_fill(self._unchosen, -1)
         return text
 
     def _cached_keys(self, layer: int, width: int) -> torch.Tensor | None:

@@ -190,11 +190,14 @@ def narrowed(
     renumber: bool,
     merged: Merged | None = None,
     merged_columns: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> tuple[LayerView, torch.Tensor]:
     """The view of the slots `keep` [B, C] marks (plus `merged` tokens, placed right after each row's last visual
     slot, holding prompt columns `merged_columns` [B, M]), and [B, C'] the source of each new slot (an index into
     the view's slots, C + j for merged token j; -1 padding). Host counts per row of the result: `lengths`,
-    `visual_counts`. Left padding unless `right`; contiguous positions from each row's first one if `renumber`."""
+    `visual_counts`. Left padding unless `right`; contiguous positions from each row's first one if `renumber`.
+    `slots`: [B, V] the view's visual slots (`LayerView.visual_slots`) where the caller has them (placing merged
+    tokens reads each row's last one from them)."""
     batch, length = keep.shape
     width = max(lengths, default=0)
     device = keep.device
@@ -204,11 +207,23 @@ def narrowed(
     if merged is not None:
         count = merged.valid.shape[1]
         slot = torch.arange(length, device=device)
-        last_visual = slot.masked_fill(~view.visual, -1).amax(1, keepdim=True)  # [B, 1]
+        every = slots is not None and all(n == slots.shape[1] > 0 for n in view.visual_counts)
+        if every:  # every row has all V visual slots
+            last_visual = slots[:, -1:]  # [B, 1] every row's last visual slot
+        else:
+            last_visual = slot.masked_fill(~view.visual, -1).amax(1, keepdim=True)  # [B, 1] (-1: none)
         after = slot > last_visual
-        rank = rank + after * merged.valid.sum(1, keepdim=True)
-        before = (keep & ~after).sum(1, keepdim=True)  # kept slots up to the last visual one
-        rank = torch.cat([rank, before + 1 + torch.arange(count, device=device)], 1)
+        added = merged.known
+        if added is not None and all(n == count for n in added):  # every row adds all `count`
+            rank = rank + after * count
+        else:
+            rank = rank + after * merged.valid.sum(1, keepdim=True)
+        # kept slots up to the last visual one: the running count there (0 for a row with none)
+        if every:
+            before = rank.gather(1, last_visual)
+        else:
+            before = rank.gather(1, last_visual.clamp(min=0)) * (last_visual >= 0)
+        rank = torch.cat([rank, before + torch.arange(1, count + 1, device=device)], 1)
         flags = torch.cat([keep, merged.valid], 1)
     if not right and padded:
         rank = rank + (width - flags.sum(1, keepdim=True))
@@ -223,7 +238,9 @@ def narrowed(
         out = x.gather(1, index)
         return out.masked_fill(sources < 0, fill) if padded else out
 
-    no_merge = None if merged is None else torch.zeros_like(merged.valid)
+    no_merge = None
+    if merged is not None and (view.protected is not None or view.groups is not None):
+        no_merge = torch.zeros_like(merged.valid)
     column = take(view.column, merged_columns, -1)
     real = column >= 0
     mask = real.to(view.mask.dtype)
@@ -231,8 +248,10 @@ def narrowed(
     protected = None if view.protected is None else take(view.protected, no_merge, False)
     groups = None if view.groups is None else take(view.groups, None if merged is None else no_merge.long() - 1, -1)
     was_merged = view.merged
-    if merged is not None:
-        was_merged = take(torch.zeros_like(keep) if was_merged is None else was_merged, merged.valid, False)
+    if merged is not None and was_merged is None:  # the slots taken from the merged tokens (sources C + j)
+        was_merged = sources >= length
+    elif merged is not None:
+        was_merged = take(was_merged, merged.valid, False)
     elif was_merged is not None:
         was_merged = take(was_merged, None, False)
     positions = None
