@@ -32,7 +32,6 @@ from .views import (
     narrowed,
     packed,
     take_columns,
-    text_after_image,
     text_after_visual,
 )
 
@@ -97,20 +96,25 @@ class PrefillRun:
         run = cls(stages, view, layout, cache)
         run.group_sizes = None if found is None else found[1]
         if method.query_rows == "chosen":
-            run.chosen = run._chosen_rows(embeds, text_after_image(mask != 0, visual))
+            run.chosen = run._chosen_rows(embeds)
         if method.calls:
             run.calls = CallPoints.start(run, embeds)
         return run
 
-    def _chosen_rows(self, embeds: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def _chosen_rows(self, embeds: torch.Tensor) -> torch.Tensor:
         """query_rows="chosen": [B, T] bool over each row's text after its first visual token (right-padded), the
-        rows the method picks from the LLM's input embeddings."""
-        visual = self.view.visual_slots()
-        words = packed(text, max(max(self.layout.text, default=0), 1), self.layout.text)
+        rows the method picks from the LLM's input embeddings. The visual and text slots are the prompt view's own
+        (made once: the first drop reads them again)."""
+        view, counts = self.view, self.layout.text
+        visual = view.visual_slots()
+        width = max(max(counts, default=0), 1)
+        words = view.text_slots(counts, width)
+        whole = all(n == visual.shape[1] for n in view.visual_counts)
         with torch.no_grad():
-            chosen = self.method.choose_rows(take_columns(embeds, visual, 1), visual >= 0,
+            chosen = self.method.choose_rows(take_columns(embeds, visual, 1, not whole), visual >= 0,
                                              take_columns(embeds, words, 1), words >= 0)  # fmt: skip
-        return chosen.bool() & (words >= 0)
+        chosen = chosen.bool()
+        return chosen if all(n == width for n in counts) else chosen & (words >= 0)
 
     # ----------------------------------------------------------------- every layer
     def enter_layer(self, kwargs: dict, hidden: torch.Tensor | None = None) -> tuple[Overrides | None, torch.Tensor]:

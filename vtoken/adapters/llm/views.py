@@ -159,7 +159,11 @@ class LayerView:
 
     def visual_slots(self) -> torch.Tensor:
         """[B, V] each row's visual slots, ascending, right-padded with -1 (V = most visual tokens of a row)."""
-        return packed(self.visual, max(self.visual_counts, default=0), self.visual_counts, exact=True)
+        made = self.__dict__.get("_visual_slots")
+        if made is None:  # once per view (the prompt's view: a method's chosen rows and the first drop read it)
+            made = packed(self.visual, max(self.visual_counts, default=0), self.visual_counts, exact=True)
+            self.__dict__["_visual_slots"] = made
+        return made
 
     def text_slots(self, counts: list[int], width: int) -> torch.Tensor:
         """[B, width] each row's real, non-visual slots after its first visual one, ascending, right-padded with -1
