@@ -457,12 +457,12 @@ def slots_of_columns(view: LayerView, columns: torch.Tensor, prompt_length: int,
     and no mask."""
     batch = view.column.shape[0]
     device = view.column.device
-    if padded:
-        lookup = torch.full((batch, prompt_length + 1), -1, dtype=torch.long, device=device)
-    else:
-        lookup = torch.empty(batch, prompt_length + 1, dtype=torch.long, device=device)
     slots = torch.arange(view.width, device=device).expand(batch, -1)
-    lookup.scatter_(1, view.column + 1, slots)
     if not padded:
-        return lookup[:, 1:].gather(1, columns)
+        lookup = torch.empty(batch, prompt_length + 1, dtype=torch.long, device=device)
+        if not view.padded:  # every slot holds a column: no spare entry for padding
+            return lookup[:, 1:].scatter_(1, view.column, slots).gather(1, columns)
+        return lookup.scatter_(1, view.column + 1, slots)[:, 1:].gather(1, columns)
+    lookup = torch.full((batch, prompt_length + 1), -1, dtype=torch.long, device=device)
+    lookup.scatter_(1, view.column + 1, slots)
     return lookup.gather(1, columns + 1).masked_fill(columns < 0, -1)
