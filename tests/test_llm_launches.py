@@ -21,12 +21,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (DART: its pivots' visiting order; MustDrop: its threshold counts), and the most kernels a decoding step adds
 # (after the first step of a cache: what does not change between steps is kept on the cache's views)
 STEP_KERNELS = 8
-# (today: FastV 27, DART 65, PyramidDrop 35 / 34, SparseVLM 74 / 80, MustDrop 42 / 34: the attention read is one op
+# (today: FastV 25, DART 65, PyramidDrop 33 / 32, SparseVLM 74 / 80, MustDrop 42 / 34: the attention read is one op
 # with the rotary inside, a view is rebuilt in ~10 kernels, text rows move with the view)
 METHODS = {
-    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 30, 0, STEP_KERNELS),
+    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 28, 0, STEP_KERNELS),
     "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 68, 1, STEP_KERNELS),
-    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 38, 0, STEP_KERNELS),
+    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 36, 0, STEP_KERNELS),
     "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 84, 0, STEP_KERNELS),
     "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 45, 1, STEP_KERNELS),
 }
