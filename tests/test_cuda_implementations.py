@@ -114,6 +114,23 @@ CASES = {
             {},
         )
     ],  # fmt: skip
+    "rotary_visual_attention": [
+        (
+            (
+                _t(1, 700, 32, 128, dtype=torch.bfloat16),
+                _t(1, 8, 700, 128, dtype=torch.bfloat16),
+                _t(1, 700, 128, dtype=torch.bfloat16),
+                _t(1, 700, 128, dtype=torch.bfloat16),
+                _t(1, 40, dtype=torch.int64),
+                _t(1, 700, dtype=torch.bool),
+                _t(1, 576, dtype=torch.int64),
+                128**-0.5,
+                rotate,
+            ),
+            {},
+        )
+        for rotate in (True, False)
+    ],  # fmt: skip
 }
 # ops whose CUDA implementation cannot run here, with the reason (strict xfails: none today; MMTok's greedy no longer
 # replays CUDA graphs, it launches its step kernel like SCOPE's)

@@ -21,14 +21,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (DART: its pivots' visiting order; MustDrop: its threshold counts), and the most kernels a decoding step adds
 # (after the first step of a cache: what does not change between steps is kept on the cache's views)
 STEP_KERNELS = 8
+# (today: FastV 25, DART 65, PyramidDrop 33 / 32, SparseVLM 74 / 80, MustDrop 42 / 34: the attention read is one op
+# with the rotary inside, a view is rebuilt in ~10 kernels, text rows move with the view)
 METHODS = {
-    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 100, 0, STEP_KERNELS),
-    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 130, 1, STEP_KERNELS),
-    # renumbered positions' rotary rows gathered from the LLM's own table at a drop (87 / 188 / 94 today)
-    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 90, 0, STEP_KERNELS),
-    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 190, 0, STEP_KERNELS),
-    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 96, 1, STEP_KERNELS),
+    "fastv": (lambda: vtoken.FastV(layer=2, keep=0.25), 28, 0, STEP_KERNELS),
+    "dart": (lambda: vtoken.DART(layer=2, keep=0.222), 68, 1, STEP_KERNELS),
+    "pyramiddrop": (lambda: vtoken.PyramidDrop(layers=(4, 8, 12)), 36, 0, STEP_KERNELS),
+    "sparsevlm": (lambda: vtoken.SparseVLM(budget=192, layers=(1, 3, 7)), 84, 0, STEP_KERNELS),
+    "mustdrop": (lambda: vtoken.MustDrop(global_thr=0.011, individual_thr=0.01), 45, 1, STEP_KERNELS),
 }
+# issue 40: at batch 1 a 7B LLaVA is host-bound on a GPU (each kernel ~11-17 us), so what a patched prefill adds
+# over the unpatched one (its drops, its start, MustDrop's KV cut) is bounded: 40 kernels per drop and 40 more.
+# Methods over it, with what they add today (strict: getting under the bound turns the test red, to drop the
+# entry): SparseVLM's recycling (DPC-kNN clustering of the dropped tokens, ~35 kernels per drop, the merged tokens'
+# placement in the view) is not one op yet, and its raters are chosen from the input embeddings (~30) per prefill.
+PER_DROP, PER_PREFILL = 40, 40
+OVER_THE_BOUND = {"sparsevlm": 281}
 # the prompt's layout: the call path knows it before the prefill (read with the rest of what a call reads before its
 # encoder, followed through the shrink on the host), so a prefill reads nothing
 PREFILL_READS = 0
@@ -129,6 +137,36 @@ def test_each_drop_is_a_short_fixed_burst(llava, name, monkeypatch):
 
 
 BURSTS: dict = {}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True, reason=f"adds {OVER_THE_BOUND[name]} kernels per prefill (issue 40: not yet)"
+            ),
+        )
+        if name in OVER_THE_BOUND
+        else name
+        for name in METHODS
+    ],
+)
+def test_a_prefill_adds_at_most_40_kernels_per_drop_and_40_more(llava, name, monkeypatch):
+    """Issue 40's bound: the kernels a patched prefill launches over the unpatched prefill (the drops, the run's
+    start, the output-aware KV cut) are at most 40 per drop plus 40."""
+    model, inputs = llava
+    make = METHODS[name][0]
+    with torch.no_grad():
+        model(**inputs)  # warm: transformers' own first-call work
+    base = prefill_and_step(model, inputs)[0]
+    with vtoken.patched(model, make()), counted_drops(monkeypatch) as drops:
+        model(**inputs)
+        drops.clear()
+        patched = prefill_and_step(model, inputs)[0]
+    added = patched.kernels - base.kernels
+    assert added <= PER_DROP * len(drops) + PER_PREFILL, f"{added} kernels added by {len(drops)} drops"
 
 
 def test_dycoke_decoding_step_reads_the_row_once(monkeypatch):

@@ -8,6 +8,7 @@ from conftest import assert_identity, make_image
 
 import vtoken
 from vtoken.adapters.llm import QueryKeyProbe
+from vtoken.launches import count_launches
 from vtoken.zoo import build_prompt, llava_config, llava_processor, tiny_tokenizer
 
 TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -122,3 +123,42 @@ def test_unreadable_attention_is_refused_at_patch_with_no_hook_left():
         vtoken.patch(model, "fastv", layer=1, keep=0.5)
     assert vtoken.handle_of(model) is None and "generate" not in model.__dict__
     assert _hooks(model) == before
+
+
+@pytest.mark.parametrize("name", list(LLMS))
+@pytest.mark.parametrize("cached", [False, True], ids=["keys-rotated-here", "keys-from-the-cache"])
+def test_probe_visual_attention_equals_eager_attention(name, cached):
+    """The drop's read (`QueryKeyProbe.visual_attention`: the rotary applied inside one op where the model's is the
+    rotate-half form over the whole head, rotated first otherwise: Phi-3's and Qwen3.5's partial rotary) equals the
+    eager layer's head-mean softmax at chosen key slots, with a left-padded row, a missing row and a missing slot;
+    keys rotated from the capture or read rotated from the layer's cache."""
+    model = _causal_lm(name)
+    layer = 1
+    attention = model.model.layers[layer].self_attn
+    probe = QueryKeyProbe(attention)
+    length = 9
+    ids = torch.randint(3, 64, (2, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # a left-padded row
+    probe.active = True
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=cached)
+        rows = torch.tensor([[length - 1, 5, 4], [length - 1, 6, -1]])
+        slots = torch.tensor([[1, 2, 3, 4], [2, 3, 4, -1]])
+        keys = out.past_key_values.layers[layer].keys if cached else None
+        valid = mask.bool()
+        with count_launches() as counted:
+            got = probe.visual_attention(rows, valid, slots, keys)
+    finally:
+        probe.remove()
+    fused = name not in ("phi3", "qwen3.5")  # partial rotary: rotated first, then `visual_attention`
+    assert counted.ops["vtoken::rotary_visual_attention"] == int(fused), counted.describe()
+    if fused:
+        assert counted.kernels == 1, counted.describe()  # the whole read: one op
+    eager = [a for a in out.attentions if a is not None][-1].mean(1)  # [B, S, S], head mean
+    ref = eager.gather(1, rows.clamp(min=0)[:, :, None].expand(-1, -1, length))
+    ref = ref.gather(2, slots.clamp(min=0)[:, None, :].expand(-1, rows.shape[1], -1))
+    ref = ref * (rows >= 0)[:, :, None] * (slots >= 0)[:, None, :]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert ref.std() > 0.01

@@ -40,7 +40,14 @@ from .greedy_picks import greedy_least_similar, greedy_least_similar_reference, 
 from .pixel_prediction import anchored_prediction, anchored_prediction_reference, anchored_prediction_triton
 from .segment_gaps import fill_gaps, fill_gaps_reference, fill_gaps_triton
 from .static_windows import static_windows, static_windows_reference, static_windows_triton
-from .visual_attention import visual_attention, visual_attention_reference, visual_attention_triton
+from .visual_attention import (
+    rotary_visual_attention,
+    rotary_visual_attention_reference,
+    rotary_visual_attention_triton,
+    visual_attention,
+    visual_attention_reference,
+    visual_attention_triton,
+)
 
 __all__ = [
     "attention_column_mean",
@@ -88,4 +95,7 @@ __all__ = [
     "visual_attention",
     "visual_attention_reference",
     "visual_attention_triton",
+    "rotary_visual_attention",
+    "rotary_visual_attention_reference",
+    "rotary_visual_attention_triton",
 ]

@@ -307,6 +307,14 @@ def valid_mask(tokens: VisualTokens, device: torch.device) -> torch.Tensor:
     return tokens.valid.to(device)
 
 
+def padding_excluded(scores: torch.Tensor, tokens: LayerTokens) -> torch.Tensor:
+    """scores [B, V] of a drop's visual tokens with -inf at the padding entries (`tokens.valid` False); none made
+    where every row has all V (host counts): the mask would change nothing."""
+    if all(n == scores.shape[1] for n in tokens.counts):
+        return scores
+    return scores.masked_fill(~tokens.valid, float("-inf"))
+
+
 def keep_top(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """[B, V] bool: row b keeps its top `counts[b]` entries of `scores` [B, V] (invalid entries at -inf); the same
     set as `topk_mask`, with the counts kept on the host: a fixed burst, no host sync."""

@@ -143,36 +143,48 @@ class DART(PrefillMethod):
         if all(image == 0 for _, image, _, _ in plans):  # nothing dropped in any row
             return valid.clone()
         device, (batch, length) = valid.device, valid.shape
-        norms = tokens.keys.float().abs().sum(-1).masked_fill(~valid, float("-inf"))
-        image = torch.sort(-norms, dim=1, stable=True).indices[:, : self.image_pivots]  # [B, <= ip], largest first
-        text_norms = text.keys.float().abs().sum(-1).masked_fill(~text.valid, float("-inf"))
-        words = torch.sort(-text_norms, dim=1, stable=True).indices[:, : self.text_pivots]  # [B, <= tp]
-        where = torch.cat([tokens.index.gather(1, image), text.index.gather(1, words)], 1).tolist()  # the one read
-        order, takes = [], []
+        norms = tokens.keys.float().abs().sum(-1)
+        if any(n != length for n in tokens.counts):  # padding entries never pivots
+            norms = norms.masked_fill(~valid, float("-inf"))
+        # largest first, ties to the lower index (a stable descending sort)
+        image = torch.sort(norms, dim=1, descending=True, stable=True).indices[:, : self.image_pivots]  # [B, <= ip]
+        text_norms = text.keys.float().abs().sum(-1)
+        if text.known is None or any(n != text_norms.shape[1] for n in text.known):
+            text_norms = text_norms.masked_fill(~text.valid, float("-inf"))
+        words = torch.sort(text_norms, dim=1, descending=True, stable=True).indices[:, : self.text_pivots]  # [B, <= tp]
+        wide, words_wide = image.shape[1], words.shape[1]
+        # the one read: the pivots' indices in the LLM input (their visiting order) and their slots
+        read = torch.cat([tokens.index.gather(1, image), text.index.gather(1, words), image, words], 1).tolist()
+        takes, pivot_rows = [], []
         steps = max(len(plan[3]) for plan in plans)
         for row, (_, ip, tp, take) in enumerate(plans):  # the official visiting order, on the host
-            candidates = where[row][:ip] + where[row][image.shape[1] : image.shape[1] + tp]
-            position = {index: k if k < ip else image.shape[1] + k - ip for k, index in enumerate(candidates)}
+            where = read[row]
+            candidates = where[:ip] + where[wide : wide + tp]
+            position = {index: k if k < ip else wide + k - ip for k, index in enumerate(candidates)}
             visits = [position[index] for index in list(set(candidates))]  # noqa: C405 - Python's set order
-            order += visits + [0] * (steps - len(visits))
+            visits += [0] * (steps - len(visits))
             takes += take + [0] * (steps - len(take))
-        vectors = torch.cat(
-            [
-                tokens.normed.gather(1, image[:, :, None].expand(-1, -1, tokens.normed.shape[-1])),
-                text.normed.gather(1, words[:, :, None].expand(-1, -1, text.normed.shape[-1])),
-            ],
-            1,
-        )
-        pivots = vectors.gather(1, on_device(order, device).view(batch, steps)[:, :, None].expand(
-            -1, -1, vectors.shape[-1]))  # fmt: skip
-        similarity = unit(pivots) @ unit(tokens.normed).transpose(1, 2)  # [B, steps, V] cosine similarities
+            # each candidate's row among the image tokens (slots) then the text tokens (length + slot)
+            slots = where[wide + words_wide :]
+            rows = slots[:wide] + [length + w for w in slots[wide:]]
+            pivot_rows += [rows[k] for k in visits]
+        # every visual and text token's unit vector at once (each row normalised alone, as `unit` does it); the
+        # pivots are rows of it, in their visiting order
+        units = unit(torch.cat([tokens.normed, text.normed], 1))
+        pivots = on_device(pivot_rows, device).view(batch, steps)
+        pivots = units.gather(1, pivots[:, :, None].expand(-1, -1, units.shape[-1]))
+        similarity = pivots @ units[:, :length].transpose(1, 2)  # [B, steps, V] cosine similarities
         counts = [plan[1] for plan in plans]
-        if any(n != image.shape[1] for n in counts):  # rows with fewer tokens than pivots, or keeping all
-            pivot_rank = torch.arange(image.shape[1], device=device)
-            image = image.masked_fill(pivot_rank >= on_device(counts, device)[:, None], length)
-        kept = torch.zeros(batch, length + 1, dtype=torch.bool, device=device).scatter_(1, image, True)[:, :length]
         takes = on_device(takes, device).view(batch, steps)
-        kept |= greedy_least_similar(similarity, valid & ~kept, takes)  # one op: the pivots' greedy
+        if any(n != wide for n in counts):  # rows with fewer tokens than pivots, or keeping all
+            pivot_rank = torch.arange(wide, device=device)
+            image = image.masked_fill(pivot_rank >= on_device(counts, device)[:, None], length)
+            kept = torch.zeros(batch, length + 1, dtype=torch.bool, device=device).scatter_(1, image, True)
+            kept = kept[:, :length]
+            kept |= greedy_least_similar(similarity, valid & ~kept, takes)  # one op: the pivots' greedy
+        else:  # the pool: valid tokens but the image pivots; kept: the pivots and the pool's picks
+            pool = valid.scatter(1, image, False)
+            kept = (valid ^ pool) | greedy_least_similar(similarity, pool, takes)  # one op: the pivots' greedy
         everything = [plan[1] == 0 for plan in plans]
         if any(everything):
             kept |= valid & on_device([int(e) for e in everything], device).bool()[:, None]

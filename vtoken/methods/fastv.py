@@ -17,7 +17,7 @@ from ..budget import Budget, tokens_to_keep
 from ..errors import VTokenError
 from ..params import Choice, Kept, Layer
 from ..tokens import LayerTokens
-from .base import PrefillMethod, keep_top
+from .base import PrefillMethod, keep_top, padding_excluded
 
 POSITIONS = ("original", "renumber")
 
@@ -48,5 +48,5 @@ class FastV(PrefillMethod):
         return [tokens_to_keep(self.keep, n) if n else 0 for n in tokens.counts]
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
-        scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
+        scores = padding_excluded(tokens.attention[:, -1].float(), tokens)  # the last query row
         return keep_top(scores, self.kept_counts(tokens))

@@ -165,8 +165,8 @@ def dual_attention_filter(tokens: LayerTokens, global_thr: float, individual_thr
     attention = tokens.attention.float()  # [B, R, V], zero on padded rows / tokens
     total = attention.sum(dim=1)  # [B, V] global attention of each token
     peak = attention.masked_fill(~tokens.row_valid[:, :, None], float("-inf")).amax(dim=1)
-    drop = (total < global_thr * total.sum(dim=1, keepdim=True)) & (peak < individual_thr)
-    return ~drop & tokens.valid
+    # kept: not (below the global share and below the individual threshold)
+    return ((total >= global_thr * total.sum(dim=1, keepdim=True)) | (peak >= individual_thr)) & tokens.valid
 
 
 @dataclass

@@ -21,7 +21,7 @@ from ..errors import VTokenError
 from ..params import Choice, Fractions, Layers
 from ..tokens import LayerTokens
 from ..validation import real
-from .base import PrefillMethod, keep_top, nearest_layers
+from .base import PrefillMethod, keep_top, nearest_layers, padding_excluded
 
 POSITIONS = ("renumber", "original")
 
@@ -89,7 +89,7 @@ class PyramidDrop(PrefillMethod):
         return [min(int(received * ratio), n) for received, n in zip(tokens.received, tokens.counts, strict=True)]
 
     def keep_mask(self, tokens: LayerTokens) -> torch.Tensor:
-        scores = tokens.attention[:, -1].float().masked_fill(~tokens.valid, float("-inf"))  # the last query row
+        scores = padding_excluded(tokens.attention[:, -1].float(), tokens)  # the last query row
         return keep_top(scores, self.keep_counts(tokens))
 
     def kept_counts(self, tokens: LayerTokens) -> list[int]:

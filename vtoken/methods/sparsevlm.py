@@ -84,10 +84,14 @@ def dpc_knn_merge_rows(
     device = x.device
     most = max(clusters, default=0)
     x = x.double()
-    real = torch.arange(width, device=device) < on_device(counts, device)[:, None]  # [B, N]
-    pair = real[:, :, None] & real[:, None, :]
+    # every row full (each clusters all `width` tokens into `most`): no mask has anything to mask, so none is made
+    full = all(n == width for n in counts)
+    every = all(k == most for k in clusters)
+    real = None if full else torch.arange(width, device=device) < on_device(counts, device)[:, None]  # [B, N]
+    pair = None if full else real[:, :, None] & real[:, None, :]
     distance = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") / x.shape[2] ** 0.5
-    distance = distance.masked_fill(~pair, float("inf"))
+    if pair is not None:
+        distance = distance.masked_fill(~pair, float("inf"))
     nearest = distance.topk(most, dim=-1, largest=False).values  # [B, N, K] ascending
     even = len(set(clusters)) == 1
     squared = nearest**2
@@ -99,20 +103,27 @@ def dpc_knn_merge_rows(
         mean = squared.masked_fill(~used, 0.0).sum(-1) / limit[:, None].clamp(min=1)
     density = (-mean).exp() + noise[:width].to(x)
     denser = density[:, None, :] > density[:, :, None]  # [b, i, j]: token j is denser than token i
-    top = distance.masked_fill(~pair, float("-inf")).amax(dim=(1, 2), keepdim=True)  # each row's largest distance
-    parent = torch.where(denser & real[:, None, :], distance, top).min(-1).values
-    score = (parent * density).masked_fill(~real, float("-inf"))
+    # each row's largest distance
+    top = (distance if pair is None else distance.masked_fill(~pair, float("-inf"))).amax(dim=(1, 2), keepdim=True)
+    parent = torch.where(denser if real is None else denser & real[:, None, :], distance, top).min(-1).values
+    score = parent * density if real is None else (parent * density).masked_fill(~real, float("-inf"))
     centres = score.topk(most, dim=-1).indices  # [B, K] by descending score
-    centre_real = torch.arange(most, device=device) < on_device(clusters, device)[:, None]
+    centre_real = None if every else torch.arange(most, device=device) < on_device(clusters, device)[:, None]
     to_centre = distance.gather(1, centres[:, :, None].expand(-1, -1, width))  # [B, K, N]
-    assign = to_centre.masked_fill(~centre_real[:, :, None], float("inf")).argmin(1)  # nearest centre, first on ties
+    if centre_real is not None:
+        to_centre = to_centre.masked_fill(~centre_real[:, :, None], float("inf"))
+    assign = to_centre.argmin(1)  # nearest centre, first on ties
     own = torch.cat([assign, torch.zeros_like(assign[:, :1])], 1)  # every centre is its own cluster's (a row's
-    own = own.scatter(1, centres.masked_fill(~centre_real, width), torch.arange(most, device=device).expand(batch, -1))
-    assign = own[:, :width].masked_fill(~real, most)  # centres beyond its count write a dump column; padding: cluster
-    # `most`, a dump too
+    # centres beyond its count write a dump column; padding: cluster `most`, a dump too)
+    placed = centres if centre_real is None else centres.masked_fill(~centre_real, width)
+    own = own.scatter(1, placed, torch.arange(most, device=device).expand(batch, -1))
+    assign = own[:, :width] if real is None else own[:, :width].masked_fill(~real, most)
     sums = x.new_zeros(batch, most + 1, x.shape[2]).scatter_add_(1, assign[:, :, None].expand_as(x), x)
-    sizes = x.new_zeros(batch, most + 1).scatter_add_(1, assign, real.to(x))
+    ones = x.new_ones(batch, width) if real is None else real.to(x)
+    sizes = x.new_zeros(batch, most + 1).scatter_add_(1, assign, ones)
     merged = (sums / (sizes[:, :, None] + 1e-6))[:, :most].float()
+    if centre_real is None:
+        return merged, centres
     return merged.masked_fill(~centre_real[:, :, None], 0.0), centres.masked_fill(~centre_real, 0)
 
 
@@ -182,9 +193,17 @@ class SparseVLM(PrefillMethod):
         return rater_mask(visual, visual_valid, text, text_valid)
 
     def scores(self, tokens: LayerTokens) -> torch.Tensor:
-        """[B, V] the raters' mean attention to each visual token (-inf where invalid)."""
+        """[B, V] the raters' mean attention to each visual token (-inf where invalid); made once per drop (kept on
+        `tokens`: `keep_mask` and `merge` both read it)."""
+        made = tokens.__dict__.get("_sparsevlm_scores")
+        if made is not None:
+            return made
         raters = tokens.row_valid.sum(1, keepdim=True).clamp(min=1)
-        return (tokens.attention.float().sum(1) / raters).masked_fill(~tokens.valid, float("-inf"))
+        scores = tokens.attention.float().sum(1) / raters
+        if any(n != scores.shape[1] for n in tokens.counts):  # padding entries
+            scores = scores.masked_fill(~tokens.valid, float("-inf"))
+        tokens.__dict__["_sparsevlm_scores"] = scores
+        return scores
 
     def kept_counts(self, tokens: LayerTokens) -> list[int]:
         k = self.counts[self.layers.index(tokens.layer)]
@@ -207,15 +226,25 @@ class SparseVLM(PrefillMethod):
         counts, clusters = [p[0] for p in plans], [p[1] for p in plans]
         if max(clusters, default=0) == 0:
             return None
-        scores = self.scores(tokens).masked_fill(~(tokens.valid & ~keep), float("-inf"))
-        best = torch.sort(-scores, dim=1, stable=True).indices[:, : max(counts)]  # dropped, best first
+        scores = self.scores(tokens).masked_fill(keep, float("-inf"))  # the dropped ones (padding is -inf already)
+        # dropped, best first (a stable descending sort: ties to the lower index)
+        best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : max(counts)]
         noise = self._noise(max(counts), scores.device)
         hidden = tokens.hidden.gather(1, best[:, :, None].expand(-1, -1, tokens.hidden.shape[-1]))
         merged, centres = dpc_knn_merge_rows(hidden, counts, clusters, noise)
-        valid = torch.arange(merged.shape[1], device=best.device) < on_device(clusters, best.device)[:, None]
+        if all(k == merged.shape[1] for k in clusters):
+            valid = torch.ones(merged.shape[:2], dtype=torch.bool, device=best.device)
+        else:
+            valid = torch.arange(merged.shape[1], device=best.device) < on_device(clusters, best.device)[:, None]
         return Merged(merged, valid, best.gather(1, centres), known=clusters)
 
     def _noise(self, count: int, device: torch.device) -> torch.Tensor:
-        """The density noise: the seed's generator's first `count` draws (the same for every row and drop)."""
-        noise = torch.rand(count, generator=torch.Generator().manual_seed(self.seed)) * NOISE
-        return noise if torch.device(device).type == "cpu" else noise.pin_memory().to(device, non_blocking=True)
+        """The density noise: the seed's generator's first `count` draws (the same for every row and drop), made
+        once per count and device (a drop then reads it: no host work, no copy)."""
+        made = self.__dict__.setdefault("_noises", {})
+        key = (count, str(torch.device(device)), self.seed)
+        if key not in made:
+            noise = torch.rand(count, generator=torch.Generator().manual_seed(self.seed)) * NOISE
+            cpu = torch.device(device).type == "cpu"
+            made[key] = noise if cpu else noise.pin_memory().to(device, non_blocking=True)
+        return made[key]

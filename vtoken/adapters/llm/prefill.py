@@ -32,7 +32,6 @@ from .views import (
     narrowed,
     packed,
     take_columns,
-    text_after_image,
     text_after_visual,
 )
 
@@ -57,6 +56,7 @@ class PrefillRun:
         self.layout = layout
         self.cache = cache
         self.chosen = chosen
+        self._unchosen: torch.Tensor | None = None  # ~chosen, made once
         self.rotary: Any = None
         self.position_ids: Any = None
         self.initial = view  # the prompt as the LLM received it
@@ -96,20 +96,25 @@ class PrefillRun:
         run = cls(stages, view, layout, cache)
         run.group_sizes = None if found is None else found[1]
         if method.query_rows == "chosen":
-            run.chosen = run._chosen_rows(embeds, text_after_image(mask, visual))
+            run.chosen = run._chosen_rows(embeds)
         if method.calls:
             run.calls = CallPoints.start(run, embeds)
         return run
 
-    def _chosen_rows(self, embeds: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def _chosen_rows(self, embeds: torch.Tensor) -> torch.Tensor:
         """query_rows="chosen": [B, T] bool over each row's text after its first visual token (right-padded), the
-        rows the method picks from the LLM's input embeddings."""
-        visual = self.view.visual_slots()
-        words = packed(text, max(max(self.layout.text, default=0), 1), self.layout.text)
+        rows the method picks from the LLM's input embeddings. The visual and text slots are the prompt view's own
+        (made once: the first drop reads them again)."""
+        view, counts = self.view, self.layout.text
+        visual = view.visual_slots()
+        width = max(max(counts, default=0), 1)
+        words = view.text_slots(counts, width)
+        whole = all(n == visual.shape[1] for n in view.visual_counts)
         with torch.no_grad():
-            chosen = self.method.choose_rows(take_columns(embeds, visual, 1), visual >= 0,
+            chosen = self.method.choose_rows(take_columns(embeds, visual, 1, not whole), visual >= 0,
                                              take_columns(embeds, words, 1), words >= 0)  # fmt: skip
-        return chosen.bool() & (words >= 0)
+        chosen = chosen.bool()
+        return chosen if all(n == width for n in counts) else chosen & (words >= 0)
 
     # ----------------------------------------------------------------- every layer
     def enter_layer(self, kwargs: dict, hidden: torch.Tensor | None = None) -> tuple[Overrides | None, torch.Tensor]:
@@ -142,7 +147,9 @@ class PrefillRun:
             if max(counts, default=0) == 0:  # no row has visual tokens left
                 keep_visual, kept = tokens.valid, list(counts)
             else:
-                keep_visual = method.keep_mask(tokens).bool() & tokens.valid
+                keep_visual = method.keep_mask(tokens).bool()
+                if any(n != slots.shape[1] for n in counts):  # padding entries stay dropped
+                    keep_visual = keep_visual & tokens.valid
                 kept = method.kept_counts(tokens)
                 if tokens.protected is not None:
                     keep_visual |= tokens.protected
@@ -152,24 +159,24 @@ class PrefillRun:
             if kept is None:  # a threshold decided: the drop's one host read
                 kept = keep_visual.sum(1).tolist()
             added = merged.counts if merged is not None else None
-        width = view.width
-        marked = torch.where(keep_visual, slots, width)
-        keep = torch.zeros(slots.shape[0], width + 1, dtype=torch.bool, device=slots.device).scatter_(1, marked, True)
-        keep = keep[:, :width] | ((view.mask != 0) & ~view.visual)
+        keep = kept_slots(view, slots, keep_visual)
         now = [k + (added[row] if added else 0) for row, k in enumerate(kept)]
         lengths = [n - v + k for n, v, k in zip(view.lengths, counts, now, strict=True)]
         if updated is not None:  # kept tokens that others were merged into take their new states
             hidden = replace_columns(hidden, slots, updated, keep_visual)
         merged_columns = None
         if merged is not None:
-            anchors = slots.gather(1, merged.anchors.clamp(min=0)).clamp(min=0)
-            merged_columns = view.column.gather(1, anchors).masked_fill(~merged.valid, -1)
+            if any(n != slots.shape[1] for n in counts):  # padding entries (-1) among the slots
+                anchors = slots.gather(1, merged.anchors.clamp(min=0)).clamp(min=0)
+            else:
+                anchors = slots.gather(1, merged.anchors)
+            merged_columns = view.column.gather(1, anchors)
+            if any(n != merged.valid.shape[1] for n in added):  # rows with fewer merged tokens
+                merged_columns = merged_columns.masked_fill(~merged.valid, -1)
             hidden = torch.cat([hidden, merged.features.to(hidden.dtype)], 1)
         new_view, sources = narrowed(view, keep, lengths, now, self.layout.right, self.stages.renumber, merged,
-                                     merged_columns)  # fmt: skip
-        hidden = take_columns(hidden, sources, 1)
-        if new_view.padded:
-            hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
+                                     merged_columns, slots)  # fmt: skip
+        hidden = gathered(hidden, sources, new_view.padded)
         compute = kept_ranks(self.initial.visual, view.column, view.merged, slots, keep_visual)
         timer.stop()
         self.records += prefill_records(method.name, layer, counts, kept, added, compute, timer)
@@ -183,9 +190,7 @@ class PrefillRun:
         `lengths`, `visual_counts`) from layer `layer` on: the next view, its overrides, and (the hidden states
         [B, C', D] gathered, [B, C'] the source slot of each new slot)."""
         new_view, sources = narrowed(self.view, keep, lengths, visual_counts, self.layout.right, self.stages.renumber)
-        hidden = take_columns(hidden, sources, 1)
-        if new_view.padded:
-            hidden = hidden.masked_fill((sources < 0)[:, :, None], 0.0)
+        hidden = gathered(hidden, sources, new_view.padded)
         self.view = new_view
         self.overrides = self._overrides(hidden, new_view, layer)
         return hidden, sources
@@ -196,7 +201,9 @@ class PrefillRun:
         if stages.renumber:  # positions count each row's real tokens from 0: rows of the LLM's own rotary table
             positions = view.positions
             table = stages.rotary_table(hidden, self.initial.width) if positions.dim() == 2 else None
-            if table is not None:
+            if table is not None and not view.padded:  # positions 0..C-1 in every row: the table's first rows
+                rotary = tuple(t[None, : view.width].expand(positions.shape[0], -1, -1) for t in table)
+            elif table is not None:
                 rotary = table[0][positions], table[1][positions]
             else:
                 rotary = stages.lm.rotary_emb(hidden, position_ids=positions)
@@ -205,8 +212,8 @@ class PrefillRun:
             if positions is None:
                 first = self.initial.mask
                 positions = (first.cumsum(1) - 1).clamp(min=0)
-            positions = take_columns(positions, view.column, positions.dim() - 1)
-            rotary = tuple(take_columns(t, view.column, 1) for t in self.rotary)
+            positions = take_columns(positions, view.column, positions.dim() - 1, view.padded)
+            rotary = tuple(take_columns(t, view.column, 1, view.padded) for t in self.rotary)
         mask = stages.mask(hidden, view.mask if view.padded else None, positions, self.cache, layer)
         return Overrides(mask, positions, rotary)
 
@@ -218,7 +225,7 @@ class PrefillRun:
         slots: [B, V] each row's visual slots (-1: padding)."""
         stages, view, method = self.stages, self.view, self.method
         reads = method.reads
-        key_valid = view.mask != 0
+        key_valid = view.real
         valid = slots >= 0
         rows = row_valid = attention = keys = None
         if "attention" in reads or "next_attention" in reads:
@@ -241,24 +248,30 @@ class PrefillRun:
             keys = stages.probes[layer].keys(key_valid, self._cached_keys(layer, view.width), shifted)  # [B, S, H*d]
         normed = stages.lm.norm(hidden) if "normed" in reads else None
         index = text = None
+        safe = slots if all(n == slots.shape[1] for n in view.visual_counts) else slots.clamp(min=0)
         if keys is not None or normed is not None:
-            first = view.column.gather(1, view.mask.argmax(1, keepdim=True))
-            index = view.column - first  # each slot's index in its row's unpadded LLM input
+            # each slot's index in its row's unpadded LLM input: from the row's first real slot (slot 0 unpadded)
+            first = view.column[:, :1] if not view.padded else view.column.gather(1, view.mask.argmax(1, keepdim=True))
+            index = view.column - first
             counts = self.layout.text
-            text_slots = packed(text_after_image(view.mask, view.visual), max(counts, default=0), counts)
-            text_valid, text_slots = text_slots >= 0, text_slots.clamp(min=0)
-            text_keys = None if keys is None else take_columns(keys, text_slots, 1)
-            text_normed = None if normed is None else take_columns(normed, text_slots, 1)
+            width = max(counts, default=0)
+            text_slots = view.text_slots(counts, width)
+            text_valid = text_slots >= 0
+            text_slots = text_slots if all(n == width for n in counts) else text_slots.clamp(min=0)
+            text_keys = None if keys is None else take_columns(keys, text_slots, 1, False)
+            text_normed = None if normed is None else take_columns(normed, text_slots, 1, False)
             text = TextTokens(text_valid, index.gather(1, text_slots), text_keys, text_normed, known=counts)
-            index = index.gather(1, slots.clamp(min=0))
+            index = index.gather(1, safe)
 
         def visual_part(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else take_columns(x, slots, 1)
+            return None if x is None else take_columns(x, safe, 1, False)
 
-        protected = view.protected.gather(1, slots.clamp(min=0)) & valid if view.protected is not None else None
+        protected = None if view.protected is None else view.protected.gather(1, safe)
+        if protected is not None and safe is not slots:  # padding entries are never protected
+            protected = protected & valid
         hidden_visual = visual_part(hidden) if "hidden" in reads else None
         received = self.initial.visual_counts
-        groups = None if view.groups is None else view.groups.gather(1, slots.clamp(min=0)).masked_fill(~valid, -1)
+        groups = None if view.groups is None else view.groups.gather(1, safe).masked_fill(~valid, -1)
         return LayerTokens(layer, attention, row_valid, valid, protected, received, index, visual_part(keys),
                            visual_part(normed), hidden_visual, text, known=view.visual_counts, groups=groups,
                            group_sizes=None if groups is None else self.group_sizes)  # fmt: skip
@@ -272,11 +285,13 @@ class PrefillRun:
                                   device=view.column.device)  # fmt: skip
             return view.mask.sum(1, keepdim=True) - 1
         if rows == "after_visual":  # every real token after the row's last visual one (never dropped)
-            return packed(text_after_visual(view.mask, view.visual), max(max(layout.after, default=0), 1),
+            return packed(text_after_visual(view.real, view.visual), max(max(layout.after, default=0), 1),
                           layout.after)  # fmt: skip
-        text = packed(text_after_image(view.mask, view.visual), max(max(layout.text, default=0), 1), layout.text)
+        text = view.text_slots(layout.text, max(max(layout.text, default=0), 1))
         if rows == "chosen":  # text tokens are never dropped: the chosen ones keep their place among them
-            return text.masked_fill(~self.chosen, -1)
+            if self._unchosen is None:
+                self._unchosen = ~self.chosen
+            return text.masked_fill(self._unchosen, -1)
         return text
 
     def _cached_keys(self, layer: int, width: int) -> torch.Tensor | None:
@@ -326,13 +341,14 @@ class PrefillRun:
             if id(held) not in cut_views:
                 cut = LayerView(final.column, final.mask, final.positions, final.visual, final.protected,
                                 final.merged, final.lengths, final.visual_counts, held.lost)  # fmt: skip
-                cut_views[id(held)] = cut, slots_of_columns(held, final.column, prompt_length)
+                slots = slots_of_columns(held, final.column, prompt_length, final.padded)
+                cut_views[id(held)] = cut, slots.clamp(min=0) if final.padded else slots
             views[index], slots = cut_views[id(held)]
             layer_cache = hf.cache_layers(self.cache)[index]
             for name in ("keys", "values"):
                 tensor = getattr(layer_cache, name)
-                index_ = slots.clamp(min=0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
-                setattr(layer_cache, name, tensor.gather(2, index_))
+                setattr(layer_cache, name, tensor.gather(2, slots[:, None, :, None].expand(
+                    -1, tensor.shape[1], -1, tensor.shape[-1])))  # fmt: skip
         rows = range(len(final.lengths))
         before = [sum(self.views[i].visual_counts[row] for i in cut_layers) for row in rows]
         after = [final.visual_counts[row] * len(cut_layers) for row in rows]
@@ -408,6 +424,24 @@ def check_cache(method: PrefillMethod, cache: Any, recurrent: set[int]) -> None:
         )
 
 
+def kept_slots(view: LayerView, slots: torch.Tensor, keep_visual: torch.Tensor) -> torch.Tensor:
+    """[B, C] bool: the slots of `view` a drop keeps: every real one that is not visual, and the visual slots
+    `slots` [B, V] (-1: padding) where `keep_visual` [B, V]. One scatter of `keep_visual` over the real slots (the
+    visual ones overwritten); padding entries write into a spare column."""
+    width = view.width
+    if not any(n != slots.shape[1] for n in view.visual_counts):  # no padding entry: every slot is a visual one
+        return view.real.scatter(1, slots, keep_visual)
+    spare = torch.cat([view.real, view.real.new_zeros(slots.shape[0], 1)], 1)
+    return spare.scatter(1, torch.where(slots >= 0, slots, width), keep_visual)[:, :width]
+
+
+def gathered(hidden: torch.Tensor, sources: torch.Tensor, padded: bool) -> torch.Tensor:
+    """hidden [B, C, D] gathered by `sources` [B, C'] (-1: a padding slot, zeroed when `padded`)."""
+    index = sources.clamp(min=0) if padded else sources
+    out = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    return out.masked_fill((sources < 0)[:, :, None], 0.0) if padded else out
+
+
 def replace_columns(hidden: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """hidden [B, C, D] with rows [B, V, D] written at the visual slots [B, V] (-1: none) where `where` [B, V]; the
     rest unchanged (padding and unchosen entries write into a spare column, dropped)."""
@@ -417,10 +451,18 @@ def replace_columns(hidden: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
     return spare.scatter(1, target[..., None].expand(-1, -1, dim), rows.to(hidden.dtype))[:, :width]
 
 
-def slots_of_columns(view: LayerView, columns: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """[B, R] slots of `view` holding prompt columns `columns` [B, R] (-1: padding, or not held)."""
+def slots_of_columns(view: LayerView, columns: torch.Tensor, prompt_length: int, padded: bool = True) -> torch.Tensor:
+    """[B, R] slots of `view` holding prompt columns `columns` [B, R] (-1: padding, or not held). `padded=False`:
+    `columns` holds no padding and every one of them is held (a later view's columns): a lookup table with no fill
+    and no mask."""
     batch = view.column.shape[0]
-    lookup = torch.full((batch, prompt_length + 1), -1, dtype=torch.long, device=view.column.device)
-    slots = torch.arange(view.width, device=view.column.device).expand(batch, -1)
+    device = view.column.device
+    slots = torch.arange(view.width, device=device).expand(batch, -1)
+    if not padded:
+        lookup = torch.empty(batch, prompt_length + 1, dtype=torch.long, device=device)
+        if not view.padded:  # every slot holds a column: no spare entry for padding
+            return lookup[:, 1:].scatter_(1, view.column, slots).gather(1, columns)
+        return lookup.scatter_(1, view.column + 1, slots)[:, 1:].gather(1, columns)
+    lookup = torch.full((batch, prompt_length + 1), -1, dtype=torch.long, device=device)
     lookup.scatter_(1, view.column + 1, slots)
     return lookup.gather(1, columns + 1).masked_fill(columns < 0, -1)

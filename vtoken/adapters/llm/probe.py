@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from vtoken.errors import VTokenError
-from vtoken.kernels import causal_rows_probs, visual_attention
+from vtoken.kernels import causal_rows_probs, rotary_visual_attention, visual_attention
 from vtoken.kernels.plain_attention import plain_attention_max
+from vtoken.kernels.visual_attention import rotate_half_reference
 
 from .. import hf
 from ..compiled import eager
@@ -34,6 +35,7 @@ class QueryKeyProbe:
         self.attention = attention
         self._rotary = _rotary_function(attention)
         self.head_dim = int(attention.head_dim)
+        self._rotate_half = _rotate_half_form(self._rotary, self.head_dim)  # the fused op can apply it
         self.heads = _heads(attention)
         self._captures = PerThread(_Captures)  # per thread: hooks run in the calling thread
         fused = _module(attention, "q_proj") is None  # fused: [B, S, (H + 2 Hkv) * d], queries first, then keys
@@ -193,9 +195,25 @@ class QueryKeyProbe:
         slots `visual` [B, V] (-1: none), padding (`key_valid` [B, S] False) excluded; one fused op. `keys`: the
         layer's rotated keys [B, Hkv, S, d] where the cache already holds them (else rotated here)."""
         q, k, rotary = self._take(key_valid)
+        scale = float(self.attention.scaling)
+        if self._fusable(q, rotary):  # rotary applied inside the op: rows and keys are read as captured
+            cos, sin = rotary
+            rotate = keys is None
+            keys = k.transpose(1, 2) if rotate else keys
+            return rotary_visual_attention(q, keys, cos, sin, rows, key_valid, visual, scale, rotate)
         q = self._row_queries(q, rotary, rows)
         keys = self._rotated_keys(k, rotary) if keys is None else keys
-        return visual_attention(q, keys, rows, key_valid, visual, float(self.attention.scaling))
+        return visual_attention(q, keys, rows, key_valid, visual, scale)
+
+    def _fusable(self, q: torch.Tensor, rotary: Any) -> bool:
+        """`rotary_visual_attention` covers this rotary: the model's is the rotate-half form over the whole head
+        (checked once per model function), its tables [B or 1, S, head_dim] per sequence slot."""
+        if not self._rotate_half or not isinstance(rotary, tuple) or len(rotary) != 2:
+            return False
+        cos, sin = rotary
+        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
+            return False
+        return cos.dim() == 3 and cos.shape[0] in (1, q.shape[0]) and tuple(cos.shape[1:]) == (q.shape[1], q.shape[3])
 
     def plain_attention(self, rows: torch.Tensor, key_valid: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
         """[B, R, V] the attention of query rows `rows` [B, R] (sequence indices, -1: none) to the key slots `visual`
@@ -233,7 +251,8 @@ class QueryKeyProbe:
             cos, sin = (t.expand(k.shape[0], *t.shape[1:]) for t in rotary)
             cos, sin = (t.gather(1, first.expand(-1, -1, t.shape[-1])) for t in (cos, sin))  # [B, 1, d]
             k = self._rotary(k, k, cos, -sin)[1]  # R(-p) R(p + i) = R(i)
-        k = k.repeat_interleave(self.heads // k.shape[1], dim=1)
+        if self.heads != k.shape[1]:
+            k = k.repeat_interleave(self.heads // k.shape[1], dim=1)
         return k.transpose(1, 2).flatten(2)
 
 
@@ -252,6 +271,30 @@ def _module(owner: nn.Module, name: str) -> nn.Module | None:
 
 def _rotary_function(attention: nn.Module):
     return hf.modeling_function(attention, "apply_rotary_pos_emb")
+
+
+@functools.cache
+def _rotate_half_form(rotary: Any, head_dim: int) -> bool:
+    """Whether the model's `apply_rotary_pos_emb` is the rotate-half rotary over the whole head (Llama, Qwen2,
+    Qwen2-VL's merged M-RoPE tables, Gemma): checked on small random CPU tensors, once per function and head size.
+    Any other form (interleaved, partial, another signature) keeps the unfused path."""
+    if rotary is None or head_dim % 2:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 3, head_dim, generator=g, dtype=torch.float64)
+    cos, sin = torch.randn(2, 1, 3, head_dim, generator=g, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = rotary(x, x, cos, sin)
+    except Exception:  # noqa: BLE001  (any other signature: not this form)
+        return False
+    want = rotate_half_reference(x, cos, sin)
+    return (
+        isinstance(got, tuple)
+        and len(got) == 2
+        and all(isinstance(t, torch.Tensor) and t.shape == want.shape for t in got)
+        and all(torch.allclose(t, want) for t in got)
+    )
 
 
 def _heads(attention: nn.Module) -> int:
