@@ -16,7 +16,7 @@ PIP := pip==26.3
 UV := uv==0.13.9
 # the adapter and LLM-stage tests that run again on the lowest supported transformers, in .venv-min: every test that
 # drives a model family's internals through patch/generate, the loading path and the transformers vision towers
-# (570 tests, 2.5 CPU-minutes; 9 min on the machine shared by seven agents); left out: methods' spec tests, kernels,
+# (704 tests, about 7 CPU-minutes: 3.5 min with two test processes on 2 cores); left out: methods' spec tests, kernels,
 # CLI, demo, eval, docs
 MIN_VENV := .venv-min
 MIN_TESTS := tests/test_transformers_contract.py tests/test_families.py tests/test_llava_invariants.py \
