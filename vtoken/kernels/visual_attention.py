@@ -5,7 +5,9 @@ post-softmax attention to V chosen key slots (the visual tokens), mean over head
 sees: [B, R, V] float32. The layer itself keeps running SDPA/flash; this reads its queries (rows only, rotary
 applied) and keys again, in O(R * S * d) per head, without the [S, S] map. On CUDA it is two Triton launches (the
 rows' softmax normalisers, then the visual columns summed over heads, deterministic: no atomics); on every other
-device the PyTorch reference, which is also its definition.
+device the PyTorch reference, which is also its definition. `vtoken::rotary_visual_attention` is the same read
+from the layer's queries before rotary, the rotate-half rotary applied inside (to the keys too where the cache does
+not hold them rotated); both ops launch the same two kernels.
 """
 
 from __future__ import annotations
@@ -37,106 +39,15 @@ def visual_attention_reference(
     return taken * (rows >= 0)[:, :, None] * (visual >= 0)[:, None, :]
 
 
-if triton is not None:
-
-    @triton.jit
-    def _normalisers_kernel(
-        q_ptr, k_ptr, rows_ptr, valid_ptr, max_ptr, sum_ptr,
-        seq_len, head_dim, group, heads, num_rows,
-        stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_rb, stride_vb,
-        scale,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        # one program per (batch, head, row): the running max and sum of exp over the keys the row sees
-        b, h, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r * stride_qr + offs_d, mask=offs_d < head_dim,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        last = tl.load(rows_ptr + b * stride_rb + r)
-        k_row = k_ptr + b * stride_kb + (h // group) * stride_kh
-        running_max = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
-        running_sum = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
-        for start in range(0, seq_len, BLOCK_S):
-            offs_s = start + tl.arange(0, BLOCK_S)
-            in_seq = offs_s < seq_len
-            valid = tl.load(valid_ptr + b * stride_vb + offs_s, mask=in_seq, other=0) != 0
-            seen = in_seq & valid & (offs_s <= last)
-            k = tl.load(k_row + offs_s[:, None] * stride_ks + offs_d[None, :],
-                        mask=in_seq[:, None] & (offs_d[None, :] < head_dim), other=0.0).to(tl.float32)  # fmt: skip
-            logits = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(logits, axis=0))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(tl.exp(logits - safe_max), axis=0)
-            running_max = new_max
-        index = (b * heads + h) * num_rows + r
-        tl.store(max_ptr + index, tl.where(running_max == float("-inf"), 0.0, running_max))
-        tl.store(sum_ptr + index, running_sum)
-
-    @triton.jit
-    def _visual_columns_kernel(
-        q_ptr, k_ptr, rows_ptr, valid_ptr, visual_ptr, max_ptr, sum_ptr, out_ptr,
-        num_visual, head_dim, group, heads, num_rows,
-        stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_rb, stride_vb, stride_xb,
-        stride_ob, stride_or,
-        scale,
-        BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        # one program per (batch, row, block of visual slots): each head's probability there, summed, / heads
-        b, r, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_v = block * BLOCK_V + tl.arange(0, BLOCK_V)
-        offs_d = tl.arange(0, BLOCK_D)
-        in_range = offs_v < num_visual
-        slots = tl.load(visual_ptr + b * stride_xb + offs_v, mask=in_range, other=-1)
-        last = tl.load(rows_ptr + b * stride_rb + r)
-        safe = tl.where(slots >= 0, slots, 0)
-        valid = tl.load(valid_ptr + b * stride_vb + safe, mask=in_range, other=0) != 0
-        seen = in_range & (slots >= 0) & valid & (slots <= last) & (last >= 0)
-        total = tl.zeros([BLOCK_V], tl.float32)
-        for h in range(0, heads):
-            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r * stride_qr + offs_d, mask=offs_d < head_dim,
-                        other=0.0).to(tl.float32)  # fmt: skip
-            k = tl.load(k_ptr + b * stride_kb + (h // group) * stride_kh + safe[:, None] * stride_ks + offs_d[None, :],
-                        mask=seen[:, None] & (offs_d[None, :] < head_dim), other=0.0).to(tl.float32)  # fmt: skip
-            index = (b * heads + h) * num_rows + r
-            row_max, row_sum = tl.load(max_ptr + index), tl.load(sum_ptr + index)
-            logits = tl.sum(k * q[None, :], axis=1) * scale
-            probs = tl.exp(logits - row_max) / tl.where(row_sum > 0, row_sum, 1.0)
-            total += tl.where(seen, probs, 0.0)
-        tl.store(out_ptr + b * stride_ob + r * stride_or + offs_v, total / heads, mask=in_range)
-
-
 def visual_attention_triton(
     query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, key_valid: torch.Tensor, visual: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton version of `visual_attention_reference` (same signature and result, to rounding)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed; install vtoken[kernels]")
-    batch, heads, num_rows, head_dim = query.shape
-    kv_heads, seq_len = keys.shape[1], keys.shape[2]
-    num_visual = visual.shape[1]
+    """Triton version of `visual_attention_reference` (same signature and result, to rounding): the rotary kernels
+    with the query rows given as they are (rotary applied, [B, H, R, d]: row r at index r)."""
     query = query if query.stride(-1) == 1 else query.contiguous()
-    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-    rows = rows.to(torch.int64).contiguous()
-    key_valid = key_valid.to(torch.int8).contiguous()
-    visual = visual.to(torch.int64).contiguous()
-    out = torch.empty(batch, num_rows, num_visual, device=query.device, dtype=torch.float32)
-    if out.numel() == 0:
-        return out
-    row_max = torch.empty(batch, heads, num_rows, device=query.device, dtype=torch.float32)
-    row_sum = torch.empty_like(row_max)
-    block_d = triton.next_power_of_2(head_dim)
-    common = (head_dim, heads // kv_heads, heads, num_rows, query.stride(0), query.stride(1), query.stride(2),
-              keys.stride(0), keys.stride(1), keys.stride(2), rows.stride(0), key_valid.stride(0))  # fmt: skip
-    _normalisers_kernel[(batch, heads, num_rows)](
-        query, keys, rows, key_valid, row_max, row_sum, seq_len, *common, float(scale), BLOCK_S=64, BLOCK_D=block_d
-    )
-    block_v = 64
-    _visual_columns_kernel[(batch, num_rows, triton.cdiv(num_visual, block_v))](
-        query, keys, rows, key_valid, visual, row_max, row_sum, out, num_visual, *common, visual.stride(0),
-        out.stride(0), out.stride(1), float(scale), BLOCK_V=block_v, BLOCK_D=block_d,
-    )  # fmt: skip
-    return out
+    by_row = (query.stride(0), query.stride(2), query.stride(1))  # batch, row, head
+    return _launch(query, by_row, query.shape[1], keys, None, None, rows, key_valid, visual, scale, False)
 
 
 @torch.library.custom_op("vtoken::visual_attention", mutates_args=())
@@ -194,15 +105,17 @@ if triton is not None:
         return x * cos + sign * y * sin
 
     @triton.jit
-    def _rotary_normalisers_kernel(
+    def _normalisers_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, rows_ptr, valid_ptr, max_ptr, sum_ptr,
         seq_len, head_dim, group, heads, num_rows,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_kh, stride_ks, stride_cb, stride_cs, stride_sb, stride_ss,
         stride_rb, stride_vb,
         scale,
-        ROTATE_KEYS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        ROTARY: tl.constexpr, ROTATE_KEYS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        # one program per (batch, head, row): the running max and sum of exp over the keys the row sees
+        # one program per (batch, head, row): the running max and sum of exp over the keys the row sees. ROTARY: the
+        # queries are every sequence position before rotary (row r read at its sequence index, rotated here); else
+        # the rows alone, rotated (row r at index r). ROTATE_KEYS: the keys are before rotary too.
         b, h, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         half = head_dim // 2
         offs_d = tl.arange(0, BLOCK_D)
@@ -210,11 +123,15 @@ if triton is not None:
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
         sign = tl.where(offs_d < half, -1.0, 1.0)
         last = tl.load(rows_ptr + b * stride_rb + r)
-        row = tl.maximum(last, 0)
-        row_cos = tl.load(cos_ptr + b * stride_cb + row * stride_cs + offs_d, mask=in_d, other=0.0).to(tl.float32)
-        row_sin = tl.load(sin_ptr + b * stride_sb + row * stride_ss + offs_d, mask=in_d, other=0.0).to(tl.float32)
-        q = _rotated(q_ptr + b * stride_qb + row * stride_qs + h * stride_qh, offs_d, partner, sign, row_cos,
-                     row_sin, in_d)  # fmt: skip
+        if ROTARY:
+            row = tl.maximum(last, 0)
+            row_cos = tl.load(cos_ptr + b * stride_cb + row * stride_cs + offs_d, mask=in_d, other=0.0).to(tl.float32)
+            row_sin = tl.load(sin_ptr + b * stride_sb + row * stride_ss + offs_d, mask=in_d, other=0.0).to(tl.float32)
+            q = _rotated(q_ptr + b * stride_qb + row * stride_qs + h * stride_qh, offs_d, partner, sign, row_cos,
+                         row_sin, in_d)  # fmt: skip
+        else:
+            q = tl.load(q_ptr + b * stride_qb + r * stride_qs + h * stride_qh + offs_d, mask=in_d,
+                        other=0.0).to(tl.float32)  # fmt: skip
         k_row = k_ptr + b * stride_kb + (h // group) * stride_kh
         running_max = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
         running_sum = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
@@ -243,15 +160,16 @@ if triton is not None:
         tl.store(sum_ptr + index, running_sum)
 
     @triton.jit
-    def _rotary_visual_columns_kernel(
+    def _visual_columns_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, rows_ptr, valid_ptr, visual_ptr, max_ptr, sum_ptr, out_ptr,
         num_visual, head_dim, group, heads, num_rows,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_kh, stride_ks, stride_cb, stride_cs, stride_sb, stride_ss,
         stride_rb, stride_vb, stride_xb, stride_ob, stride_or,
         scale,
-        ROTATE_KEYS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+        ROTARY: tl.constexpr, ROTATE_KEYS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         # one program per (batch, row, block of visual slots): each head's probability there, summed, / heads
+        # (ROTARY, ROTATE_KEYS: as `_normalisers_kernel`)
         b, r, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         half = head_dim // 2
         offs_v = block * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -267,8 +185,9 @@ if triton is not None:
         valid = tl.load(valid_ptr + b * stride_vb + safe, mask=in_range, other=0) != 0
         seen = in_range & (slots >= 0) & valid & (slots <= last) & (last >= 0)
         tile = seen[:, None] & in_d[None, :]
-        row_cos = tl.load(cos_ptr + b * stride_cb + row * stride_cs + offs_d, mask=in_d, other=0.0).to(tl.float32)
-        row_sin = tl.load(sin_ptr + b * stride_sb + row * stride_ss + offs_d, mask=in_d, other=0.0).to(tl.float32)
+        if ROTARY:
+            row_cos = tl.load(cos_ptr + b * stride_cb + row * stride_cs + offs_d, mask=in_d, other=0.0).to(tl.float32)
+            row_sin = tl.load(sin_ptr + b * stride_sb + row * stride_ss + offs_d, mask=in_d, other=0.0).to(tl.float32)
         if ROTATE_KEYS:  # the visual keys' tables, the same for every head
             cos = tl.load(cos_ptr + b * stride_cb + safe[:, None] * stride_cs + offs_d[None, :], mask=tile,
                           other=0.0).to(tl.float32)  # fmt: skip
@@ -276,8 +195,12 @@ if triton is not None:
                           other=0.0).to(tl.float32)  # fmt: skip
         total = tl.zeros([BLOCK_V], tl.float32)
         for h in range(0, heads):
-            q = _rotated(q_ptr + b * stride_qb + row * stride_qs + h * stride_qh, offs_d, partner, sign, row_cos,
-                         row_sin, in_d)  # fmt: skip
+            if ROTARY:
+                q = _rotated(q_ptr + b * stride_qb + row * stride_qs + h * stride_qh, offs_d, partner, sign, row_cos,
+                             row_sin, in_d)  # fmt: skip
+            else:
+                q = tl.load(q_ptr + b * stride_qb + r * stride_qs + h * stride_qh + offs_d, mask=in_d,
+                            other=0.0).to(tl.float32)  # fmt: skip
             k_rows = k_ptr + b * stride_kb + (h // group) * stride_kh + safe[:, None] * stride_ks
             if ROTATE_KEYS:
                 k = _rotated(k_rows, offs_d[None, :], partner[None, :], sign[None, :], cos, sin, tile)
@@ -291,20 +214,27 @@ if triton is not None:
         tl.store(out_ptr + b * stride_ob + r * stride_or + offs_v, total / heads, mask=in_range)
 
 
-def rotary_visual_attention_triton(
-    query: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-    key_valid: torch.Tensor, visual: torch.Tensor, scale: float, rotate_keys: bool,
+def _launch(
+    query: torch.Tensor, query_strides: tuple[int, int, int], heads: int, keys: torch.Tensor,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, rows: torch.Tensor, key_valid: torch.Tensor,
+    visual: torch.Tensor, scale: float, rotate_keys: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton version of `rotary_visual_attention_reference` (same signature and result, to rounding): the rotary
-    is applied in registers, to the query rows and (`rotate_keys`) to every key tile as it is read."""
+    """Both ops' two launches. query_strides: (batch, row, head) strides of `query` (row: the sequence index where
+    cos/sin are given, the row's index otherwise); cos/sin [B or 1, S, d] (None: the queries are rotated already)."""
     if triton is None:
         raise RuntimeError("triton is not installed; install vtoken[kernels]")
-    batch, _, heads, head_dim = query.shape
+    batch, head_dim = query.shape[0], query.shape[-1]
     kv_heads, seq_len = keys.shape[1], keys.shape[2]
     num_rows, num_visual = rows.shape[1], visual.shape[1]
-    query = query if query.stride(-1) == 1 else query.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    rotary = cos is not None
+    if rotary:
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+        table = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), sin.stride(0) if sin.shape[0] > 1 else 0,
+                 sin.stride(1))  # fmt: skip
+    else:
+        cos = sin = query  # never read
+        table = (0, 0, 0, 0)
     rows = rows.to(torch.int64).contiguous()
     key_valid = key_valid.to(torch.int8).contiguous()
     visual = visual.to(torch.int64).contiguous()
@@ -314,20 +244,29 @@ def rotary_visual_attention_triton(
     row_max = torch.empty(batch, heads, num_rows, device=query.device, dtype=torch.float32)
     row_sum = torch.empty_like(row_max)
     block_d = triton.next_power_of_2(head_dim)
-    table = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), sin.stride(0) if sin.shape[0] > 1 else 0,
-             sin.stride(1))  # fmt: skip
-    common = (head_dim, heads // kv_heads, heads, num_rows, query.stride(0), query.stride(1), query.stride(2),
-              keys.stride(0), keys.stride(1), keys.stride(2), *table, rows.stride(0), key_valid.stride(0))  # fmt: skip
-    _rotary_normalisers_kernel[(batch, heads, num_rows)](
-        query, keys, cos, sin, rows, key_valid, row_max, row_sum, seq_len, *common, float(scale),
-        ROTATE_KEYS=bool(rotate_keys), BLOCK_S=64, BLOCK_D=block_d,
+    common = (head_dim, heads // kv_heads, heads, num_rows, *query_strides, keys.stride(0), keys.stride(1),
+              keys.stride(2), *table, rows.stride(0), key_valid.stride(0))  # fmt: skip
+    flags = dict(ROTARY=rotary, ROTATE_KEYS=bool(rotate_keys), BLOCK_D=block_d)
+    _normalisers_kernel[(batch, heads, num_rows)](
+        query, keys, cos, sin, rows, key_valid, row_max, row_sum, seq_len, *common, float(scale), BLOCK_S=64, **flags
     )  # fmt: skip
     block_v = 64
-    _rotary_visual_columns_kernel[(batch, num_rows, triton.cdiv(num_visual, block_v))](
+    _visual_columns_kernel[(batch, num_rows, triton.cdiv(num_visual, block_v))](
         query, keys, cos, sin, rows, key_valid, visual, row_max, row_sum, out, num_visual, *common, visual.stride(0),
-        out.stride(0), out.stride(1), float(scale), ROTATE_KEYS=bool(rotate_keys), BLOCK_V=block_v, BLOCK_D=block_d,
+        out.stride(0), out.stride(1), float(scale), BLOCK_V=block_v, **flags,
     )  # fmt: skip
     return out
+
+
+def rotary_visual_attention_triton(
+    query: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+    key_valid: torch.Tensor, visual: torch.Tensor, scale: float, rotate_keys: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Triton version of `rotary_visual_attention_reference` (same signature and result, to rounding): the rotary
+    is applied in registers, to the query rows and (`rotate_keys`) to every key tile as it is read."""
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    by_position = (query.stride(0), query.stride(1), query.stride(2))  # batch, sequence, head
+    return _launch(query, by_position, query.shape[2], keys, cos, sin, rows, key_valid, visual, scale, rotate_keys)
 
 
 @torch.library.custom_op("vtoken::rotary_visual_attention", mutates_args=())
