@@ -293,6 +293,19 @@ AHEAD = {  # kernel -> (its module, pointer types, constexprs, num_warps as the 
                                      "keep_ptr": "*i32", "out_ptr": "*i64", "lists_ptr": "*i64", "sim_ptr": "*fp32"},
                       {"ROUND": 8, "BLOCK": 64}, 4),
 }  # fmt: skip
+# the LLM drops' attention read (vtoken::visual_attention and its rotary sibling share these kernels), bf16 at
+# head_dim 128 and 256 (Gemma 3), the tiles its launcher picks: the rows as given, and the queries and keys before
+# rotary
+VISUAL = {"q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "rows_ptr": "*i64",
+          "valid_ptr": "*i8", "visual_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32", "out_ptr": "*fp32",
+          "scale": "fp32"}  # fmt: skip
+for _rotary in (False, True):
+    for _dim in (128, 256):
+        _flags = {"ROTARY": _rotary, "ROTATE_KEYS": _rotary, "BLOCK_D": _dim}
+        _variant = f"{'rotary' if _rotary else 'rotated'}-{_dim}"
+        AHEAD[f"_normalisers_kernel[{_variant}]"] = ("visual_attention", VISUAL,
+                                                     {**_flags, "BLOCK_S": 64 if _dim <= 128 else 32}, 8)  # fmt: skip
+        AHEAD[f"_visual_columns_kernel[{_variant}]"] = ("visual_attention", VISUAL, {**_flags, "BLOCK_V": 16}, 4)
 
 
 @pytest.mark.parametrize("name", AHEAD)
@@ -306,7 +319,7 @@ def test_kernel_compiles_for_h100_without_a_gpu_and_does_not_spill(name, tmp_pat
     from triton.compiler import ASTSource
 
     module, pointers, constexprs, warps = AHEAD[name]
-    kernel = getattr(importlib.import_module(f"vtoken.kernels.{module}"), name)
+    kernel = getattr(importlib.import_module(f"vtoken.kernels.{module}"), name.split("[")[0])  # "[variant]": flags
     signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "i32") for arg in kernel.arg_names}
     source = ASTSource(
         fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()}

@@ -247,13 +247,16 @@ def _launch(
     common = (head_dim, heads // kv_heads, heads, num_rows, *query_strides, keys.stride(0), keys.stride(1),
               keys.stride(2), *table, rows.stride(0), key_valid.stride(0))  # fmt: skip
     flags = dict(ROTARY=rotary, ROTATE_KEYS=bool(rotate_keys), BLOCK_D=block_d)
+    # tiles without register spills on sm_90 at head_dim 128 and 256, rotated or not (ptxas's report:
+    # tests/test_selection_kernels.py); 64 x 128 tiles at 4 warps spilled up to 1.5 KB per thread
     _normalisers_kernel[(batch, heads, num_rows)](
-        query, keys, cos, sin, rows, key_valid, row_max, row_sum, seq_len, *common, float(scale), BLOCK_S=64, **flags
+        query, keys, cos, sin, rows, key_valid, row_max, row_sum, seq_len, *common, float(scale),
+        BLOCK_S=64 if block_d <= 128 else 32, num_warps=8, **flags,
     )  # fmt: skip
-    block_v = 64
+    block_v = 16
     _visual_columns_kernel[(batch, num_rows, triton.cdiv(num_visual, block_v))](
         query, keys, cos, sin, rows, key_valid, visual, row_max, row_sum, out, num_visual, *common, visual.stride(0),
-        out.stride(0), out.stride(1), float(scale), BLOCK_V=block_v, **flags,
+        out.stride(0), out.stride(1), float(scale), BLOCK_V=block_v, num_warps=4, **flags,
     )  # fmt: skip
     return out
 
