@@ -271,23 +271,19 @@ class CallPath:
         (start, end) columns of its frames, from the call's read (`note_layout`); None where this call's prompt was
         not seen or holds no frames that match its videos (the prefill finds them then)."""
         found = self.state.frame_columns
-        if found is None or found[0] is None:
+        times = _repeats(found, shape)
+        if times is None or found[0] is None:
             return None
-        columns, (batch, length) = found
-        if length != shape[1] or not batch or shape[0] % batch:
-            return None
-        return [row for row in columns for _ in range(shape[0] // batch)]
+        return [row for row in found[0] for _ in range(times)]
 
     def layout_for(self, shape: tuple[int, int]) -> Layout | None:
         """The LLM prefill's layout of an input of `shape` [B, L] (rows repeated for beams / return sequences), from
         the call's host counts; None where this call's prompt was not seen (the prefill reads it then)."""
         found = self.state.layout
-        if found is None:
+        times = _repeats(found, shape)
+        if times is None:
             return None
-        layout, (batch, length) = found
-        if length != shape[1] or not batch or shape[0] % batch:
-            return None
-        times = shape[0] // batch
+        layout = found[0]
 
         def each(values: list[int]) -> list[int]:
             return [v for v in values for _ in range(times)]
@@ -600,3 +596,14 @@ def _restore_prompt(out: Any, original_ids: torch.Tensor, shrunk_length: int) ->
         return full
     out.sequences = full
     return out
+
+
+def _repeats(found: tuple[Any, tuple[int, int]] | None, shape: tuple[int, int]) -> int | None:
+    """How many times each row of what the call read (`found`: it and the prompt's [B, L]) repeats in an LLM input of
+    `shape` [B', L] (beams / return sequences); None where nothing was read or it was another prompt."""
+    if found is None:
+        return None
+    batch, length = found[1]
+    if length != shape[1] or not batch or shape[0] % batch:
+        return None
+    return shape[0] // batch
