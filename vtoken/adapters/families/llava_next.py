@@ -167,13 +167,9 @@ class LlavaNextAdapter(LlavaAdapter):
         tokens = VisualTokens(features, grid, signals, on_device(images, device), None, on_device(plan.crops, device),
                               image_of_crop=images)  # fmt: skip
         selection, timer = self.select(tokens)
-        embeds = self.kept_flat(tokens, selection)
-        per_crop = selection.counts_per_crop()
-        per_image = [0] * (max(images) + 1)
-        for image, n in zip(images, per_crop, strict=True):
-            per_image[image] += n
+        per_image = plan.item_counts(selection.counts_per_crop())  # host counts: crops concatenated per image
         records = self.encoder.crop_records(tokens, selection, timer, plan.crops, images=images)
-        return EncodedImages(list(embeds.split(per_image)), None, records)
+        return EncodedImages(list(self.kept_flat(tokens, selection).split(per_image)), None, records)
 
     def encode(
         self,
